@@ -1,0 +1,54 @@
+"""Process-wide settings: which backend runs an op, and knobs the benchmarks flip.
+
+`SAFEOPS_BACKEND` is read on every call (not cached) so tests and users can switch it at run time:
+
+- ``auto`` (default): CUDA tensors run the Triton kernels, everything else the reference.
+- ``triton``: always the Triton kernels. CPU tensors then run under Triton's interpreter, which is how
+  CI exercises the kernels without a GPU.
+- ``reference``: always the pure-torch reference (``safeops.reference``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+BACKENDS = ("auto", "triton", "reference")
+
+# Launch kernels with fp contraction disabled (contract section 1). Only the benchmarks and the GPU test
+# that proves the hazard is real turn this on; it is not part of the public API.
+fp_fusion: bool = False
+
+
+def backend_name() -> str:
+    name = os.environ.get("SAFEOPS_BACKEND", "auto").strip().lower() or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"SAFEOPS_BACKEND must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """True when the Triton kernels should run for tensors on ``x``'s device."""
+    name = backend_name()
+    if name == "reference":
+        return False
+    if name == "triton":
+        return True
+    return x.device.type == "cuda"
+
+
+def _interpret_without_gpu() -> None:
+    """On a machine with no GPU, Triton can only run kernels under its interpreter: turn it on.
+
+    Triton reads TRITON_INTERPRET when ``triton.language`` is first imported, so this must happen before
+    that; if Triton was already imported in compiled mode, CPU tensors need SAFEOPS_BACKEND=auto/reference.
+    """
+    if "triton" in sys.modules or "TRITON_INTERPRET" in os.environ:
+        return
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+_interpret_without_gpu()

@@ -1,0 +1,1 @@
+"""Triton kernels only (``@triton.jit``); no torch.library code here. Imported lazily by the launchers."""

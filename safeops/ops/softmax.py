@@ -1,0 +1,139 @@
+"""torch.library ops for softmax, log-softmax and logsumexp: op, fake, autograd, backend choice.
+
+Ops (namespace ``safeops``), each with a fake implementation and autograd:
+
+    softmax(x, dim, scale, scale_tensor, mask, out_dtype)     -> (out, row_max, row_sum)
+    log_softmax(x, dim, scale, scale_tensor, mask, out_dtype) -> (out, row_max, row_sum)
+    logsumexp(x, dim, scale, scale_tensor, mask, out_dtype)   -> (out, row_max, row_sum)
+    softmax_backward(grad, x, row_max, row_sum, dim, kind, scale, scale_tensor, mask, need_dscale)
+        -> (grad_x, grad_scale)
+
+``dim`` is non-negative, ``mask`` (if any) is bool and already expanded to ``x.shape``. ``row_max`` and
+``row_sum`` are fp32 (fp64 for fp64 inputs) with ``dim`` removed; the backward needs both, kept apart
+(contract section 3).
+
+These are ``custom_op``s rather than ``triton_op``s on purpose: the op body is the exact launcher that
+eager mode runs, so compiled code runs the same kernel with the same compile options (fp fusion off) and
+gets the same bits (contract section 6); Inductor's re-emission of user kernels would not promise that.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _config, reference
+from . import softmax_launch
+
+SOFTMAX, LOG_SOFTMAX, LOGSUMEXP = reference.SOFTMAX, reference.LOG_SOFTMAX, reference.LOGSUMEXP
+KIND_NAMES = {SOFTMAX: "softmax", LOG_SOFTMAX: "log_softmax", LOGSUMEXP: "logsumexp"}
+
+
+def _runs_reference(x: torch.Tensor, out_dtype: torch.dtype | None) -> bool:
+    if x.dtype == torch.float64 or out_dtype == torch.float64:
+        return True  # fp64 is computed in fp64, by the reference (contract section 2)
+    return not _config.use_triton(x)
+
+
+def _stats_dtype(x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    return reference.compute_dtype(torch.float64 if out_dtype == torch.float64 else x.dtype)
+
+
+def _fake_outputs(kind, x, dim, out_dtype):
+    out_dtype = out_dtype or x.dtype
+    batch_shape = x.shape[:dim] + x.shape[dim + 1:]
+    acc = _stats_dtype(x, out_dtype)
+    if kind == LOGSUMEXP:
+        out = x.new_empty(batch_shape, dtype=out_dtype)
+    else:
+        out = torch.empty_like(x, dtype=out_dtype)
+    return out, x.new_empty(batch_shape, dtype=acc), x.new_empty(batch_shape, dtype=acc)
+
+
+def _forward_impl(kind, x, dim, scale, scale_tensor, mask, out_dtype):
+    if _runs_reference(x, out_dtype):
+        out, m, l = reference.forward(kind, x, dim, scale, scale_tensor, mask, out_dtype)
+        # Same layout as the fake (and the Triton path): out like x, stats contiguous.
+        like, m_like, l_like = _fake_outputs(kind, x, dim, out_dtype)
+        return like.copy_(out), m_like.copy_(m), l_like.copy_(l)
+    return softmax_launch.forward(kind, x, dim, scale, scale_tensor, mask, out_dtype or x.dtype)
+
+
+def _make_forward_op(kind: int):
+    name = KIND_NAMES[kind]
+
+    def op(
+        x: torch.Tensor,
+        dim: int,
+        scale: float | None,
+        scale_tensor: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        out_dtype: torch.dtype | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _forward_impl(kind, x, dim, scale, scale_tensor, mask, out_dtype)
+
+    op.__name__ = name
+    custom = torch.library.custom_op(f"safeops::{name}", op, mutates_args=())
+
+    @custom.register_fake
+    def _(x, dim, scale, scale_tensor, mask, out_dtype):
+        return _fake_outputs(kind, x, dim, out_dtype)
+
+    def setup_context(ctx, inputs, output):
+        x, dim, scale, scale_tensor, mask, out_dtype = inputs
+        _, row_max, row_sum = output
+        ctx.dim, ctx.scale = dim, scale
+        ctx.has_scale_tensor = scale_tensor is not None
+        ctx.has_mask = mask is not None
+        ctx.save_for_backward(x, row_max, row_sum, scale_tensor, mask)
+
+    def backward(ctx, grad_out, grad_max, grad_sum):
+        x, row_max, row_sum, scale_tensor, mask = ctx.saved_tensors
+        need_dscale = ctx.has_scale_tensor and ctx.needs_input_grad[3]
+        grad_x, grad_scale = torch.ops.safeops.softmax_backward(
+            grad_out, x, row_max, row_sum, ctx.dim, kind, ctx.scale, scale_tensor, mask, need_dscale
+        )
+        if need_dscale:
+            grad_scale = grad_scale.to(scale_tensor.dtype).reshape(scale_tensor.shape)
+        else:
+            grad_scale = None
+        return grad_x, None, None, grad_scale, None, None
+
+    custom.register_autograd(backward, setup_context=setup_context)
+    return custom
+
+
+@torch.library.custom_op("safeops::softmax_backward", mutates_args=())
+def softmax_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    row_max: torch.Tensor,
+    row_sum: torch.Tensor,
+    dim: int,
+    kind: int,
+    scale: float | None,
+    scale_tensor: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    need_dscale: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if row_max.dtype == torch.float64 or not _config.use_triton(x):
+        dx, dscale = reference.backward(
+            kind, grad, x, row_max, row_sum, dim, scale, scale_tensor, mask, need_dscale
+        )
+        out = torch.empty_like(x).copy_(dx)
+        dscale_out = x.new_zeros((), dtype=row_max.dtype)
+        if dscale is not None:
+            dscale_out.copy_(dscale)
+        return out, dscale_out
+    return softmax_launch.backward(
+        kind, grad, x, row_max, row_sum, dim, scale, scale_tensor, mask, need_dscale
+    )
+
+
+@softmax_backward.register_fake
+def _(grad, x, row_max, row_sum, dim, kind, scale, scale_tensor, mask, need_dscale):
+    return torch.empty_like(x), x.new_empty((), dtype=row_max.dtype)
+
+
+softmax_op = _make_forward_op(SOFTMAX)
+log_softmax_op = _make_forward_op(LOG_SOFTMAX)
+logsumexp_op = _make_forward_op(LOGSUMEXP)
