@@ -20,6 +20,9 @@ BACKENDS = ("auto", "triton", "reference")
 # Launch kernels with fp contraction disabled (contract section 1). Only the benchmarks and the GPU test
 # that proves the hazard is real turn this on; it is not part of the public API.
 fp_fusion: bool = False
+# Long rows on a GPU use the one-launch kernel (a row's programs meet at a grid barrier, the input is read
+# once). Tests turn this off to compare it bit for bit with the two-launch path that CI's interpreter runs.
+one_launch_long_rows: bool = True
 
 
 def backend_name() -> str:

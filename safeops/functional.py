@@ -60,13 +60,17 @@ def _prepare_mask(mask, x: torch.Tensor) -> torch.Tensor | None:
     except RuntimeError:
         shape = None
     if shape != x.shape:
-        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to x's shape {tuple(x.shape)}")
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to x's shape {tuple(x.shape)}"
+        )
     return mask.expand(x.shape)
 
 
 def _check_dtype(dtype) -> None:
     if dtype is not None and dtype not in _FLOATING:
-        raise TypeError(f"dtype must be None or a floating dtype (float16, bfloat16, float32, float64), got {dtype}")
+        raise TypeError(
+            f"dtype must be None or a floating dtype (float16, bfloat16, float32, float64), got {dtype}"
+        )
 
 
 def _prepare(x, dim, scale, mask, dtype):
@@ -79,7 +83,7 @@ def _prepare(x, dim, scale, mask, dtype):
 
 
 def softmax(x, dim=-1, *, scale=None, mask=None, dtype=None) -> torch.Tensor:
-    """``softmax(z)`` along ``dim`` with ``z = fp32(x) * fp32(scale)``, entries where ``mask`` is False excluded.
+    """``softmax(z)`` along ``dim``, ``z = fp32(x) * fp32(scale)``, entries where ``mask`` is False excluded.
 
     Contract: one materialized fp32 ``z`` feeds the max and the subtraction (section 1), fp32 inside and
     one rounding to ``dtype`` (or ``x.dtype``) at the end (2), the backward recomputes fp32 probabilities

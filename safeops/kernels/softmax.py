@@ -18,7 +18,7 @@ Kinds: 0 softmax, 1 log-softmax, 2 logsumexp.
 import triton
 import triton.language as tl
 
-NEG_INF: tl.constexpr = float("-inf")
+NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
@@ -33,6 +33,21 @@ def _row_offsets(rows, B1, B2, s0, s1, s2):
 
 
 @triton.jit
+def _col_offsets(cols, stride, WIDE: tl.constexpr):
+    # 32-bit per-element offsets keep register use low; WIDE when column offsets can pass 2**31.
+    if WIDE:
+        return cols.to(tl.int64) * stride
+    else:
+        return cols * stride
+
+
+@triton.jit
+def _tile_ptrs(ptr, rows, cols, B1, B2, s0, s1, s2, sn, WIDE: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] pointers: 64-bit row offsets, 32-bit column offsets unless WIDE."""
+    return (ptr + _row_offsets(rows, B1, B2, s0, s1, s2))[:, None] + _col_offsets(cols, sn, WIDE)[None, :]
+
+
+@triton.jit
 def _scale_of(scale_ptr, scale_value, SCALE_MODE: tl.constexpr):
     if SCALE_MODE == 2:
         scale = tl.load(scale_ptr).to(tl.float32)
@@ -42,16 +57,16 @@ def _scale_of(scale_ptr, scale_value, SCALE_MODE: tl.constexpr):
 
 
 @triton.jit
-def _logits(x_ptr, x_offs, mask_ptr, m_offs, valid, scale, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr):
+def _logits(x_ptrs, mask_ptrs, valid, scale, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr):
     """Loads x and returns (fp32 x, z). z is the one materialized value per logit; excluded entries -inf."""
-    x = tl.load(x_ptr + x_offs, mask=valid, other=0.0).to(tl.float32)
+    x = tl.load(x_ptrs, mask=valid, other=0.0).to(tl.float32)
     if SCALE_MODE != 0:
         z = x * scale
     else:
         z = x
     keep = valid
     if HAS_MASK:
-        keep = keep & (tl.load(mask_ptr + m_offs, mask=valid, other=0) != 0)
+        keep = keep & (tl.load(mask_ptrs, mask=valid, other=0) != 0)
     # A select, not an add: a NaN at a masked position must not reach the row (contract section 5).
     z = tl.where(keep, z, NEG_INF)
     return x, z
@@ -64,9 +79,14 @@ def _safe_max(m):
 
 
 @triton.jit
-def _probabilities(z, m_safe, l):
-    p = tl.math.div_rn(tl.exp(z - m_safe), l)
-    return tl.where(l == 0.0, 0.0, p)
+def _inv_sum(l):
+    # One correctly rounded division per row; an empty row (l = 0) gives probabilities of exactly 0.
+    return tl.where(l == 0.0, 0.0, tl.math.div_rn(1.0, l))
+
+
+@triton.jit
+def _probabilities(z, m_safe, inv_l):
+    return tl.exp(z - m_safe) * inv_l
 
 
 @triton.jit
@@ -79,6 +99,33 @@ def _combine_partials(ws_max_ptr, ws_sum_ptr, base, n_splits, SPLITS: tl.constex
     m = tl.max(pm, 0)
     l = tl.sum(tl.where(ok, ps * tl.exp(pm - _safe_max(m)), 0.0), 0)
     return m, l
+
+
+@triton.jit
+def _online_step(m, l, z):
+    """Folds a block of logits into a running (max, sum) with a guarded rescale (contract section 4)."""
+    m_new = tl.maximum(m, tl.max(z, 0))
+    m_new_safe = _safe_max(m_new)
+    # exp(-inf - 0) = 0, never exp(-inf - -inf) = NaN.
+    l = l * tl.exp(m - m_new_safe) + tl.sum(tl.exp(z - m_new_safe), 0)
+    return m_new, l
+
+
+@triton.jit
+def _grid_barrier(arrive_ptr, target):
+    """Waits until `target` arrivals are counted at `arrive_ptr` (all programs must be co-resident).
+
+    Writes made by any thread of this program before the call are visible to every program that passes
+    the same barrier: a CTA barrier, then one release increment, an acquire spin, and a CTA barrier.
+    """
+    tl.debug_barrier()
+    tl.atomic_add(arrive_ptr, 1, sem="release")
+    # Spin on plain volatile reads: read-modify-writes from every waiting program would queue up on
+    # one address. One acquire operation after the wait orders the reads that follow.
+    while tl.load(arrive_ptr, volatile=True) < target:
+        pass
+    tl.atomic_add(arrive_ptr, 0, sem="acquire")
+    tl.debug_barrier()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -94,19 +141,19 @@ def softmax_fwd_rows_kernel(
     so0, so1, so2, son,
     sm0, sm1, sm2, smn,
     scale_value,
-    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr,
+    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
     row_ok = rows < n_rows
     valid = row_ok[:, None] & (cols < n_cols)[None, :]
     scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
 
-    x_offs = _row_offsets(rows, B1, B2, sx0, sx1, sx2)[:, None] + cols[None, :] * sxn
-    m_offs = _row_offsets(rows, B1, B2, sm0, sm1, sm2)[:, None] + cols[None, :] * smn
-    x, z = _logits(x_ptr, x_offs, mask_ptr, m_offs, valid, scale, SCALE_MODE, HAS_MASK)
+    x_ptrs = _tile_ptrs(x_ptr, rows, cols, B1, B2, sx0, sx1, sx2, sxn, WIDE)
+    m_ptrs = _tile_ptrs(mask_ptr, rows, cols, B1, B2, sm0, sm1, sm2, smn, WIDE)
+    x, z = _logits(x_ptrs, m_ptrs, valid, scale, SCALE_MODE, HAS_MASK)
 
     m = tl.max(z, 1)
     m_safe = _safe_max(m)
@@ -118,13 +165,13 @@ def softmax_fwd_rows_kernel(
     if KIND == 2:
         tl.store(out_ptr + rows, (m + tl.log(l)).to(out_ptr.dtype.element_ty), mask=row_ok)
     else:
-        o_offs = _row_offsets(rows, B1, B2, so0, so1, so2)[:, None] + cols[None, :] * son
+        o_ptrs = _tile_ptrs(out_ptr, rows, cols, B1, B2, so0, so1, so2, son, WIDE)
         if KIND == 0:
-            out = tl.where(l[:, None] == 0.0, 0.0, tl.math.div_rn(e, l[:, None]))
+            out = e * _inv_sum(l)[:, None]
         else:
             out = (z - m_safe[:, None]) - tl.log(l)[:, None]
             out = tl.where(l[:, None] == 0.0, NEG_INF, out)
-        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=valid)
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -137,30 +184,30 @@ def softmax_bwd_rows_kernel(
     sm0, sm1, sm2, smn,
     scale_value,
     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, NEED_DSCALE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
     row_ok = rows < n_rows
     valid = row_ok[:, None] & (cols < n_cols)[None, :]
     scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
 
-    x_offs = _row_offsets(rows, B1, B2, sx0, sx1, sx2)[:, None] + cols[None, :] * sxn
-    m_offs = _row_offsets(rows, B1, B2, sm0, sm1, sm2)[:, None] + cols[None, :] * smn
-    x, z = _logits(x_ptr, x_offs, mask_ptr, m_offs, valid, scale, SCALE_MODE, HAS_MASK)
+    x_ptrs = _tile_ptrs(x_ptr, rows, cols, B1, B2, sx0, sx1, sx2, sxn, WIDE)
+    m_ptrs = _tile_ptrs(mask_ptr, rows, cols, B1, B2, sm0, sm1, sm2, smn, WIDE)
+    x, z = _logits(x_ptrs, m_ptrs, valid, scale, SCALE_MODE, HAS_MASK)
     keep = z != NEG_INF
 
     m = tl.load(row_max_ptr + rows, mask=row_ok, other=0.0)
     l = tl.load(row_sum_ptr + rows, mask=row_ok, other=0.0)
-    p = _probabilities(z, _safe_max(m)[:, None], l[:, None])
+    p = _probabilities(z, _safe_max(m)[:, None], _inv_sum(l)[:, None])
 
     if KIND == 2:
         g = tl.load(grad_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         dz = g[:, None] * p
     else:
-        g_offs = _row_offsets(rows, B1, B2, sg0, sg1, sg2)[:, None] + cols[None, :] * sgn
-        g = tl.load(grad_ptr + g_offs, mask=valid, other=0.0).to(tl.float32)
+        g_ptrs = _tile_ptrs(grad_ptr, rows, cols, B1, B2, sg0, sg1, sg2, sgn, WIDE)
+        g = tl.load(g_ptrs, mask=valid, other=0.0).to(tl.float32)
         if KIND == 0:
             s = tl.sum(tl.where(keep, g * p, 0.0), 1)
             dz = p * (g - s[:, None])
@@ -173,8 +220,8 @@ def softmax_bwd_rows_kernel(
         dx = dz * scale
     else:
         dx = dz
-    d_offs = _row_offsets(rows, B1, B2, sd0, sd1, sd2)[:, None] + cols[None, :] * sdn
-    tl.store(dx_ptr + d_offs, dx.to(dx_ptr.dtype.element_ty), mask=valid)
+    d_ptrs = _tile_ptrs(dx_ptr, rows, cols, B1, B2, sd0, sd1, sd2, sdn, WIDE)
+    tl.store(d_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=valid)
     if NEED_DSCALE:
         tl.store(dscale_ptr + rows, tl.sum(tl.where(keep, dz * x, 0.0), 1), mask=row_ok)
 
@@ -188,35 +235,37 @@ def softmax_bwd_rows_kernel(
 
 
 @triton.jit
+def _range_base(ptr, row, B1, B2, s0, s1, s2, first_col, sn):
+    """Pointer to column `first_col` of row `row` (64-bit arithmetic on the scalar part only)."""
+    return ptr + _row_offsets(row, B1, B2, s0, s1, s2) + first_col.to(tl.int64) * sn
+
+
+@triton.jit
 def softmax_fwd_partial_kernel(
     x_ptr, mask_ptr, scale_ptr, ws_max_ptr, ws_sum_ptr,
     n_cols, B1, B2,
     sx0, sx1, sx2, sxn,
     sm0, sm1, sm2, smn,
     scale_value, n_splits, cols_per_split,
-    SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = pid // n_splits
     split = pid % n_splits
     scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
-    x_row = _row_offsets(row, B1, B2, sx0, sx1, sx2)
-    m_row = _row_offsets(row, B1, B2, sm0, sm1, sm2)
-    start = split.to(tl.int64) * cols_per_split
+    first = split * cols_per_split
+    limit = tl.minimum(n_cols - first, cols_per_split)
+    x_base = _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn)
+    m_base = _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn)
     lanes = tl.arange(0, BLOCK_N)
 
     m = tl.full((), NEG_INF, tl.float32)
     l = tl.zeros((), tl.float32)
     for c in range(0, cols_per_split, BLOCK_N):
-        cols = start + c + lanes
-        valid = (cols < n_cols) & (c + lanes < cols_per_split)
-        x, z = _logits(x_ptr, x_row + cols * sxn, mask_ptr, m_row + cols * smn, valid, scale,
-                       SCALE_MODE, HAS_MASK)
-        m_new = tl.maximum(m, tl.max(z, 0))
-        m_new_safe = _safe_max(m_new)
-        # Guarded rescale: exp(-inf - 0) = 0, never exp(-inf - -inf) = NaN (contract section 4).
-        l = l * tl.exp(m - m_new_safe) + tl.sum(tl.exp(z - m_new_safe), 0)
-        m = m_new
+        cols = c + lanes
+        x, z = _logits(x_base + _col_offsets(cols, sxn, WIDE), m_base + _col_offsets(cols, smn, WIDE),
+                       cols < limit, scale, SCALE_MODE, HAS_MASK)
+        m, l = _online_step(m, l, z)
     tl.store(ws_max_ptr + pid, m)
     tl.store(ws_sum_ptr + pid, l)
 
@@ -229,7 +278,7 @@ def softmax_fwd_finish_kernel(
     so0, so1, so2, son,
     sm0, sm1, sm2, smn,
     scale_value, n_splits, cols_per_split,
-    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr,
+    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -245,21 +294,23 @@ def softmax_fwd_finish_kernel(
         scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
         m_safe = _safe_max(m)
         log_l = tl.log(l)
-        x_row = _row_offsets(row, B1, B2, sx0, sx1, sx2)
-        m_row = _row_offsets(row, B1, B2, sm0, sm1, sm2)
-        o_row = _row_offsets(row, B1, B2, so0, so1, so2)
-        start = split.to(tl.int64) * cols_per_split
+        inv_l = _inv_sum(l)
+        first = split * cols_per_split
+        limit = tl.minimum(n_cols - first, cols_per_split)
+        x_base = _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn)
+        m_base = _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn)
+        o_base = _range_base(out_ptr, row, B1, B2, so0, so1, so2, first, son)
         lanes = tl.arange(0, BLOCK_N)
         for c in range(0, cols_per_split, BLOCK_N):
-            cols = start + c + lanes
-            valid = (cols < n_cols) & (c + lanes < cols_per_split)
-            x, z = _logits(x_ptr, x_row + cols * sxn, mask_ptr, m_row + cols * smn, valid, scale,
-                           SCALE_MODE, HAS_MASK)
+            cols = c + lanes
+            valid = cols < limit
+            x, z = _logits(x_base + _col_offsets(cols, sxn, WIDE), m_base + _col_offsets(cols, smn, WIDE),
+                           valid, scale, SCALE_MODE, HAS_MASK)
             if KIND == 0:
-                out = _probabilities(z, m_safe, l)
+                out = _probabilities(z, m_safe, inv_l)
             else:
                 out = tl.where(l == 0.0, NEG_INF, (z - m_safe) - log_l)
-            tl.store(out_ptr + o_row + cols * son, out.to(out_ptr.dtype.element_ty), mask=valid)
+            tl.store(o_base + _col_offsets(cols, son, WIDE), out.to(out_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -270,29 +321,31 @@ def softmax_bwd_partial_kernel(
     sx0, sx1, sx2, sxn,
     sm0, sm1, sm2, smn,
     scale_value, n_splits, cols_per_split,
-    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr,
+    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = pid // n_splits
     split = pid % n_splits
     scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
     m_safe = _safe_max(tl.load(row_max_ptr + row))
-    l = tl.load(row_sum_ptr + row)
-    g_row = _row_offsets(row, B1, B2, sg0, sg1, sg2)
-    x_row = _row_offsets(row, B1, B2, sx0, sx1, sx2)
-    m_row = _row_offsets(row, B1, B2, sm0, sm1, sm2)
-    start = split.to(tl.int64) * cols_per_split
+    inv_l = _inv_sum(tl.load(row_sum_ptr + row))
+    first = split * cols_per_split
+    limit = tl.minimum(n_cols - first, cols_per_split)
+    g_base = _range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn)
+    x_base = _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn)
+    m_base = _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn)
     lanes = tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for c in range(0, cols_per_split, BLOCK_N):
-        cols = start + c + lanes
-        valid = (cols < n_cols) & (c + lanes < cols_per_split)
-        x, z = _logits(x_ptr, x_row + cols * sxn, mask_ptr, m_row + cols * smn, valid, scale,
-                       SCALE_MODE, HAS_MASK)
+        cols = c + lanes
+        valid = cols < limit
+        x, z = _logits(x_base + _col_offsets(cols, sxn, WIDE), m_base + _col_offsets(cols, smn, WIDE),
+                       valid, scale, SCALE_MODE, HAS_MASK)
         keep = z != NEG_INF
-        g = tl.load(grad_ptr + g_row + cols * sgn, mask=valid, other=0.0).to(tl.float32)
+        g = tl.load(g_base + _col_offsets(cols, sgn, WIDE), mask=valid, other=0.0).to(tl.float32)
         if KIND == 0:
-            acc += tl.where(keep, g * _probabilities(z, m_safe, l), 0.0)
+            acc += tl.where(keep, g * _probabilities(z, m_safe, inv_l), 0.0)
         else:
             acc += tl.where(keep, g, 0.0)
     tl.store(ws_ptr + pid, tl.sum(acc, 0))
@@ -308,38 +361,39 @@ def softmax_bwd_finish_kernel(
     sm0, sm1, sm2, smn,
     scale_value, n_splits, cols_per_split,
     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, NEED_DSCALE: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    WIDE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = pid // n_splits
     split = pid % n_splits
     scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
     m_safe = _safe_max(tl.load(row_max_ptr + row))
-    l = tl.load(row_sum_ptr + row)
+    inv_l = _inv_sum(tl.load(row_sum_ptr + row))
     if KIND == 2:
         g_row_value = tl.load(grad_ptr + row).to(tl.float32)
         s = 0.0
     else:
         idx = tl.arange(0, SPLITS)
         s = tl.sum(tl.load(ws_ptr + row.to(tl.int64) * n_splits + idx, mask=idx < n_splits, other=0.0), 0)
-    g_row = _row_offsets(row, B1, B2, sg0, sg1, sg2)
-    x_row = _row_offsets(row, B1, B2, sx0, sx1, sx2)
-    d_row = _row_offsets(row, B1, B2, sd0, sd1, sd2)
-    m_row = _row_offsets(row, B1, B2, sm0, sm1, sm2)
-    start = split.to(tl.int64) * cols_per_split
+    first = split * cols_per_split
+    limit = tl.minimum(n_cols - first, cols_per_split)
+    g_base = _range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn)
+    x_base = _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn)
+    d_base = _range_base(dx_ptr, row, B1, B2, sd0, sd1, sd2, first, sdn)
+    m_base = _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn)
     lanes = tl.arange(0, BLOCK_N)
     dscale_acc = tl.zeros((BLOCK_N,), tl.float32)
     for c in range(0, cols_per_split, BLOCK_N):
-        cols = start + c + lanes
-        valid = (cols < n_cols) & (c + lanes < cols_per_split)
-        x, z = _logits(x_ptr, x_row + cols * sxn, mask_ptr, m_row + cols * smn, valid, scale,
-                       SCALE_MODE, HAS_MASK)
+        cols = c + lanes
+        valid = cols < limit
+        x, z = _logits(x_base + _col_offsets(cols, sxn, WIDE), m_base + _col_offsets(cols, smn, WIDE),
+                       valid, scale, SCALE_MODE, HAS_MASK)
         keep = z != NEG_INF
-        p = _probabilities(z, m_safe, l)
+        p = _probabilities(z, m_safe, inv_l)
         if KIND == 2:
             dz = g_row_value * p
         else:
-            g = tl.load(grad_ptr + g_row + cols * sgn, mask=valid, other=0.0).to(tl.float32)
+            g = tl.load(g_base + _col_offsets(cols, sgn, WIDE), mask=valid, other=0.0).to(tl.float32)
             if KIND == 0:
                 dz = p * (g - s)
             else:
@@ -349,8 +403,181 @@ def softmax_bwd_finish_kernel(
             dx = dz * scale
         else:
             dx = dz
-        tl.store(dx_ptr + d_row + cols * sdn, dx.to(dx_ptr.dtype.element_ty), mask=valid)
+        tl.store(d_base + _col_offsets(cols, sdn, WIDE), dx.to(dx_ptr.dtype.element_ty), mask=valid)
         if NEED_DSCALE:
             dscale_acc += tl.where(keep, dz * x, 0.0)
+    if NEED_DSCALE:
+        tl.store(dscale_ptr + pid, tl.sum(dscale_acc, 0))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Long rows, one launch: the programs of a row keep their column range in registers, publish partials,
+# meet at a grid barrier, and write from registers, so the input is read once. Programs form
+# `n_groups` groups of `n_splits`; group g handles rows g, g + n_groups, ... and prefetches its next row
+# before waiting at the barrier. Launched cooperatively (all programs co-resident). The arithmetic is
+# the two-launch path's with one block per range (cols_per_split == BLOCK_N): the same bits.
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def softmax_fwd_fused_kernel(
+    x_ptr, out_ptr, mask_ptr, scale_ptr, ws_max_ptr, ws_sum_ptr, row_max_ptr, row_sum_ptr, arrive_ptr,
+    n_rows, n_cols, B1, B2,
+    sx0, sx1, sx2, sxn,
+    so0, so1, so2, son,
+    sm0, sm1, sm2, smn,
+    scale_value, n_splits, n_groups,
+    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    group = pid // n_splits
+    split = pid % n_splits
+    scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
+    first = split * BLOCK_N
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols - first
+    x_cols = _col_offsets(cols, sxn, WIDE)
+    m_cols = _col_offsets(cols, smn, WIDE)
+    n_iters = tl.cdiv(n_rows - group, n_groups)
+
+    row = group
+    valid = col_ok & (row < n_rows)
+    x_raw = tl.load(_range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn) + x_cols,
+                    mask=valid, other=0.0)
+    if HAS_MASK:
+        keep_raw = tl.load(_range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn) + m_cols,
+                           mask=valid, other=0)
+    for it in range(0, n_iters):
+        if HAS_MASK:
+            keep = valid & (keep_raw != 0)
+        else:
+            keep = valid
+        x = x_raw.to(tl.float32)
+        if SCALE_MODE != 0:
+            z = x * scale
+        else:
+            z = x
+        z = tl.where(keep, z, NEG_INF)
+        m_part, l_part = _online_step(tl.full((), NEG_INF, tl.float32), tl.zeros((), tl.float32), z)
+        ws = row.to(tl.int64) * n_splits
+        tl.store(ws_max_ptr + ws + split, m_part)
+        tl.store(ws_sum_ptr + ws + split, l_part)
+
+        # Prefetch the group's next row so its loads are in flight while this row waits.
+        next_row = row + n_groups
+        next_valid = col_ok & (next_row < n_rows)
+        x_raw = tl.load(_range_base(x_ptr, next_row, B1, B2, sx0, sx1, sx2, first, sxn) + x_cols,
+                        mask=next_valid, other=0.0)
+        if HAS_MASK:
+            keep_raw = tl.load(_range_base(mask_ptr, next_row, B1, B2, sm0, sm1, sm2, first, smn) + m_cols,
+                               mask=next_valid, other=0)
+
+        _grid_barrier(arrive_ptr + group, (it + 1) * n_splits)
+        idx = tl.arange(0, SPLITS)
+        ok = idx < n_splits
+        pm = tl.load(ws_max_ptr + ws + idx, mask=ok, other=NEG_INF, volatile=True)
+        ps = tl.load(ws_sum_ptr + ws + idx, mask=ok, other=0.0, volatile=True)
+        m = tl.max(pm, 0)
+        l = tl.sum(tl.where(ok, ps * tl.exp(pm - _safe_max(m)), 0.0), 0)
+        if split == 0:
+            tl.store(row_max_ptr + row, m)
+            tl.store(row_sum_ptr + row, l)
+        if KIND == 0:
+            out = _probabilities(z, _safe_max(m), _inv_sum(l))
+        else:
+            out = tl.where(l == 0.0, NEG_INF, (z - _safe_max(m)) - tl.log(l))
+        o_ptrs = _range_base(out_ptr, row, B1, B2, so0, so1, so2, first, son) + _col_offsets(cols, son, WIDE)
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid)
+        row = next_row
+        valid = next_valid
+
+
+@triton.jit
+def softmax_bwd_fused_kernel(
+    grad_ptr, x_ptr, dx_ptr, mask_ptr, scale_ptr, row_max_ptr, row_sum_ptr, ws_ptr, dscale_ptr, arrive_ptr,
+    n_rows, n_cols, B1, B2,
+    sg0, sg1, sg2, sgn,
+    sx0, sx1, sx2, sxn,
+    sd0, sd1, sd2, sdn,
+    sm0, sm1, sm2, smn,
+    scale_value, n_splits, n_groups,
+    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, NEED_DSCALE: tl.constexpr,
+    WIDE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    group = pid // n_splits
+    split = pid % n_splits
+    scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
+    first = split * BLOCK_N
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols - first
+    x_cols = _col_offsets(cols, sxn, WIDE)
+    g_cols = _col_offsets(cols, sgn, WIDE)
+    m_cols = _col_offsets(cols, smn, WIDE)
+    n_iters = tl.cdiv(n_rows - group, n_groups)
+    dscale_acc = tl.zeros((BLOCK_N,), tl.float32)
+
+    row = group
+    valid = col_ok & (row < n_rows)
+    x_raw = tl.load(_range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn) + x_cols,
+                    mask=valid, other=0.0)
+    g_raw = tl.load(_range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn) + g_cols, mask=valid,
+                    other=0.0)
+    if HAS_MASK:
+        keep_raw = tl.load(_range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn) + m_cols,
+                           mask=valid, other=0)
+    for it in range(0, n_iters):
+        if HAS_MASK:
+            keep = valid & (keep_raw != 0)
+        else:
+            keep = valid
+        x = x_raw.to(tl.float32)
+        if SCALE_MODE != 0:
+            z = x * scale
+        else:
+            z = x
+        z = tl.where(keep, z, NEG_INF)
+        keep = z != NEG_INF
+        g = g_raw.to(tl.float32)
+        m_safe = _safe_max(tl.load(row_max_ptr + row))
+        inv_l = _inv_sum(tl.load(row_sum_ptr + row))
+        p = _probabilities(z, m_safe, inv_l)
+        acc = tl.zeros((BLOCK_N,), tl.float32)
+        if KIND == 0:
+            acc += tl.where(keep, g * p, 0.0)
+        else:
+            acc += tl.where(keep, g, 0.0)
+        ws = row.to(tl.int64) * n_splits
+        tl.store(ws_ptr + ws + split, tl.sum(acc, 0))
+
+        next_row = row + n_groups
+        next_valid = col_ok & (next_row < n_rows)
+        x_raw = tl.load(_range_base(x_ptr, next_row, B1, B2, sx0, sx1, sx2, first, sxn) + x_cols,
+                        mask=next_valid, other=0.0)
+        g_raw = tl.load(_range_base(grad_ptr, next_row, B1, B2, sg0, sg1, sg2, first, sgn) + g_cols,
+                        mask=next_valid, other=0.0)
+        if HAS_MASK:
+            keep_raw = tl.load(_range_base(mask_ptr, next_row, B1, B2, sm0, sm1, sm2, first, smn) + m_cols,
+                               mask=next_valid, other=0)
+
+        _grid_barrier(arrive_ptr + group, (it + 1) * n_splits)
+        idx = tl.arange(0, SPLITS)
+        s = tl.sum(tl.load(ws_ptr + ws + idx, mask=idx < n_splits, other=0.0, volatile=True), 0)
+        if KIND == 0:
+            dz = p * (g - s)
+        else:
+            dz = g - p * s
+        dz = tl.where(keep, dz, 0.0)
+        if SCALE_MODE != 0:
+            dx = dz * scale
+        else:
+            dx = dz
+        d_ptrs = _range_base(dx_ptr, row, B1, B2, sd0, sd1, sd2, first, sdn) + _col_offsets(cols, sdn, WIDE)
+        tl.store(d_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=valid)
+        if NEED_DSCALE:
+            dscale_acc += tl.where(keep, dz * x, 0.0)
+        row = next_row
+        valid = next_valid
     if NEED_DSCALE:
         tl.store(dscale_ptr + pid, tl.sum(dscale_acc, 0))

@@ -32,7 +32,7 @@ def _check_device(x: torch.Tensor) -> None:
     if x.device.type == "cuda":
         return
     if x.device.type != "cpu":
-        raise ValueError(f"x: the Triton kernels need a CUDA tensor (or a CPU tensor, interpreted), got {x.device}")
+        raise ValueError(f"x: Triton kernels need a CUDA tensor (or, interpreted, a CPU one), not {x.device}")
     if not isinstance(kernels().softmax_fwd_rows_kernel, InterpretedFunction):
         raise ValueError(
             "x: SAFEOPS_BACKEND=triton with a CPU tensor needs Triton's interpreter; set TRITON_INTERPRET=1 "
@@ -41,10 +41,17 @@ def _check_device(x: torch.Tensor) -> None:
 
 
 # Longest row a single program keeps entirely in registers, by element size in bytes.
-ROW_RESIDENT_MAX_COLS = {2: 16384, 4: 8192, 1: 16384}
-# Long rows: columns per loop step and per program.
-SPLIT_BLOCK_N = 4096
-SPLIT_COLS_PER_PROGRAM = 32768
+ROW_RESIDENT_MAX_COLS = {1: 16384, 2: 16384, 4: 8192}
+# Short rows, by element size: (smallest tile of BLOCK_M x BLOCK_N elements, elements per thread).
+ROWS_FWD = {1: (4096, 32), 2: (4096, 32), 4: (1024, 16)}
+ROWS_BWD = {1: (1024, 16), 2: (1024, 16), 4: (1024, 8)}
+# Long rows: columns each program of a split row owns (held in registers by the one-launch kernel).
+SPLIT_BLOCK_N = {1: 4096, 2: 4096, 4: 2048}
+SPLIT_NUM_WARPS = {1: 4, 2: 4, 4: 4}
+SPLIT_MAXNREG: dict[int, int | None] = {1: None, 2: None, 4: None}
+# When the one-launch kernel cannot hold a row's programs at once, the two-launch path caps the programs
+# per row at this and loops over blocks.
+SPLIT_MAX_PROGRAMS_PER_ROW = 256
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class RowsConfig:
     block_m: int
     block_n: int
     num_warps: int
+    maxnreg: int | None = None
 
 
 @dataclass(frozen=True)
@@ -60,29 +68,54 @@ class SplitConfig:
     cols_per_split: int
     n_splits: int
     num_warps: int
+    maxnreg: int | None = None
 
 
-def rows_config(n_cols: int, elem_size: int, col_stride_is_one: bool) -> RowsConfig | None:
+def rows_config(n_cols: int, elem_size: int, col_stride_is_one: bool, backward: bool = False
+                ) -> RowsConfig | None:
+    """Whole rows per program. Tile and elements per thread come from a sweep on an H200 (bench/)."""
     if n_cols > ROW_RESIDENT_MAX_COLS.get(elem_size, 8192):
         return None
     block_n = triton.next_power_of_2(max(n_cols, 1))
-    if col_stride_is_one:
-        block_m = max(1, min(64, 2048 // block_n))
-    else:
+    min_tile, per_thread = (ROWS_BWD if backward else ROWS_FWD).get(elem_size, (1024, 16))
+    if not col_stride_is_one:
         # The reduced dim is strided: take more rows per program so neighbouring rows share sectors.
-        block_m = max(1, min(64, 8192 // block_n))
-    tile = block_m * block_n
-    num_warps = max(1, min(16, tile // 512))
+        min_tile = max(min_tile, 8192)
+    block_m = max(1, min(64, min_tile // block_n))
+    num_warps = max(1, min(32, block_m * block_n // (32 * per_thread)))
     return RowsConfig(block_m=block_m, block_n=block_n, num_warps=num_warps)
 
 
-def split_config(n_cols: int) -> SplitConfig:
-    block_n = min(SPLIT_BLOCK_N, triton.next_power_of_2(max(n_cols, 1)))
-    per_program = max(block_n, SPLIT_COLS_PER_PROGRAM)
-    n_splits = triton.cdiv(n_cols, per_program)
-    cols_per_split = triton.cdiv(triton.cdiv(n_cols, n_splits), block_n) * block_n
-    n_splits = triton.cdiv(n_cols, cols_per_split)
-    return SplitConfig(block_n=block_n, cols_per_split=cols_per_split, n_splits=n_splits, num_warps=8)
+def split_config(n_cols: int, elem_size: int, max_splits: int | None = None) -> SplitConfig:
+    """One block of columns per program, unless that needs more than ``max_splits`` programs per row."""
+    block_n = min(SPLIT_BLOCK_N.get(elem_size, 4096), triton.next_power_of_2(max(n_cols, 1)))
+    n_splits = triton.cdiv(n_cols, block_n)
+    cols_per_split = block_n
+    if max_splits is not None and n_splits > max_splits:
+        blocks = triton.cdiv(n_cols, block_n)
+        cols_per_split = triton.cdiv(blocks, max_splits) * block_n
+        n_splits = triton.cdiv(n_cols, cols_per_split)
+    return SplitConfig(block_n=block_n, cols_per_split=cols_per_split, n_splits=n_splits,
+                       num_warps=SPLIT_NUM_WARPS.get(elem_size, 8), maxnreg=SPLIT_MAXNREG.get(elem_size))
+
+
+_resident_cache: dict = {}
+
+
+def _resident_programs(kernel, args, kwargs, device: torch.device) -> int:
+    """How many programs of this compiled kernel fit on the GPU at once (all SMs, full occupancy)."""
+    compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+    compiled._init_handles()
+    props = torch.cuda.get_device_properties(device)
+    threads = 32 * compiled.metadata.num_warps
+    regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256
+    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    by_regs = (regs_per_sm // regs_per_warp) // compiled.metadata.num_warps
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
+    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    by_smem = smem // (compiled.metadata.shared + 1024) if compiled.metadata.shared else 32
+    per_sm = max(0, min(by_regs, by_threads, by_smem, 32))
+    return per_sm * props.multi_processor_count
 
 
 def _scale_args(scale: float | None, scale_tensor: torch.Tensor | None, like: torch.Tensor):
@@ -104,8 +137,56 @@ def _layout(shape, dim, tensors: dict[str, torch.Tensor | None]) -> tuple[Rows, 
     return rows, tensors
 
 
-def _launch_options(num_warps: int) -> dict:
-    return {"num_warps": num_warps, "enable_fp_fusion": _config.fp_fusion}
+def _max_programs(device: torch.device) -> int:
+    """An upper bound on co-resident programs of any kernel here (32 per SM)."""
+    return 32 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch_one_pass(kernel, args: list, options: dict, n_splits: int, n_rows: int, *, groups_at: int,
+                     arrive_at: int, device: torch.device) -> bool:
+    """Launches a grid-barrier kernel cooperatively if a row's programs fit on the GPU at once.
+
+    Returns False when they cannot (the caller then takes the two-launch path). The number of groups
+    only decides which program handles which row, never how a row is computed, so shrinking it after a
+    refused launch changes no result.
+    """
+    key = (kernel.fn.__name__, device.index, tuple(sorted(
+        (k, v) for k, v in options.items() if not isinstance(v, torch.Tensor))),
+        tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+    capacity = _resident_cache.get(key)
+    if capacity is None:
+        capacity = _resident_programs(kernel, args, options, device)
+    while n_splits <= capacity:
+        n_groups = min(capacity // n_splits, n_rows)
+        args[groups_at] = n_groups
+        args[arrive_at] = torch.zeros((n_groups,), dtype=torch.int32, device=device)
+        try:
+            kernel[(n_groups * n_splits,)](*args, **options, launch_cooperative_grid=True)
+        except RuntimeError as exc:
+            if "cooperative" not in str(exc):
+                raise
+            # The occupancy estimate was too optimistic for this kernel: remember a smaller one.
+            capacity = n_groups * n_splits - max(1, n_splits // 2) if n_groups > 1 else n_splits - 1
+            _resident_cache[key] = capacity
+            continue
+        _resident_cache[key] = capacity
+        return True
+    _resident_cache[key] = capacity
+    return False
+
+
+def _wide(rows: Rows) -> bool:
+    """Whether per-element column offsets can pass 2**31 (then the kernels compute them in 64 bits)."""
+    if rows.n_cols >= 2**31:
+        raise ValueError(f"x: rows of {rows.n_cols} elements are not supported (at most 2**31 - 1)")
+    return max(abs(st[3]) for st in rows.strides.values()) * rows.n_cols >= 2**31
+
+
+def _launch_options(cfg) -> dict:
+    options = {"num_warps": cfg.num_warps, "enable_fp_fusion": _config.fp_fusion}
+    if cfg.maxnreg is not None:
+        options["maxnreg"] = cfg.maxnreg
+    return options
 
 
 def forward(
@@ -141,8 +222,7 @@ def forward(
     x_, mask_ = t["x"], t["mask"]
     scale_mode, scale_ptr, scale_value = _scale_args(scale, scale_tensor, x_)
     mask_arg = mask_ if mask_ is not None else x_
-    B0, B1, B2 = rows.sizes
-    del B0
+    _, B1, B2 = rows.sizes
     elem = x.element_size()
     cfg = rows_config(rows.n_cols, elem, rows.args("x")[3] == 1)
     if cfg is not None:
@@ -152,32 +232,46 @@ def forward(
             rows.n_rows, rows.n_cols, B1, B2,
             *rows.args("x"), *rows.args("out"), *rows.args("mask"),
             scale_value,
-            KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None,
+            KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, WIDE=_wide(rows),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            **_launch_options(cfg.num_warps),
+            **_launch_options(cfg),
         )
         return out, row_max, row_sum
 
-    sc = split_config(rows.n_cols)
+    sc = split_config(rows.n_cols, elem)
     ws_max = x.new_empty((rows.n_rows * sc.n_splits,), dtype=torch.float32)
     ws_sum = torch.empty_like(ws_max)
+    common = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, WIDE=_wide(rows),
+                  SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n)
+    if kind != 2 and x.device.type == "cuda" and _config.one_launch_long_rows:
+        arrive = torch.zeros((1,), dtype=torch.int32, device=x.device)
+        args = [x_, out, mask_arg, scale_ptr, ws_max, ws_sum, row_max, row_sum, arrive,
+                rows.n_rows, rows.n_cols, B1, B2,
+                *rows.args("x"), *rows.args("out"), *rows.args("mask"),
+                scale_value, sc.n_splits, 1]
+        options = {**common, **_launch_options(sc)}
+        if _launch_one_pass(k.softmax_fwd_fused_kernel, args, options, sc.n_splits, rows.n_rows,
+                            groups_at=-1, arrive_at=8, device=x.device):
+            return out, row_max, row_sum
+        sc = split_config(rows.n_cols, elem, max_splits=SPLIT_MAX_PROGRAMS_PER_ROW)
+        ws_max = x.new_empty((rows.n_rows * sc.n_splits,), dtype=torch.float32)
+        ws_sum = torch.empty_like(ws_max)
+        common.update(SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n)
     grid = (rows.n_rows * sc.n_splits,)
     k.softmax_fwd_partial_kernel[grid](
         x_, mask_arg, scale_ptr, ws_max, ws_sum,
         rows.n_cols, B1, B2,
         *rows.args("x"), *rows.args("mask"),
         scale_value, sc.n_splits, sc.cols_per_split,
-        SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, BLOCK_N=sc.block_n,
-        **_launch_options(sc.num_warps),
+        SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, WIDE=common["WIDE"], BLOCK_N=sc.block_n,
+        **_launch_options(sc),
     )
     k.softmax_fwd_finish_kernel[grid](
         x_, out, mask_arg, scale_ptr, ws_max, ws_sum, row_max, row_sum,
         rows.n_cols, B1, B2,
         *rows.args("x"), *rows.args("out"), *rows.args("mask"),
         scale_value, sc.n_splits, sc.cols_per_split,
-        KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None,
-        SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n,
-        **_launch_options(sc.num_warps),
+        **common, **_launch_options(sc),
     )
     return out, row_max, row_sum
 
@@ -214,7 +308,7 @@ def backward(
     mask_arg = mask_ if mask_ is not None else x_
     _, B1, B2 = rows.sizes
     need_dscale = bool(need_dscale and scale_tensor is not None)
-    cfg = rows_config(rows.n_cols, x.element_size(), rows.args("x")[3] == 1)
+    cfg = rows_config(rows.n_cols, x.element_size(), rows.args("x")[3] == 1, backward=True)
     if cfg is not None:
         dscale_rows = x.new_empty((rows.n_rows if need_dscale else 1,), dtype=torch.float32)
         grid = (triton.cdiv(rows.n_rows, cfg.block_m),)
@@ -224,32 +318,57 @@ def backward(
             *rows.args("grad"), *rows.args("x"), *rows.args("dx"), *rows.args("mask"),
             scale_value,
             KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, NEED_DSCALE=need_dscale,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            **_launch_options(cfg.num_warps),
+            WIDE=_wide(rows), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            **_launch_options(cfg),
         )
     else:
-        sc = split_config(rows.n_cols)
-        grid = (rows.n_rows * sc.n_splits,)
-        ws = x.new_empty((rows.n_rows * sc.n_splits,), dtype=torch.float32)
-        dscale_rows = x.new_empty((rows.n_rows * sc.n_splits if need_dscale else 1,), dtype=torch.float32)
-        if kind != 2:
-            k.softmax_bwd_partial_kernel[grid](
-                grad_, x_, mask_arg, scale_ptr, row_max, row_sum, ws,
-                rows.n_cols, B1, B2,
-                *rows.args("grad"), *rows.args("x"), *rows.args("mask"),
-                scale_value, sc.n_splits, sc.cols_per_split,
-                KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, BLOCK_N=sc.block_n,
-                **_launch_options(sc.num_warps),
-            )
-        k.softmax_bwd_finish_kernel[grid](
-            grad_, x_, dx, mask_arg, scale_ptr, row_max, row_sum, ws, dscale_rows,
-            rows.n_cols, B1, B2,
-            *rows.args("grad"), *rows.args("x"), *rows.args("dx"), *rows.args("mask"),
-            scale_value, sc.n_splits, sc.cols_per_split,
-            KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, NEED_DSCALE=need_dscale,
-            SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n,
-            **_launch_options(sc.num_warps),
-        )
+        dscale_rows = _backward_split(k, kind, rows, grad_, x_, dx, mask_arg, mask_ is not None, scale_mode,
+                                      scale_ptr, scale_value, row_max, row_sum, need_dscale)
     if need_dscale:
         dscale = dscale_rows.sum()
     return dx, dscale
+
+
+def _backward_split(k, kind, rows, grad_, x_, dx, mask_arg, has_mask, scale_mode, scale_ptr, scale_value,
+                    row_max, row_sum, need_dscale) -> torch.Tensor:
+    """Long-row backward; returns the per-program partials of the scale gradient."""
+    _, B1, B2 = rows.sizes
+    sc = split_config(rows.n_cols, x_.element_size())
+    common = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=has_mask, NEED_DSCALE=need_dscale,
+                  WIDE=_wide(rows), SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n)
+    if kind != 2 and x_.device.type == "cuda" and _config.one_launch_long_rows:
+        ws = x_.new_empty((rows.n_rows * sc.n_splits,), dtype=torch.float32)
+        args = [grad_, x_, dx, mask_arg, scale_ptr, row_max, row_sum, ws, ws,
+                torch.zeros((1,), dtype=torch.int32, device=x_.device),
+                rows.n_rows, rows.n_cols, B1, B2,
+                *rows.args("grad"), *rows.args("x"), *rows.args("dx"), *rows.args("mask"),
+                scale_value, sc.n_splits, 1]
+        options = {**common, **_launch_options(sc)}
+        # Programs that get no row write no partial: start from zeros.
+        dscale_rows = x_.new_zeros((_max_programs(x_.device) if need_dscale else 1,), dtype=torch.float32)
+        args[8] = dscale_rows
+        if _launch_one_pass(k.softmax_bwd_fused_kernel, args, options, sc.n_splits, rows.n_rows,
+                            groups_at=-1, arrive_at=9, device=x_.device):
+            return dscale_rows
+        sc = split_config(rows.n_cols, x_.element_size(), max_splits=SPLIT_MAX_PROGRAMS_PER_ROW)
+        common.update(SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n)
+    grid = (rows.n_rows * sc.n_splits,)
+    ws = x_.new_empty((rows.n_rows * sc.n_splits,), dtype=torch.float32)
+    dscale_rows = x_.new_empty((rows.n_rows * sc.n_splits if need_dscale else 1,), dtype=torch.float32)
+    if kind != 2:
+        k.softmax_bwd_partial_kernel[grid](
+            grad_, x_, mask_arg, scale_ptr, row_max, row_sum, ws,
+            rows.n_cols, B1, B2,
+            *rows.args("grad"), *rows.args("x"), *rows.args("mask"),
+            scale_value, sc.n_splits, sc.cols_per_split,
+            KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=has_mask, WIDE=common["WIDE"], BLOCK_N=sc.block_n,
+            **_launch_options(sc),
+        )
+    k.softmax_bwd_finish_kernel[grid](
+        grad_, x_, dx, mask_arg, scale_ptr, row_max, row_sum, ws, dscale_rows,
+        rows.n_cols, B1, B2,
+        *rows.args("grad"), *rows.args("x"), *rows.args("dx"), *rows.args("mask"),
+        scale_value, sc.n_splits, sc.cols_per_split,
+        **common, **_launch_options(sc),
+    )
+    return dscale_rows

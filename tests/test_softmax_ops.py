@@ -1,0 +1,226 @@
+"""The torch.library ops: opcheck, fake implementations, torch.compile and torch.export (contract section 6).
+
+Compiled code must run the same op as eager and give the same bits; the fake (meta) implementation must
+describe the real outputs exactly (shape, dtype and strides), or compiled graphs would read them wrongly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import safeops
+
+FORWARD_OPS = {
+    "softmax": torch.ops.safeops.softmax.default,
+    "log_softmax": torch.ops.safeops.log_softmax.default,
+    "logsumexp": torch.ops.safeops.logsumexp.default,
+}
+KIND = {"softmax": 0, "log_softmax": 1, "logsumexp": 2}
+OP_IDS = list(FORWARD_OPS)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+    return t.detach().contiguous().view(ints[t.element_size()])
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+    diff = bits(a) != bits(b)
+    assert not diff.any(), f"{what}: {int(diff.sum())} of {a.numel()} elements differ in their bits"
+
+
+# --------------------------------------------------------------------------------------------------
+# opcheck: schema, autograd registration, fake tensor, AOT dispatch (dynamic shapes)
+# --------------------------------------------------------------------------------------------------
+
+ARG_VARIANTS = ["plain", "scale_float", "scale_tensor", "mask", "scale_tensor_and_mask_fp16_to_fp32",
+                "transposed_dim0_scale_float_and_mask"]
+
+
+def forward_args(variant: str, seed, requires_grad: bool = True):
+    """(x, dim, scale, scale_tensor, mask, out_dtype) as the op takes them: dim >= 0, mask expanded."""
+    x = seed.randn(3, 4, 7)
+    dim, scale, scale_tensor, mask, out_dtype = 2, None, None, None, None
+    if variant == "scale_float":
+        scale = seed.uniform(0.2, 2.0)
+    if variant in ("scale_tensor", "scale_tensor_and_mask_fp16_to_fp32"):
+        scale_tensor = torch.tensor(seed.uniform(0.2, 2.0)).requires_grad_(requires_grad)
+    if variant in ("mask", "scale_tensor_and_mask_fp16_to_fp32"):
+        mask = seed.mask(4, 7).expand(3, 4, 7)  # a broadcast mask reaches the op as an expanded view
+    if variant == "scale_tensor_and_mask_fp16_to_fp32":
+        x, out_dtype = x.half(), torch.float32
+    if variant == "transposed_dim0_scale_float_and_mask":
+        x, dim, scale = x.transpose(0, 2), 0, seed.uniform(0.2, 2.0)
+        mask = seed.mask(7, 4, 3)
+    return x.requires_grad_(requires_grad), dim, scale, scale_tensor, mask, out_dtype
+
+
+def _opcheck(op, args) -> None:
+    result = torch.library.opcheck(op, args)
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+@pytest.mark.parametrize("variant", ARG_VARIANTS)
+@pytest.mark.parametrize("name", OP_IDS)
+def test_opcheck_forward(reference_backend, name, variant, seed):
+    _opcheck(FORWARD_OPS[name], forward_args(variant, seed))
+
+
+@pytest.mark.parametrize("variant", ["plain", "transposed_dim0_scale_float_and_mask",
+                                     "scale_tensor_and_mask_fp16_to_fp32"])
+@pytest.mark.parametrize("name", OP_IDS)
+def test_opcheck_forward_triton(triton_backend, name, variant, seed):
+    _opcheck(FORWARD_OPS[name], forward_args(variant, seed))
+
+
+def backward_args(name: str, variant: str, seed):
+    x, dim, scale, scale_tensor, mask, out_dtype = forward_args(variant, seed, requires_grad=False)
+    out, row_max, row_sum = FORWARD_OPS[name](x, dim, scale, scale_tensor, mask, out_dtype)
+    grad = seed.randn(*out.shape, dtype=out.dtype)
+    return (grad, x, row_max, row_sum, dim, KIND[name], scale, scale_tensor, mask, scale_tensor is not None)
+
+
+@pytest.mark.parametrize("variant", ["plain", "scale_float", "scale_tensor_and_mask_fp16_to_fp32",
+                                     "transposed_dim0_scale_float_and_mask"])
+@pytest.mark.parametrize("name", OP_IDS)
+def test_opcheck_backward(reference_backend, name, variant, seed):
+    _opcheck(torch.ops.safeops.softmax_backward.default, backward_args(name, variant, seed))
+
+
+@pytest.mark.parametrize("name", OP_IDS)
+def test_opcheck_backward_triton(triton_backend, name, seed):
+    _opcheck(torch.ops.safeops.softmax_backward.default,
+             backward_args(name, "scale_tensor_and_mask_fp16_to_fp32", seed))
+
+
+# --------------------------------------------------------------------------------------------------
+# Fake implementations describe the real outputs, strides included
+# --------------------------------------------------------------------------------------------------
+
+LAYOUTS = {
+    "contiguous": lambda s: (s.randn(3, 5, 6), 2),
+    "permuted": lambda s: (s.randn(3, 5, 6).permute(2, 0, 1), 1),
+    "transposed_dim0": lambda s: (s.randn(6, 9).t(), 0),
+    "sliced": lambda s: (s.randn(6, 10)[::2, 1:8], 1),
+    "expanded": lambda s: (s.randn(1, 5, 6).expand(4, 5, 6), 2),
+    "permuted_4d_middle_dim": lambda s: (s.randn(2, 3, 4, 5).permute(3, 1, 0, 2), 1),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", OP_IDS)
+def test_fake_outputs_match_real_outputs(backend, name, layout, seed):
+    x, dim = LAYOUTS[layout](seed)
+    scale_tensor = torch.tensor(0.5)
+    real = FORWARD_OPS[name](x, dim, None, scale_tensor, None, None)
+    grad = seed.randn(*real[0].shape)
+    real_bwd = torch.ops.safeops.softmax_backward(grad, x, real[1], real[2], dim, KIND[name], None,
+                                                  scale_tensor, None, True)
+    with FakeTensorMode() as mode:
+        fx, fs, fg = mode.from_tensor(x), mode.from_tensor(scale_tensor), mode.from_tensor(grad)
+        fake = FORWARD_OPS[name](fx, dim, None, fs, None, None)
+        fake_bwd = torch.ops.safeops.softmax_backward(fg, fx, fake[1], fake[2], dim, KIND[name], None, fs,
+                                                      None, True)
+    for what, r, f in zip(("out", "row_max", "row_sum", "grad_x", "grad_scale"), (*real, *real_bwd),
+                          (*fake, *fake_bwd), strict=True):
+        assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride()), (
+            f"{name} {what} ({backend}, x strides {x.stride()}): real {tuple(r.shape)} {r.dtype} "
+            f"{r.stride()} vs fake {tuple(f.shape)} {f.dtype} {f.stride()}")
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.compile(fullgraph=True): no graph break, same bits as eager, bounded recompiles
+# --------------------------------------------------------------------------------------------------
+
+
+def all_three(x, scale, mask):
+    p = safeops.softmax(x, -1, scale=scale, mask=mask)
+    lp = safeops.log_softmax(x, 1, scale=scale)
+    lse = safeops.logsumexp(x, -1, scale=scale, mask=mask, keepdim=True)
+    return p, lp, lse
+
+
+def eager_and_grads(fn, x, scale, mask, grads):
+    xg = x.detach().requires_grad_(True)
+    sg = scale.detach().requires_grad_(True)
+    outs = fn(xg, sg, mask)
+    loss = sum((torch.where(o.isinf(), 0, o) * g).sum() for o, g in zip(outs, grads, strict=True))
+    dx, ds = torch.autograd.grad(loss, [xg, sg])
+    return (*outs, dx, ds)
+
+
+NAMES = ("softmax", "log_softmax(dim=1)", "logsumexp(keepdim)", "d/dx", "d/dscale")
+SHAPES = [(4, 6, 8), (5, 3, 9), (2, 7, 17), (6, 5, 33)]
+
+
+@pytest.mark.parametrize("dynamic", [pytest.param(None, id="automatic_dynamic"),
+                                     pytest.param(True, id="dynamic_true")])
+def test_compile_fullgraph_matches_eager_bitwise(reference_backend, dynamic, seed):
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(all_three, backend=counter, fullgraph=True, dynamic=dynamic)
+    for shape in SHAPES:
+        x = seed.randn(*shape, std=3.0)
+        mask = seed.mask(shape[-1])
+        scale = torch.tensor(seed.uniform(0.2, 2.0))
+        grads = [seed.randn(*shape), seed.randn(*shape), seed.randn(*shape[:-1], 1)]
+        want = eager_and_grads(all_three, x, scale, mask, grads)
+        got = eager_and_grads(compiled, x, scale, mask, grads)
+        for name, a, b in zip(NAMES, got, want, strict=True):
+            assert_same_bits(a, b, f"compiled vs eager {name}, shape {shape}; {seed}")
+    limit = 1 if dynamic else 2  # automatic dynamic: one static graph, then one with dynamic shapes
+    print(f"{counter.frame_count} compiles for {len(SHAPES)} shapes")
+    assert counter.frame_count <= limit, f"{counter.frame_count} compiles for {len(SHAPES)} shapes"
+    torch._dynamo.reset()
+
+
+def test_compile_fullgraph_matches_eager_bitwise_triton(triton_backend, seed):
+    # The op body is the same launcher in eager and compiled code: same kernel, same bits (section 6).
+    torch._dynamo.reset()
+    compiled = torch.compile(all_three, backend="inductor", fullgraph=True)
+    x = seed.randn(3, 5, 12, std=3.0)
+    mask = seed.mask(12)
+    scale = torch.tensor(seed.uniform(0.2, 2.0))
+    grads = [seed.randn(3, 5, 12), seed.randn(3, 5, 12), seed.randn(3, 5, 1)]
+    want = eager_and_grads(all_three, x, scale, mask, grads)
+    got = eager_and_grads(compiled, x, scale, mask, grads)
+    for name, a, b in zip(NAMES, got, want, strict=True):
+        assert_same_bits(a, b, f"compiled vs eager {name} (triton); {seed}")
+    torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.export
+# --------------------------------------------------------------------------------------------------
+
+
+class Scorer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.temperature = torch.nn.Parameter(torch.tensor(0.75))
+
+    def forward(self, x, mask):
+        p = safeops.softmax(x, -1, scale=self.temperature, mask=mask)
+        lp = safeops.log_softmax(x, 0, scale=0.5, dtype=torch.float32)
+        lse = safeops.logsumexp(x, -1, mask=mask, keepdim=True)
+        return p, lp, lse
+
+
+def test_export(reference_backend, seed):
+    module = Scorer()
+    x = seed.randn(4, 9, std=3.0)
+    mask = seed.mask(4, 9)
+    batch = torch.export.Dim("batch", min=2, max=64)
+    ep = torch.export.export(module, (x, mask), dynamic_shapes={"x": {0: batch}, "mask": {0: batch}})
+    targets = {n.target for n in ep.graph.nodes if n.op == "call_function"}
+    for op in FORWARD_OPS.values():
+        assert op in targets, f"{op} is not in the exported graph: {targets}"
+    for rows in (4, 7):
+        x = seed.randn(rows, 9, std=3.0)
+        mask = seed.mask(rows, 9)
+        for name, a, b in zip(NAMES, ep.module()(x, mask), module(x, mask), strict=False):
+            assert_same_bits(a, b.detach(), f"exported vs eager {name}, {rows} rows; {seed}")
