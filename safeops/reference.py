@@ -45,6 +45,10 @@ def _safe_max(m: torch.Tensor) -> torch.Tensor:
 
 def row_stats(z: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Row max and row sum of exp(z - max), kept apart (contract section 3), keepdim=True."""
+    if z.shape[dim] == 0:
+        # A row with no entries is an empty row (contract section 4); amax would refuse it.
+        shape = z.shape[:dim] + (1,) + z.shape[dim + 1:]
+        return z.new_full(shape, NEG_INF), z.new_zeros(shape)
     m = torch.amax(z, dim, keepdim=True)
     l = torch.exp(z - _safe_max(m)).sum(dim, keepdim=True)
     return m, l

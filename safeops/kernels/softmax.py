@@ -79,6 +79,14 @@ def _safe_max(m):
 
 
 @triton.jit
+def _log_sum(l):
+    # log of the row sum, once per row, in fp64 so it is correctly rounded to fp32 on every Triton
+    # version (fp32 tl.log lowers to an approximate lg2 on some); log_softmax of a dominating logit
+    # then comes out within an ulp of its tiny true value.
+    return tl.log(l.to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
 def _inv_sum(l):
     # One correctly rounded division per row; an empty row (l = 0) gives probabilities of exactly 0.
     return tl.where(l == 0.0, 0.0, tl.math.div_rn(1.0, l))
@@ -163,13 +171,13 @@ def softmax_fwd_rows_kernel(
     tl.store(row_sum_ptr + rows, l, mask=row_ok)
 
     if KIND == 2:
-        tl.store(out_ptr + rows, (m + tl.log(l)).to(out_ptr.dtype.element_ty), mask=row_ok)
+        tl.store(out_ptr + rows, (m + _log_sum(l)).to(out_ptr.dtype.element_ty), mask=row_ok)
     else:
         o_ptrs = _tile_ptrs(out_ptr, rows, cols, B1, B2, so0, so1, so2, son, WIDE)
         if KIND == 0:
             out = e * _inv_sum(l)[:, None]
         else:
-            out = (z - m_safe[:, None]) - tl.log(l)[:, None]
+            out = (z - m_safe[:, None]) - _log_sum(l)[:, None]
             out = tl.where(l[:, None] == 0.0, NEG_INF, out)
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid)
 
@@ -289,11 +297,11 @@ def softmax_fwd_finish_kernel(
         tl.store(row_max_ptr + row, m)
         tl.store(row_sum_ptr + row, l)
         if KIND == 2:
-            tl.store(out_ptr + row, (m + tl.log(l)).to(out_ptr.dtype.element_ty))
+            tl.store(out_ptr + row, (m + _log_sum(l)).to(out_ptr.dtype.element_ty))
     if KIND != 2:
         scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
         m_safe = _safe_max(m)
-        log_l = tl.log(l)
+        log_l = _log_sum(l)
         inv_l = _inv_sum(l)
         first = split * cols_per_split
         limit = tl.minimum(n_cols - first, cols_per_split)
@@ -486,7 +494,7 @@ def softmax_fwd_fused_kernel(
         if KIND == 0:
             out = _probabilities(z, _safe_max(m), _inv_sum(l))
         else:
-            out = tl.where(l == 0.0, NEG_INF, (z - _safe_max(m)) - tl.log(l))
+            out = tl.where(l == 0.0, NEG_INF, (z - _safe_max(m)) - _log_sum(l))
         o_ptrs = _range_base(out_ptr, row, B1, B2, so0, so1, so2, first, son) + _col_offsets(cols, son, WIDE)
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid)
         row = next_row

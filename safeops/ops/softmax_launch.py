@@ -127,14 +127,23 @@ def _scale_args(scale: float | None, scale_tensor: torch.Tensor | None, like: to
 
 
 def _layout(shape, dim, tensors: dict[str, torch.Tensor | None]) -> tuple[Rows, dict[str, torch.Tensor]]:
+    """Row view of the tensors. Outputs (``out``, ``dx``) may be replaced by contiguous scratch tensors
+    when the layout needs more than three batch dims; the caller copies those back (see ``_write_back``).
+    """
     rows = rows_of(shape, dim, tensors)
     if rows is None:
-        # More than three non-mergeable batch dims: read contiguous copies instead.
-        tensors = {k: (t.contiguous() if t is not None and k in ("x", "mask", "grad") else t)
+        # More than three non-mergeable batch dims: read contiguous copies and write contiguous scratch.
+        tensors = {k: (None if t is None else t.contiguous() if k in ("x", "mask", "grad")
+                       else torch.empty(t.shape, dtype=t.dtype, device=t.device))
                    for k, t in tensors.items()}
         rows = rows_of(shape, dim, tensors)
         assert rows is not None
     return rows, tensors
+
+
+def _write_back(result: torch.Tensor, written: torch.Tensor | None) -> None:
+    if written is not None and written is not result:
+        result.copy_(written)
 
 
 def _max_programs(device: torch.device) -> int:
@@ -220,6 +229,7 @@ def forward(
     mask_u8 = mask.view(torch.uint8) if mask is not None else None
     rows, t = _layout(x.shape, dim, {"x": x, "out": out if kind != 2 else None, "mask": mask_u8})
     x_, mask_ = t["x"], t["mask"]
+    out_ = t["out"] if kind != 2 else out
     scale_mode, scale_ptr, scale_value = _scale_args(scale, scale_tensor, x_)
     mask_arg = mask_ if mask_ is not None else x_
     _, B1, B2 = rows.sizes
@@ -228,7 +238,7 @@ def forward(
     if cfg is not None:
         grid = (triton.cdiv(rows.n_rows, cfg.block_m),)
         k.softmax_fwd_rows_kernel[grid](
-            x_, out, mask_arg, scale_ptr, row_max, row_sum,
+            x_, out_, mask_arg, scale_ptr, row_max, row_sum,
             rows.n_rows, rows.n_cols, B1, B2,
             *rows.args("x"), *rows.args("out"), *rows.args("mask"),
             scale_value,
@@ -236,6 +246,7 @@ def forward(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             **_launch_options(cfg),
         )
+        _write_back(out, out_)
         return out, row_max, row_sum
 
     sc = split_config(rows.n_cols, elem)
@@ -245,13 +256,14 @@ def forward(
                   SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n)
     if kind != 2 and x.device.type == "cuda" and _config.one_launch_long_rows:
         arrive = torch.zeros((1,), dtype=torch.int32, device=x.device)
-        args = [x_, out, mask_arg, scale_ptr, ws_max, ws_sum, row_max, row_sum, arrive,
+        args = [x_, out_, mask_arg, scale_ptr, ws_max, ws_sum, row_max, row_sum, arrive,
                 rows.n_rows, rows.n_cols, B1, B2,
                 *rows.args("x"), *rows.args("out"), *rows.args("mask"),
                 scale_value, sc.n_splits, 1]
         options = {**common, **_launch_options(sc)}
         if _launch_one_pass(k.softmax_fwd_fused_kernel, args, options, sc.n_splits, rows.n_rows,
                             groups_at=-1, arrive_at=8, device=x.device):
+            _write_back(out, out_)
             return out, row_max, row_sum
         sc = split_config(rows.n_cols, elem, max_splits=SPLIT_MAX_PROGRAMS_PER_ROW)
         ws_max = x.new_empty((rows.n_rows * sc.n_splits,), dtype=torch.float32)
@@ -267,12 +279,13 @@ def forward(
         **_launch_options(sc),
     )
     k.softmax_fwd_finish_kernel[grid](
-        x_, out, mask_arg, scale_ptr, ws_max, ws_sum, row_max, row_sum,
+        x_, out_, mask_arg, scale_ptr, ws_max, ws_sum, row_max, row_sum,
         rows.n_cols, B1, B2,
         *rows.args("x"), *rows.args("out"), *rows.args("mask"),
         scale_value, sc.n_splits, sc.cols_per_split,
         **common, **_launch_options(sc),
     )
+    _write_back(out, out_)
     return out, row_max, row_sum
 
 
@@ -303,7 +316,7 @@ def backward(
         t["grad"] = grad_rows
     else:
         rows, t = _layout(x.shape, dim, {"x": x, "dx": dx, "mask": mask_u8, "grad": grad})
-    x_, mask_, grad_ = t["x"], t["mask"], t["grad"]
+    x_, mask_, grad_, dx_ = t["x"], t["mask"], t["grad"], t["dx"]
     scale_mode, scale_ptr, scale_value = _scale_args(scale, scale_tensor, x_)
     mask_arg = mask_ if mask_ is not None else x_
     _, B1, B2 = rows.sizes
@@ -313,7 +326,7 @@ def backward(
         dscale_rows = x.new_empty((rows.n_rows if need_dscale else 1,), dtype=torch.float32)
         grid = (triton.cdiv(rows.n_rows, cfg.block_m),)
         k.softmax_bwd_rows_kernel[grid](
-            grad_, x_, dx, mask_arg, scale_ptr, row_max, row_sum, dscale_rows,
+            grad_, x_, dx_, mask_arg, scale_ptr, row_max, row_sum, dscale_rows,
             rows.n_rows, rows.n_cols, B1, B2,
             *rows.args("grad"), *rows.args("x"), *rows.args("dx"), *rows.args("mask"),
             scale_value,
@@ -322,8 +335,9 @@ def backward(
             **_launch_options(cfg),
         )
     else:
-        dscale_rows = _backward_split(k, kind, rows, grad_, x_, dx, mask_arg, mask_ is not None, scale_mode,
+        dscale_rows = _backward_split(k, kind, rows, grad_, x_, dx_, mask_arg, mask_ is not None, scale_mode,
                                       scale_ptr, scale_value, row_max, row_sum, need_dscale)
+    _write_back(dx, dx_)
     if need_dscale:
         dscale = dscale_rows.sum()
     return dx, dscale

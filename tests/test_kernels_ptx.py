@@ -1,0 +1,115 @@
+"""Contract section 1 at the instruction level: no fused multiply-add in the compiled kernels.
+
+The kernels are compiled for sm_90 (Hopper) with exactly the options the launcher uses. This needs no
+GPU: Triton compiles to PTX on the CPU. It runs in a subprocess because this process has Triton's
+interpreter switched on. With fp fusion on, the same compile must show fma instructions, so the check
+is known to be able to fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_SCRIPT = textwrap.dedent(
+    r"""
+    import json, re, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from safeops.kernels import softmax as k
+    from safeops.ops import softmax_launch as L
+
+    fusion = sys.argv[1] == "on"
+    target = GPUTarget("cuda", 90, 32)
+    pointer_types = {"x_ptr": "*bf16", "out_ptr": "*bf16", "grad_ptr": "*bf16", "dx_ptr": "*bf16",
+                     "mask_ptr": "*u8", "arrive_ptr": "*i32"}
+
+    def signature(fn, constexprs):
+        sig = {}
+        for name in fn.arg_names:
+            if name in constexprs:
+                sig[name] = "constexpr"
+            elif name.endswith("_ptr"):
+                sig[name] = pointer_types.get(name, "*fp32")
+            elif name == "scale_value":
+                sig[name] = "fp32"
+            else:
+                sig[name] = "i32"
+        return sig
+
+    def count(fn, constexprs, cfg):
+        # Unit column strides and one batch dim are specialised as Triton does at launch.
+        constexprs = dict(constexprs)
+        constexprs.update({n: 1 for n in ("sxn", "son", "sgn", "sdn", "B1", "B2") if n in fn.arg_names})
+        options = L._launch_options(cfg)
+        options["enable_fp_fusion"] = fusion if fusion else options["enable_fp_fusion"]
+        src = ASTSource(fn=fn, signature=signature(fn, constexprs), constexprs=constexprs)
+        ptx = triton.compile(src, target=target, options=options).asm["ptx"]
+        return len(re.findall(r"\bfma\.rn(\.ftz)?\.f32\b", ptx))
+
+    rows = L.rows_config(4096, 2, True)
+    split = L.split_config(1 << 20, 2)
+    results = {}
+    for kind in (0, 1, 2):
+        for scale_mode in (0, 1, 2):
+            base = {"KIND": kind, "SCALE_MODE": scale_mode, "HAS_MASK": True, "WIDE": False}
+            results[f"fwd_rows/{kind}/{scale_mode}"] = count(
+                k.softmax_fwd_rows_kernel, {**base, "BLOCK_M": rows.block_m, "BLOCK_N": rows.block_n}, rows)
+            results[f"bwd_rows/{kind}/{scale_mode}"] = count(
+                k.softmax_bwd_rows_kernel,
+                {**base, "NEED_DSCALE": True, "BLOCK_M": rows.block_m, "BLOCK_N": rows.block_n}, rows)
+            splits = {"SPLITS": triton.next_power_of_2(split.n_splits), "BLOCK_N": split.block_n}
+            results[f"fwd_finish/{kind}/{scale_mode}"] = count(k.softmax_fwd_finish_kernel, {**base, **splits},
+                                                              split)
+            results[f"bwd_partial/{kind}/{scale_mode}"] = count(
+                k.softmax_bwd_partial_kernel, {**base, "BLOCK_N": split.block_n}, split)
+            results[f"bwd_finish/{kind}/{scale_mode}"] = count(
+                k.softmax_bwd_finish_kernel, {**base, **splits, "NEED_DSCALE": True}, split)
+            if kind != 2:
+                results[f"fwd_fused/{kind}/{scale_mode}"] = count(k.softmax_fwd_fused_kernel, {**base, **splits},
+                                                                 split)
+                results[f"bwd_fused/{kind}/{scale_mode}"] = count(
+                    k.softmax_bwd_fused_kernel, {**base, **splits, "NEED_DSCALE": True}, split)
+        results[f"fwd_partial/{kind}"] = count(
+            k.softmax_fwd_partial_kernel,
+            {"SCALE_MODE": 1, "HAS_MASK": True, "WIDE": False, "BLOCK_N": split.block_n}, split)
+    print(json.dumps(results))
+    """
+)
+
+
+def _fma_counts(fusion: str) -> dict[str, int]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_INTERPRET"] = "0"
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, fusion], capture_output=True, text=True, env=env,
+                          timeout=600)
+    if proc.returncode != 0:
+        if "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
+            pytest.skip("Triton's bundled ptxas is missing: cannot compile for sm_90 here")
+        raise AssertionError(f"compiling the kernels for sm_90 failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def fma_counts_off():
+    return _fma_counts("off")
+
+
+def test_no_fma_in_any_kernel(fma_counts_off):
+    offenders = {name: n for name, n in fma_counts_off.items() if n}
+    assert not offenders, f"fused multiply-adds in compiled kernels (contract section 1): {offenders}"
+    assert len(fma_counts_off) >= 40  # every kernel, kind and scale mode was compiled
+
+
+def test_check_can_fail_with_fp_fusion_on():
+    counts = _fma_counts("on")
+    assert any(counts.values()), "with enable_fp_fusion=True no kernel contracted anything: the check is blind"
