@@ -414,7 +414,7 @@ def write_png(path: Path, results: list[Result], meta: dict, copy_gbps: float, l
     for (direction, dtype), rs in groups.items():
         ax = axes[directions.index(direction)][dtypes.index(dtype)]
         for impl in _ordered(r.impl for r in rs):
-            pts = sorted((r.case.n, r.value) for r in rs if r.impl == impl and r.status in ("ok", "wrong")
+            pts = sorted((r.case.n, r.value) for r in rs if r.impl == impl and r.status == "ok"
                          and not math.isnan(r.value))
             if pts:
                 style = "-o" if any(r.role == "ours" for r in rs if r.impl == impl) else "--."
@@ -485,6 +485,9 @@ def report(results: list[Result], meta: dict, copy_gbps: float, out_dir: Path, s
            plot: bool = True, log=print) -> list[Path]:
     """Print the tables and write <stem>.csv, <stem>.png and <stem>.md under out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    if not results:
+        log("no results to report")
+        return []
     print_tables(results, copy_gbps, log)
     paths = [out_dir / f"{stem}.csv", out_dir / f"{stem}.md"]
     write_csv(paths[0], results, meta, copy_gbps)

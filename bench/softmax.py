@@ -20,9 +20,15 @@ Every output is checked once per shape against torch in fp32 (loosely) before it
     python bench/softmax.py [--dtype bf16|fp32|both] [--n 256,4K,1M] [--direction fwd|bwd|both] [--quick]
                             [--out DIR] [--sweep] [--budget-s SECONDS]
 
-``--sweep`` tunes safeops alone: for each N it tries other values of the launcher's knobs
-(``safeops.ops.softmax_launch``: ROW_RESIDENT_MAX_COLS, the split knobs, rows_config's block_m/num_warps by
-monkeypatching) and prints the best configuration per N. Needs a CUDA GPU.
+``--sweep`` tunes safeops alone, on the same shapes: for each N, coordinate descent over the knobs of
+``safeops.ops.softmax_launch`` that exist in the installed version: which path a row takes
+(ROW_RESIDENT_MAX_COLS), rows_config's block_m and num_warps per direction (by monkeypatching rows_config),
+SPLIT_BLOCK_N, SPLIT_NUM_WARPS, SPLIT_COLS_PER_PROGRAM, SPLIT_MAX_PROGRAMS_PER_ROW, SPLIT_MAXNREG and
+``safeops._config.one_launch_long_rows``. Every configuration is checked against torch, timed forward and
+backward, printed, and written to softmax_sweep.csv; the summary names the best per N. A full sweep of
+both dtypes and all eight N takes longer than one 10-minute call: pick --dtype and --n.
+
+Needs a CUDA GPU; without one it exits with a message.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import inspect
 import math
 import sys
 import time
@@ -70,12 +77,8 @@ def make_inputs(case: H.Case) -> dict:
     x = torch.randn(case.shape, device="cuda", dtype=case.dtype)
     if case.direction == "fwd":
         return {"x": x}
-    import safeops  # noqa: F401  (registers torch.ops.safeops)
-
-    _, row_max, row_sum = torch.ops.safeops.softmax(x=x, dim=DIM, scale=None, scale_tensor=None, mask=None,
-                                                    out_dtype=None)
-    return {"x": x, "dy": torch.randn(case.shape, device="cuda", dtype=case.dtype),
-            "y": torch.softmax(x, DIM), "row_max": row_max, "row_sum": row_sum}
+    dy = torch.randn(case.shape, device="cuda", dtype=case.dtype)
+    return {"x": x, "dy": dy, "y": torch.softmax(x, DIM)}
 
 
 def reference(case: H.Case, t: dict) -> torch.Tensor:
@@ -132,6 +135,10 @@ def build_safeops(case: H.Case, t: dict, fusion: bool = False):
         def call():
             return safeops.softmax(x, DIM)
     else:
+        # The forward's saved fp32 row max and row sum, computed once here (not timed).
+        if "row_max" not in t:
+            _, t["row_max"], t["row_sum"] = torch.ops.safeops.softmax(
+                x=x, dim=DIM, scale=None, scale_tensor=None, mask=None, out_dtype=None)
         op, kind = torch.ops.safeops.softmax_backward, _softmax_kind()
         dy, m, l = t["dy"], t["row_max"], t["row_sum"]
 
@@ -228,7 +235,7 @@ def build_liger(case: H.Case, t: dict):
 def build_benchmark(cases: list[H.Case], only: set[str] | None = None) -> H.Benchmark:
     bench = H.Benchmark(name="softmax", metric=H.Metric("GB/s", softmax_bytes), cases=cases,
                         make_inputs=make_inputs, reference=reference, check=check)
-    bench.add("safeops", build_safeops, role="ours", tag="s")
+    bench.add("safeops", build_safeops, role="ours")
     bench.add("safeops fp-fusion on", lambda c, t: build_safeops(c, t, fusion=True), role="variant", tag="")
     bench.add("torch eager", build_eager, tag="e")
     bench.add("torch.compile", build_compiled, tag="c")
@@ -248,6 +255,7 @@ SPLIT_KNOBS = {  # knob -> candidate values; only knobs the installed launcher h
     "SPLIT_NUM_WARPS": (4, 8, 16),
     "SPLIT_COLS_PER_PROGRAM": (8192, 16384, 32768, 65536, 131072),
     "SPLIT_MAX_PROGRAMS_PER_ROW": (64, 128, 256, 512, 1024),
+    "SPLIT_MAXNREG": (None, 128, 168, 255),
 }
 RESIDENT_KNOB = "ROW_RESIDENT_MAX_COLS"
 
@@ -287,13 +295,18 @@ def launch_config(cfg: dict, n: int, elem: int):
                 set_knob(name, cfg[name])
         if "one_launch" in cfg and hasattr(_config, "one_launch_long_rows"):
             set_attr(_config, "one_launch_long_rows", cfg["one_launch"])
-        rows_over = {k: cfg[k] for k in ("block_m", "num_warps") if k in cfg}
-        if rows_over:
+        # rows_config overrides per direction: fwd_block_m, fwd_num_warps, bwd_block_m, bwd_num_warps. A
+        # launcher whose rows_config has no `backward` argument shares one config: fwd_* then applies to both.
+        over = {d: {k[4:]: v for k, v in cfg.items() if k.startswith(d + "_")} for d in ("fwd", "bwd")}
+        if over["fwd"] or over["bwd"]:
             orig = L.rows_config
+            has_direction = "backward" in inspect.signature(orig).parameters
 
             def rows_config(*args, **kwargs):
                 c = orig(*args, **kwargs)
-                return None if c is None else dataclasses.replace(c, **rows_over)
+                backward = kwargs.get("backward", args[3] if len(args) > 3 else False)
+                chosen = over["bwd"] if backward and has_direction else over["fwd"]
+                return None if c is None or not chosen else dataclasses.replace(c, **chosen)
 
             set_attr(L, "rows_config", rows_config)
         if "split_num_warps" in cfg:  # launchers without a SPLIT_NUM_WARPS knob
@@ -359,17 +372,19 @@ class ShapeSweep:
         return res
 
     @staticmethod
-    def total(res) -> float:
-        return math.inf if res is None or res[2] else res[0] + res[1]
+    def cost(res, objective: str) -> float:
+        if res is None or res[2]:
+            return math.inf
+        return {"fwd": res[0], "bwd": res[1], "total": res[0] + res[1]}[objective]
 
-    def descend(self, start: dict, space: list[tuple[str, tuple]]) -> dict:
-        """Coordinate descent on fwd + bwd time: one knob at a time, keeping the best value (a value that
-        is a dict sets several knobs at once)."""
-        best, best_t = dict(start), self.total(self.evaluate(start))
+    def descend(self, start: dict, space: list[tuple[str, tuple]], objective: str) -> dict:
+        """Coordinate descent: one knob at a time, keeping the value with the least fwd, bwd or total time
+        (a value that is a dict sets several knobs at once)."""
+        best, best_t = dict(start), self.cost(self.evaluate(start), objective)
         for knob, values in space:
             for v in values:
                 cand = {**best, **v} if isinstance(v, dict) else {**best, knob: v}
-                t = self.total(self.evaluate(cand))
+                t = self.cost(self.evaluate(cand), objective)
                 if t < best_t:
                     best, best_t = cand, t
         return best
@@ -380,20 +395,21 @@ class ShapeSweep:
 
         n = self.n
         default = self.evaluate({})
-        if n <= 65536:  # whole rows held by one program: block_m (with warps scaled to the tile), then warps
+        if n <= 65536:  # whole rows held by one program: block_m (warps scaled to the tile), then warps
             block_n = 1 << max(0, (n - 1).bit_length())
-            tiles = [{"block_m": bm, "num_warps": max(1, min(32, bm * block_n // 512))}
-                     for bm in (1, 2, 4, 8, 16, 32, 64) if bm * block_n <= 32768]
-            warps = tuple(w for w in (1, 2, 4, 8, 16, 32) if 32 * w <= max(32, block_n * 64 // 2))
-            self.descend({"path": "rows"}, [("block_m", tuple(tiles)), ("num_warps", warps)])
-        if n >= 4096:  # a row split across programs
+            warps = tuple(w for w in (1, 2, 4, 8, 16, 32) if 32 * w <= max(32, block_n * 32))
+            for d in ("fwd", "bwd"):  # one config per direction (the launcher keys them apart)
+                tiles = tuple({f"{d}_block_m": bm, f"{d}_num_warps": max(1, min(32, bm * block_n // 512))}
+                              for bm in (1, 2, 4, 8, 16, 32, 64) if bm * block_n <= 32768)
+                self.descend({"path": "rows"}, [("block_m", tiles), (f"{d}_num_warps", warps)], d)
+        if n > 4096:  # a row split across programs; fwd and bwd share these knobs
             space = [(k, tuple(v for v in vals if k != "SPLIT_BLOCK_N" or v <= max(1024, n)))
                      for k, vals in SPLIT_KNOBS.items() if hasattr(L, k)]
             if not hasattr(L, "SPLIT_NUM_WARPS"):
                 space.append(("split_num_warps", (4, 8, 16)))
             if hasattr(_config, "one_launch_long_rows"):
                 space.append(("one_launch", (True, False)))
-            self.descend({"path": "split"}, space)
+            self.descend({"path": "split"}, space, "total")
 
         line = f"{H.DTYPE_NAMES[self.dtype]} N={H.size_label(n)}: "
         if default and not default[2]:
@@ -404,7 +420,7 @@ class ShapeSweep:
             bt = min(ok, key=lambda k: ok[k][0] + ok[k][1])
             bf = min(ok, key=lambda k: ok[k][0])
             bb = min(ok, key=lambda k: ok[k][1])
-            line += (f"best total [{bt}] fwd {self.gbps(ok[bt])[0]:.0f} bwd {self.gbps(ok[bt])[1]:.0f}; "
+            line += (f"best fwd+bwd [{bt}] fwd {self.gbps(ok[bt])[0]:.0f} bwd {self.gbps(ok[bt])[1]:.0f}; "
                      f"best fwd [{bf}] {self.gbps(ok[bf])[0]:.0f}; "
                      f"best bwd [{bb}] {self.gbps(ok[bb])[1]:.0f} GB/s")
         return line

@@ -20,7 +20,9 @@ def pytest_configure(config):
     # numpy warns (overflow, 0/0, inf - inf) while Triton's interpreter evaluates a kernel on masked-off
     # lanes and on -inf sentinels; the kernels select those values away. The tests check the results.
     config.addinivalue_line("filterwarnings", "ignore::RuntimeWarning:triton.runtime.interpreter")
-    config.addinivalue_line("filterwarnings", "ignore::RuntimeWarning:numpy")
+    # Raised from inside torch by opcheck / torch.compile, not by safeops.
+    config.addinivalue_line("filterwarnings",
+                            "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -100,9 +102,6 @@ class Seed:
 
     def uniform(self, low: float, high: float) -> float:
         return low + (high - low) * float(self.rand())
-
-    def choice(self, options):
-        return options[int(self.randint(0, len(options)))]
 
 
 @pytest.fixture

@@ -63,8 +63,9 @@ def test_case_1c_with_safeops_softmax(backend, mode):
     grad64, bound = case_1c_float64_reference()
     userland = case_1c_grad(_seed.userland_softmax)
     torch_bf16 = case_1c_grad(lambda a, d: torch.softmax(a, d))
-    ctx = (f"{backend} {mode}: safeops y.grad {grad.flatten().tolist()}, float64 {grad64.flatten().tolist()}, "
-           f"allowed +-{bound.flatten().tolist()}; eager user-land bf16 {userland.flatten().tolist()}, "
+    ctx = (f"{backend} {mode}: safeops y.grad {grad.flatten().tolist()}, "
+           f"float64 {grad64.flatten().tolist()}, allowed +-{bound.flatten().tolist()}; "
+           f"eager user-land bf16 {userland.flatten().tolist()}, "
            f"eager torch.softmax bf16 {torch_bf16.flatten().tolist()}")
     assert torch.isfinite(grad).all(), ctx
     assert ((grad.double() - grad64).abs() <= bound).all(), ctx
@@ -77,7 +78,8 @@ def test_case_1c_userland_softmax_compiled_is_not_finite():
     torch._dynamo.reset()
     if torch.isfinite(grad).all():
         pytest.xfail(f"seed case 1c did not reproduce on torch {torch.__version__}: compiled user-land "
-                     f"y.grad = {grad.flatten().tolist()} is finite (SEED_CASES.md reports NaN on CPU Inductor)")
+                     f"y.grad = {grad.flatten().tolist()} is finite "
+                     "(SEED_CASES.md reports NaN on CPU Inductor)")
     assert not torch.isfinite(grad).all()
 
 

@@ -8,7 +8,10 @@ CONTRACT.md, because Triton's interpreter ignores ``enable_fp_fusion`` and round
 - the seed scalar (x = 1134139801600.0, scale = 0.180336877703666687) exactly 1/N, log_softmax of a
   dominating logit exactly 0.0, on the single-block and the split paths (section 1);
 - the fp-fusion regression: with ``safeops._config.fp_fusion = True`` the seed case breaks, with it off it
-  is exact, so the test would notice contraction coming back (section 1);
+  is exact, so the test would notice contraction coming back; it FAILS (it does not skip) when fusion-on no
+  longer breaks the seed case, because then it has lost its power. A second test reads Triton's JIT cache
+  in a fresh process: every safeops kernel compiled with enable_fp_fusion=False, no fma.rn.f32 in its PTX
+  (section 1);
 - empty, all -inf, NaN and +inf rows with their gradients (sections 4 and 5);
 - bf16 ``softmax(x).sum()`` backward is (nearly) zero (section 3);
 - determinism, batch invariance and eager == torch.compile, bit for bit (section 6);
@@ -92,6 +95,7 @@ def ulp(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     a = torch.where(torch.isfinite(ref), ref, torch.zeros_like(ref)).abs()
     _, e = torch.frexp(a)  # a = mantissa * 2**e, mantissa in [0.5, 1): a lies in [2**(e-1), 2**e)
     e = torch.clamp(e - 1, min=MIN_NORMAL_EXP[dtype])
+    e = torch.where(a == 0, torch.full_like(e, MIN_NORMAL_EXP[dtype]), e)  # 0: the smallest subnormal
     return torch.ldexp(torch.ones_like(a), e - (PRECISION_BITS[dtype] - 1))
 
 
@@ -448,7 +452,7 @@ def build_layout(name: str, n: int, dtype: torch.dtype, rng: CudaRng):
         view = lambda b: b
         kw["dtype"] = torch.bfloat16
     elif name == "offset_logits":
-        # Shift invariance at magnitude: z ~ 100 * (1 +- 3%), where bf16 x is coarse.
+        # Shift invariance at magnitude: z ~ 1000 +- 3, where bf16 x is coarse (steps of ~5.6 in z).
         leaf = (rng.randn((5, n), torch.float32) + 1000.0 / SCALE).to(dtype)
         view = lambda b: b
     else:
@@ -601,9 +605,12 @@ FUSION_PARAMS = [
 
 @pytest.mark.parametrize("scale_kind", ["float", "tensor_fp32"])
 @pytest.mark.parametrize("n,mode", FUSION_PARAMS)
-def test_fp_fusion_regression_has_power(n, mode, scale_kind):
-    """Fusion off (shipped): exactly 1/N. Fusion on: the same seed case must go wrong; if it does not, this
-    test could no longer notice contraction coming back, and that is a failure, not a skip."""
+def test_seed_case_exact_with_fp_fusion_on_or_off(n, mode, scale_kind):
+    """Two layers keep x*scale - m from becoming an fma: the kernels launch with enable_fp_fusion=False
+    (test_kernels_compile_without_fp_contraction fails if that is turned back on: the rescale and the
+    log_softmax backward then contract), and the select that excludes masked entries sits between the
+    multiply and the subtraction. This checks the second layer: even with fusion on, the seed case is exact,
+    while a plain kernel on this stack goes wrong (test_fma_hazard_is_real_on_this_stack)."""
     scale = seed_scale(scale_kind, torch.float32)
     x = torch.full((2, n), FMA_X, dtype=torch.float32, device=DEV)
     expected = uniform(n, torch.float32).expand(2, n)
@@ -619,21 +626,74 @@ def test_fp_fusion_regression_has_power(n, mode, scale_kind):
         finally:
             _config.fp_fusion = old
     assert _config.fp_fusion is False
-    broke = bool((~torch.isfinite(fused)).any() or (fused != expected).any())
-    if not broke:
-        unfused_probe, fused_probe = fma_probe(False), fma_probe(True)
-        stack = ("this Triton still contracts a plain exp(x*s - max(x*s)) kernel (it gives "
-                 f"{fused_probe} with fusion on, {unfused_probe} off), so safeops' kernels are protected by "
-                 "their code shape, not by enable_fp_fusion=False: something between the multiply and the "
-                 "subtraction (e.g. the tl.where that excludes masked/out-of-range entries) hides the "
-                 "product from the fma combiner. Make the hazard reachable (or assert on the compiled PTX) "
-                 "so the test proves the flag matters"
-                 if fused_probe != 1.0 else
-                 f"this Triton no longer contracts even a plain kernel (probe gives {fused_probe})")
-        pytest.fail(
-            f"the fp-fusion regression test has lost its power: with safeops._config.fp_fusion=True the seed "
-            f"case (x={FMA_X}, scale={FMA_SCALE}, N={n}, {mode} path, scale as {scale_kind}) still gives "
-            f"exactly 1/N (log_softmax {fused_log[0, 0].item()!r}); {stack}")
+    assert_bitwise(fused, expected, f"N={n} {mode}: with fp fusion on the code shape must still protect")
+    assert torch.isfinite(fused_log).all()
+
+
+_PTX_PROBE = r"""
+import json, re, sys
+import torch
+import safeops
+from safeops import _config
+from safeops.ops import softmax_launch
+
+assert _config.fp_fusion is False
+torch.manual_seed(0)
+for n in (1000, 65536):
+    for modes in ((True, False) if hasattr(_config, "one_launch_long_rows") else (None,)):
+        if modes is not None:
+            _config.one_launch_long_rows = modes
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn((4, n), device="cuda", dtype=dtype, requires_grad=True)
+            s = torch.tensor(0.125, device="cuda", requires_grad=True)
+            mask = torch.rand((1, n), device="cuda") < 0.9
+            for op in (safeops.softmax, safeops.log_softmax, safeops.logsumexp):
+                for kw in ({"scale": 0.3}, {"scale": s, "mask": mask}):
+                    out = op(x, -1, **kw)
+                    torch.autograd.grad(out.float().sum(), [x] + ([s] if kw.get("scale") is s else []))
+torch.cuda.synchronize()
+found = []
+for name, fn in vars(softmax_launch.kernels()).items():
+    for entry in (getattr(fn, "device_caches", None) or {}).values():
+        cache = entry[0] if isinstance(entry, tuple) else entry
+        for kernel in getattr(cache, "values", lambda: [])():
+            ptx = getattr(kernel, "asm", {}).get("ptx", "")
+            found.append({"kernel": name, "fp_fusion": getattr(kernel.metadata, "enable_fp_fusion", None),
+                          "fma": len(re.findall(r"\bfma\.rn\.f32", ptx))})
+print("PTX_PROBE " + json.dumps(found))
+"""
+
+
+def test_kernels_compile_without_fp_contraction():
+    """The power the seed-case test may lack: in a fresh process, run every op and path with the shipped
+    settings, then read Triton's JIT cache: every safeops kernel variant must be compiled with
+    enable_fp_fusion=False and its PTX must hold no fma.rn.f32 (contract section 1). Dropping the flag
+    from any launch makes this fail even where the kernel's code shape happens to hide the hazard."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, SAFEOPS_BACKEND="auto")
+    paths = [str(root)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", _PTX_PROBE], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"probe process failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PTX_PROBE ")), None)
+    assert line is not None, f"probe printed no report:\n{proc.stdout[-2000:]}"
+    found = json.loads(line[len("PTX_PROBE "):])
+    assert found, ("found no compiled kernels in Triton's JIT cache (JITFunction.device_caches): this Triton "
+                   "keeps them elsewhere; update _PTX_PROBE")
+    fused = sorted({f["kernel"] for f in found if f["fp_fusion"] is not False})
+    assert not fused, \
+        f"compiled with fp fusion on (or unknown): {fused}; every launch needs enable_fp_fusion=False"
+    with_fma = sorted({(f["kernel"], f["fma"]) for f in found if f["fma"]})
+    assert not with_fma, (f"fma.rn.f32 in the PTX of {with_fma}: contraction (or an explicit fma) is back "
+                          "in a safeops kernel; check that it cannot fuse x * scale with the subtraction of "
+                          "the max")
 
 
 # --------------------------------------------------------------------------------------------------

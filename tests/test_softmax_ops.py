@@ -173,7 +173,6 @@ def test_compile_fullgraph_matches_eager_bitwise(reference_backend, dynamic, see
         for name, a, b in zip(NAMES, got, want, strict=True):
             assert_same_bits(a, b, f"compiled vs eager {name}, shape {shape}; {seed}")
     limit = 1 if dynamic else 2  # automatic dynamic: one static graph, then one with dynamic shapes
-    print(f"{counter.frame_count} compiles for {len(SHAPES)} shapes")
     assert counter.frame_count <= limit, f"{counter.frame_count} compiles for {len(SHAPES)} shapes"
     torch._dynamo.reset()
 

@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# The one script to run on the GPU machine, from the repository root:
+#
+#     bash bench/gpu_run.sh [STEP ...]        (default steps: info tests bench)
+#
+# Steps, run in the order given; each runs under `timeout`, its output goes to stdout and to $OUT/gpu_run.log,
+# a failing step does not stop the next, and a summary of exit codes ends the run:
+#   info      nvidia-smi, Python/torch/triton/CUDA versions, GPU properties, Liger-Kernel, compute-sanitizer
+#   tests     python3 -m pytest -m gpu tests          (the GPU tests; pytest-xdist workers when installed)
+#   alltests  python3 -m pytest tests                 (the whole suite, on the CUDA machine)
+#   sanitize  compute-sanitizer --tool memcheck over a small representative subset of the GPU tests
+#             (SAFEOPS_GPU_SMALL=1 shrinks their shapes; SANITIZE_K picks the tests)
+#   bench     python3 bench/softmax.py --out $OUT     (softmax.csv, softmax.md, softmax.png)
+#   sweep     python3 bench/softmax.py --sweep        (safeops launcher knobs per N; softmax_sweep.csv)
+#
+# The whole run stays inside BUDGET_S seconds (default 530, under the device's 10-minute command limit): a
+# step gets at most its own timeout and what is left of the budget; the benchmark stops starting new shapes
+# before its timeout and still writes what it measured. The full benchmark (32 shapes x 5 implementations,
+# one torch.compile per shape) needs most of a call: run `bash bench/gpu_run.sh bench` on its own, or pass
+# BENCH_ARGS=--quick. Outputs under $OUT stay few (at most 5 files): gpu_run.log, softmax.{csv,md,png},
+# softmax_sweep.csv.
+#
+# Environment: OUT (default bench/out), BUDGET_S, T_INFO, T_TESTS, T_ALLTESTS, T_SANITIZE, T_BENCH, T_SWEEP
+# (per-step timeouts, s), PYTEST_WORKERS (xdist workers for tests/alltests, default 4; 0 = none), MAXFAIL
+# (default 30), PYTEST_ARGS, SANITIZE_K, BENCH_ARGS (e.g. "--quick", "--dtype bf16 --n 64K,1M"), SWEEP_ARGS
+# (e.g. "--dtype bf16 --n 16K,64K,256K"). Carry the wheels (Liger-Kernel) by naming .whl in the call's carry.
+
+set -o pipefail
+cd "$(dirname "$0")/.." || exit 2
+
+START=$(date +%s)
+BUDGET_S=${BUDGET_S:-530}
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_run.log"
+: >"$LOG"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(info tests bench)
+
+log() { echo "$*" | tee -a "$LOG"; }
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl 2>&1 | tee -a "$LOG"; then
+        export PYTHONPATH=/tmp/site:$PYTHONPATH
+        log "installed carried wheels: $(cd .whl && echo *.whl)"
+    else
+        log "installing the carried wheels failed; continuing without them"
+    fi
+fi
+
+SUMMARY=()
+FAILED=0
+
+# limit_for DEFAULT: the step's timeout, cut to what is left of the whole run's budget.
+limit_for() {
+    local want=$1 left
+    left=$((BUDGET_S - ($(date +%s) - START) - 10))
+    ((want > left)) && want=$left
+    echo "$want"
+}
+
+# step NAME LIMIT COMMAND...
+step() {
+    local name=$1 limit=$2 t0 rc
+    shift 2
+    if ((limit < 20)); then
+        log "=== $name: skipped, the run's ${BUDGET_S}s budget is used up"
+        SUMMARY+=("$name: skipped (budget)")
+        return
+    fi
+    log ""
+    log "=== $name (timeout ${limit}s): $*"
+    t0=$(date +%s)
+    timeout -k 20 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    rc=$?
+    local note=""
+    ((rc == 124 || rc == 137)) && note=" TIMEOUT"
+    ((rc != 0)) && FAILED=1
+    SUMMARY+=("$name: exit $rc$note ($(($(date +%s) - t0)) s)")
+}
+
+info() {
+    nvidia-smi || true
+    python3 - <<'EOF'
+import platform
+import torch
+import triton
+print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"{torch.cuda.get_device_name(0)}: capability {p.major}.{p.minor}, {p.multi_processor_count} SMs, "
+          f"{p.total_memory / 2**30:.0f} GiB, L2 {getattr(p, 'L2_cache_size', 0) / 2**20:.0f} MB")
+else:
+    print("torch.cuda.is_available() is False")
+for name in ("liger_kernel", "xdist", "pytest_timeout", "matplotlib", "hypothesis"):
+    try:
+        module = __import__(name)
+        print(f"{name}: {getattr(module, '__version__', 'importable')} ({getattr(module, '__file__', '')})")
+    except Exception as e:
+        print(f"{name}: not importable ({type(e).__name__}: {e})")
+try:
+    from liger_kernel.ops.softmax import LigerSoftmaxFunction  # noqa: F401
+    print("liger_kernel.ops.softmax.LigerSoftmaxFunction: importable")
+except Exception as e:
+    print(f"liger_kernel.ops.softmax: not importable ({type(e).__name__}: {e})")
+EOF
+    compute-sanitizer --version 2>/dev/null | tail -1 || echo "compute-sanitizer: not found"
+}
+
+pytest_opts() {  # options shared by the test steps
+    local opts=(-q -rfEs -p no:cacheprovider "--maxfail=${MAXFAIL:-30}")
+    local workers=${PYTEST_WORKERS:-4}
+    if [ "$workers" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
+        opts+=(-n "$workers")
+    fi
+    if python3 -c "import pytest_timeout" 2>/dev/null; then
+        opts+=(--timeout=300)
+    fi
+    echo "${opts[@]}"
+}
+
+DEFAULT_SANITIZE_K="matches_oracle or seed_scalar or empty_nan_inf or one_launch_matches or \
+(layouts_match_oracle and (dim0 or mask_broadcast or many_batch_dims or expanded_x))"
+
+for s in "${STEPS[@]}"; do
+    case "$s" in
+    info)
+        export -f info
+        step info "$(limit_for "${T_INFO:-60}")" bash -c info
+        ;;
+    tests)
+        # shellcheck disable=SC2046
+        step tests "$(limit_for "${T_TESTS:-300}")" python3 -m pytest -m gpu tests $(pytest_opts) ${PYTEST_ARGS:-}
+        ;;
+    alltests)
+        # shellcheck disable=SC2046
+        step alltests "$(limit_for "${T_ALLTESTS:-400}")" python3 -m pytest tests $(pytest_opts) ${PYTEST_ARGS:-}
+        ;;
+    sanitize)
+        step sanitize "$(limit_for "${T_SANITIZE:-420}")" env SAFEOPS_GPU_SMALL=1 \
+            compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+            python3 -m pytest tests/test_softmax_gpu.py -q -rfEs -p no:cacheprovider --maxfail=10 \
+            -k "${SANITIZE_K:-$DEFAULT_SANITIZE_K}"
+        ;;
+    bench)
+        lim=$(limit_for "${T_BENCH:-520}")
+        # shellcheck disable=SC2086
+        step bench "$lim" python3 bench/softmax.py --out "$OUT" --budget-s $((lim > 90 ? lim - 60 : 30)) \
+            ${BENCH_ARGS:-}
+        ;;
+    sweep)
+        lim=$(limit_for "${T_SWEEP:-520}")
+        # shellcheck disable=SC2086
+        step sweep "$lim" python3 bench/softmax.py --sweep --out "$OUT" --budget-s $((lim > 60 ? lim - 30 : 20)) \
+            ${SWEEP_ARGS:-}
+        ;;
+    *)
+        log "unknown step '$s' (steps: info tests alltests sanitize bench sweep)"
+        SUMMARY+=("$s: unknown step")
+        FAILED=1
+        ;;
+    esac
+done
+
+log ""
+log "=== summary ($(($(date +%s) - START)) s of ${BUDGET_S} s budget; outputs in $OUT)"
+for line in "${SUMMARY[@]}"; do
+    log "  $line"
+done
+exit $FAILED
