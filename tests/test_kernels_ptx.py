@@ -47,6 +47,7 @@ _SCRIPT = textwrap.dedent(
         # Unit column strides and one batch dim are specialised as Triton does at launch.
         constexprs = dict(constexprs)
         constexprs.update({n: 1 for n in ("sxn", "son", "sgn", "sdn", "B1", "B2") if n in fn.arg_names})
+        constexprs.update({n: 8 for n in ("XA", "OA", "MA", "GA", "DA") if n in fn.arg_names})
         options = L._launch_options(cfg)
         options["enable_fp_fusion"] = fusion if fusion else options["enable_fp_fusion"]
         src = ASTSource(fn=fn, signature=signature(fn, constexprs), constexprs=constexprs)

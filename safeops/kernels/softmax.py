@@ -19,17 +19,25 @@ import triton
 import triton.language as tl
 
 NEG_INF = tl.constexpr(float("-inf"))
+# Row (batch) strides are never specialised by value; their alignment is stated by the launcher instead.
+ROW_STRIDES = [f"s{t}{i}" for t in "gxodm" for i in range(3)]
 
 
 @triton.jit
-def _row_offsets(rows, B1, B2, s0, s1, s2):
+def _row_offsets(rows, B1, B2, s0, s1, s2, ALIGN: tl.constexpr):
     # 64-bit offsets: tensors past 2**31 elements must index correctly (contract section 8).
     r = rows.to(tl.int64)
     i2 = r % B2
     r = r // B2
     i1 = r % B1
     i0 = r // B1
-    return i0 * s0 + i1 * s1 + i2 * s2
+    offsets = i0 * s0 + i1 * s1 + i2 * s2
+    # Row strides are not specialised by value (ROW_STRIDES); the launcher states their 16-byte alignment,
+    # so the vector width, and with it the order of every row reduction, depends on the row length and
+    # the layout, never on how many rows a launch has (contract section 6).
+    if ALIGN > 1:
+        offsets = tl.multiple_of(offsets, ALIGN)
+    return offsets
 
 
 @triton.jit
@@ -42,9 +50,10 @@ def _col_offsets(cols, stride, WIDE: tl.constexpr):
 
 
 @triton.jit
-def _tile_ptrs(ptr, rows, cols, B1, B2, s0, s1, s2, sn, WIDE: tl.constexpr):
+def _tile_ptrs(ptr, rows, cols, B1, B2, s0, s1, s2, sn, WIDE: tl.constexpr, ALIGN: tl.constexpr):
     """[BLOCK_M, BLOCK_N] pointers: 64-bit row offsets, 32-bit column offsets unless WIDE."""
-    return (ptr + _row_offsets(rows, B1, B2, s0, s1, s2))[:, None] + _col_offsets(cols, sn, WIDE)[None, :]
+    row_ptrs = ptr + _row_offsets(rows, B1, B2, s0, s1, s2, ALIGN)
+    return row_ptrs[:, None] + _col_offsets(cols, sn, WIDE)[None, :]
 
 
 @triton.jit
@@ -141,7 +150,7 @@ def _grid_barrier(arrive_ptr, target):
 # ---------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_STRIDES)
 def softmax_fwd_rows_kernel(
     x_ptr, out_ptr, mask_ptr, scale_ptr, row_max_ptr, row_sum_ptr,
     n_rows, n_cols, B1, B2,
@@ -150,6 +159,7 @@ def softmax_fwd_rows_kernel(
     sm0, sm1, sm2, smn,
     scale_value,
     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
+    XA: tl.constexpr, OA: tl.constexpr, MA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -159,8 +169,8 @@ def softmax_fwd_rows_kernel(
     valid = row_ok[:, None] & (cols < n_cols)[None, :]
     scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
 
-    x_ptrs = _tile_ptrs(x_ptr, rows, cols, B1, B2, sx0, sx1, sx2, sxn, WIDE)
-    m_ptrs = _tile_ptrs(mask_ptr, rows, cols, B1, B2, sm0, sm1, sm2, smn, WIDE)
+    x_ptrs = _tile_ptrs(x_ptr, rows, cols, B1, B2, sx0, sx1, sx2, sxn, WIDE, XA)
+    m_ptrs = _tile_ptrs(mask_ptr, rows, cols, B1, B2, sm0, sm1, sm2, smn, WIDE, MA)
     x, z = _logits(x_ptrs, m_ptrs, valid, scale, SCALE_MODE, HAS_MASK)
 
     m = tl.max(z, 1)
@@ -173,7 +183,7 @@ def softmax_fwd_rows_kernel(
     if KIND == 2:
         tl.store(out_ptr + rows, (m + _log_sum(l)).to(out_ptr.dtype.element_ty), mask=row_ok)
     else:
-        o_ptrs = _tile_ptrs(out_ptr, rows, cols, B1, B2, so0, so1, so2, son, WIDE)
+        o_ptrs = _tile_ptrs(out_ptr, rows, cols, B1, B2, so0, so1, so2, son, WIDE, OA)
         if KIND == 0:
             out = e * _inv_sum(l)[:, None]
         else:
@@ -182,7 +192,7 @@ def softmax_fwd_rows_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_STRIDES)
 def softmax_bwd_rows_kernel(
     grad_ptr, x_ptr, dx_ptr, mask_ptr, scale_ptr, row_max_ptr, row_sum_ptr, dscale_ptr,
     n_rows, n_cols, B1, B2,
@@ -192,7 +202,9 @@ def softmax_bwd_rows_kernel(
     sm0, sm1, sm2, smn,
     scale_value,
     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, NEED_DSCALE: tl.constexpr,
-    WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WIDE: tl.constexpr,
+    GA: tl.constexpr, XA: tl.constexpr, DA: tl.constexpr, MA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -201,8 +213,8 @@ def softmax_bwd_rows_kernel(
     valid = row_ok[:, None] & (cols < n_cols)[None, :]
     scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
 
-    x_ptrs = _tile_ptrs(x_ptr, rows, cols, B1, B2, sx0, sx1, sx2, sxn, WIDE)
-    m_ptrs = _tile_ptrs(mask_ptr, rows, cols, B1, B2, sm0, sm1, sm2, smn, WIDE)
+    x_ptrs = _tile_ptrs(x_ptr, rows, cols, B1, B2, sx0, sx1, sx2, sxn, WIDE, XA)
+    m_ptrs = _tile_ptrs(mask_ptr, rows, cols, B1, B2, sm0, sm1, sm2, smn, WIDE, MA)
     x, z = _logits(x_ptrs, m_ptrs, valid, scale, SCALE_MODE, HAS_MASK)
     keep = z != NEG_INF
 
@@ -214,7 +226,7 @@ def softmax_bwd_rows_kernel(
         g = tl.load(grad_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         dz = g[:, None] * p
     else:
-        g_ptrs = _tile_ptrs(grad_ptr, rows, cols, B1, B2, sg0, sg1, sg2, sgn, WIDE)
+        g_ptrs = _tile_ptrs(grad_ptr, rows, cols, B1, B2, sg0, sg1, sg2, sgn, WIDE, GA)
         g = tl.load(g_ptrs, mask=valid, other=0.0).to(tl.float32)
         if KIND == 0:
             s = tl.sum(tl.where(keep, g * p, 0.0), 1)
@@ -228,7 +240,7 @@ def softmax_bwd_rows_kernel(
         dx = dz * scale
     else:
         dx = dz
-    d_ptrs = _tile_ptrs(dx_ptr, rows, cols, B1, B2, sd0, sd1, sd2, sdn, WIDE)
+    d_ptrs = _tile_ptrs(dx_ptr, rows, cols, B1, B2, sd0, sd1, sd2, sdn, WIDE, DA)
     tl.store(d_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=valid)
     if NEED_DSCALE:
         tl.store(dscale_ptr + rows, tl.sum(tl.where(keep, dz * x, 0.0), 1), mask=row_ok)
@@ -243,19 +255,20 @@ def softmax_bwd_rows_kernel(
 
 
 @triton.jit
-def _range_base(ptr, row, B1, B2, s0, s1, s2, first_col, sn):
+def _range_base(ptr, row, B1, B2, s0, s1, s2, first_col, sn, ALIGN: tl.constexpr):
     """Pointer to column `first_col` of row `row` (64-bit arithmetic on the scalar part only)."""
-    return ptr + _row_offsets(row, B1, B2, s0, s1, s2) + first_col.to(tl.int64) * sn
+    return ptr + _row_offsets(row, B1, B2, s0, s1, s2, ALIGN) + first_col.to(tl.int64) * sn
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_STRIDES)
 def softmax_fwd_partial_kernel(
     x_ptr, mask_ptr, scale_ptr, ws_max_ptr, ws_sum_ptr,
     n_cols, B1, B2,
     sx0, sx1, sx2, sxn,
     sm0, sm1, sm2, smn,
     scale_value, n_splits, cols_per_split,
-    SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
+    XA: tl.constexpr, MA: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = pid // n_splits
@@ -263,8 +276,8 @@ def softmax_fwd_partial_kernel(
     scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
     first = split * cols_per_split
     limit = tl.minimum(n_cols - first, cols_per_split)
-    x_base = _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn)
-    m_base = _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn)
+    x_base = _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA)
+    m_base = _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA)
     lanes = tl.arange(0, BLOCK_N)
 
     m = tl.full((), NEG_INF, tl.float32)
@@ -278,7 +291,7 @@ def softmax_fwd_partial_kernel(
     tl.store(ws_sum_ptr + pid, l)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_STRIDES)
 def softmax_fwd_finish_kernel(
     x_ptr, out_ptr, mask_ptr, scale_ptr, ws_max_ptr, ws_sum_ptr, row_max_ptr, row_sum_ptr,
     n_cols, B1, B2,
@@ -287,6 +300,7 @@ def softmax_fwd_finish_kernel(
     sm0, sm1, sm2, smn,
     scale_value, n_splits, cols_per_split,
     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
+    XA: tl.constexpr, OA: tl.constexpr, MA: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -305,9 +319,9 @@ def softmax_fwd_finish_kernel(
         inv_l = _inv_sum(l)
         first = split * cols_per_split
         limit = tl.minimum(n_cols - first, cols_per_split)
-        x_base = _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn)
-        m_base = _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn)
-        o_base = _range_base(out_ptr, row, B1, B2, so0, so1, so2, first, son)
+        x_base = _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA)
+        m_base = _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA)
+        o_base = _range_base(out_ptr, row, B1, B2, so0, so1, so2, first, son, OA)
         lanes = tl.arange(0, BLOCK_N)
         for c in range(0, cols_per_split, BLOCK_N):
             cols = c + lanes
@@ -321,7 +335,7 @@ def softmax_fwd_finish_kernel(
             tl.store(o_base + _col_offsets(cols, son, WIDE), out.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_STRIDES)
 def softmax_bwd_partial_kernel(
     grad_ptr, x_ptr, mask_ptr, scale_ptr, row_max_ptr, row_sum_ptr, ws_ptr,
     n_cols, B1, B2,
@@ -330,6 +344,7 @@ def softmax_bwd_partial_kernel(
     sm0, sm1, sm2, smn,
     scale_value, n_splits, cols_per_split,
     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
+    GA: tl.constexpr, XA: tl.constexpr, MA: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -340,9 +355,9 @@ def softmax_bwd_partial_kernel(
     inv_l = _inv_sum(tl.load(row_sum_ptr + row))
     first = split * cols_per_split
     limit = tl.minimum(n_cols - first, cols_per_split)
-    g_base = _range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn)
-    x_base = _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn)
-    m_base = _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn)
+    g_base = _range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn, GA)
+    x_base = _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA)
+    m_base = _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA)
     lanes = tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for c in range(0, cols_per_split, BLOCK_N):
@@ -359,7 +374,7 @@ def softmax_bwd_partial_kernel(
     tl.store(ws_ptr + pid, tl.sum(acc, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_STRIDES)
 def softmax_bwd_finish_kernel(
     grad_ptr, x_ptr, dx_ptr, mask_ptr, scale_ptr, row_max_ptr, row_sum_ptr, ws_ptr, dscale_ptr,
     n_cols, B1, B2,
@@ -369,7 +384,9 @@ def softmax_bwd_finish_kernel(
     sm0, sm1, sm2, smn,
     scale_value, n_splits, cols_per_split,
     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, NEED_DSCALE: tl.constexpr,
-    WIDE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    WIDE: tl.constexpr,
+    GA: tl.constexpr, XA: tl.constexpr, DA: tl.constexpr, MA: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = pid // n_splits
@@ -385,10 +402,10 @@ def softmax_bwd_finish_kernel(
         s = tl.sum(tl.load(ws_ptr + row.to(tl.int64) * n_splits + idx, mask=idx < n_splits, other=0.0), 0)
     first = split * cols_per_split
     limit = tl.minimum(n_cols - first, cols_per_split)
-    g_base = _range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn)
-    x_base = _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn)
-    d_base = _range_base(dx_ptr, row, B1, B2, sd0, sd1, sd2, first, sdn)
-    m_base = _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn)
+    g_base = _range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn, GA)
+    x_base = _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA)
+    d_base = _range_base(dx_ptr, row, B1, B2, sd0, sd1, sd2, first, sdn, DA)
+    m_base = _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA)
     lanes = tl.arange(0, BLOCK_N)
     dscale_acc = tl.zeros((BLOCK_N,), tl.float32)
     for c in range(0, cols_per_split, BLOCK_N):
@@ -427,7 +444,7 @@ def softmax_bwd_finish_kernel(
 # ---------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_STRIDES)
 def softmax_fwd_fused_kernel(
     x_ptr, out_ptr, mask_ptr, scale_ptr, ws_max_ptr, ws_sum_ptr, row_max_ptr, row_sum_ptr, arrive_ptr,
     n_rows, n_cols, B1, B2,
@@ -436,6 +453,7 @@ def softmax_fwd_fused_kernel(
     sm0, sm1, sm2, smn,
     scale_value, n_splits, n_groups,
     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
+    XA: tl.constexpr, OA: tl.constexpr, MA: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -451,10 +469,10 @@ def softmax_fwd_fused_kernel(
 
     row = group
     valid = col_ok & (row < n_rows)
-    x_raw = tl.load(_range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn) + x_cols,
+    x_raw = tl.load(_range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA) + x_cols,
                     mask=valid, other=0.0)
     if HAS_MASK:
-        keep_raw = tl.load(_range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn) + m_cols,
+        keep_raw = tl.load(_range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA) + m_cols,
                            mask=valid, other=0)
     for it in range(0, n_iters):
         if HAS_MASK:
@@ -475,10 +493,11 @@ def softmax_fwd_fused_kernel(
         # Prefetch the group's next row so its loads are in flight while this row waits.
         next_row = row + n_groups
         next_valid = col_ok & (next_row < n_rows)
-        x_raw = tl.load(_range_base(x_ptr, next_row, B1, B2, sx0, sx1, sx2, first, sxn) + x_cols,
+        x_raw = tl.load(_range_base(x_ptr, next_row, B1, B2, sx0, sx1, sx2, first, sxn, XA) + x_cols,
                         mask=next_valid, other=0.0)
         if HAS_MASK:
-            keep_raw = tl.load(_range_base(mask_ptr, next_row, B1, B2, sm0, sm1, sm2, first, smn) + m_cols,
+            next_m_base = _range_base(mask_ptr, next_row, B1, B2, sm0, sm1, sm2, first, smn, MA)
+            keep_raw = tl.load(next_m_base + m_cols,
                                mask=next_valid, other=0)
 
         _grid_barrier(arrive_ptr + group, (it + 1) * n_splits)
@@ -495,13 +514,14 @@ def softmax_fwd_fused_kernel(
             out = _probabilities(z, _safe_max(m), _inv_sum(l))
         else:
             out = tl.where(l == 0.0, NEG_INF, (z - _safe_max(m)) - _log_sum(l))
-        o_ptrs = _range_base(out_ptr, row, B1, B2, so0, so1, so2, first, son) + _col_offsets(cols, son, WIDE)
+        o_ptrs = _range_base(out_ptr, row, B1, B2, so0, so1, so2, first, son, OA)
+        o_ptrs += _col_offsets(cols, son, WIDE)
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid)
         row = next_row
         valid = next_valid
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_STRIDES)
 def softmax_bwd_fused_kernel(
     grad_ptr, x_ptr, dx_ptr, mask_ptr, scale_ptr, row_max_ptr, row_sum_ptr, ws_ptr, dscale_ptr, arrive_ptr,
     n_rows, n_cols, B1, B2,
@@ -511,7 +531,9 @@ def softmax_bwd_fused_kernel(
     sm0, sm1, sm2, smn,
     scale_value, n_splits, n_groups,
     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, NEED_DSCALE: tl.constexpr,
-    WIDE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    WIDE: tl.constexpr,
+    GA: tl.constexpr, XA: tl.constexpr, DA: tl.constexpr, MA: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     group = pid // n_splits
@@ -528,12 +550,12 @@ def softmax_bwd_fused_kernel(
 
     row = group
     valid = col_ok & (row < n_rows)
-    x_raw = tl.load(_range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn) + x_cols,
+    x_raw = tl.load(_range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA) + x_cols,
                     mask=valid, other=0.0)
-    g_raw = tl.load(_range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn) + g_cols, mask=valid,
+    g_raw = tl.load(_range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn, GA) + g_cols, mask=valid,
                     other=0.0)
     if HAS_MASK:
-        keep_raw = tl.load(_range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn) + m_cols,
+        keep_raw = tl.load(_range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA) + m_cols,
                            mask=valid, other=0)
     for it in range(0, n_iters):
         if HAS_MASK:
@@ -561,12 +583,13 @@ def softmax_bwd_fused_kernel(
 
         next_row = row + n_groups
         next_valid = col_ok & (next_row < n_rows)
-        x_raw = tl.load(_range_base(x_ptr, next_row, B1, B2, sx0, sx1, sx2, first, sxn) + x_cols,
+        x_raw = tl.load(_range_base(x_ptr, next_row, B1, B2, sx0, sx1, sx2, first, sxn, XA) + x_cols,
                         mask=next_valid, other=0.0)
-        g_raw = tl.load(_range_base(grad_ptr, next_row, B1, B2, sg0, sg1, sg2, first, sgn) + g_cols,
+        g_raw = tl.load(_range_base(grad_ptr, next_row, B1, B2, sg0, sg1, sg2, first, sgn, GA) + g_cols,
                         mask=next_valid, other=0.0)
         if HAS_MASK:
-            keep_raw = tl.load(_range_base(mask_ptr, next_row, B1, B2, sm0, sm1, sm2, first, smn) + m_cols,
+            next_m_base = _range_base(mask_ptr, next_row, B1, B2, sm0, sm1, sm2, first, smn, MA)
+            keep_raw = tl.load(next_m_base + m_cols,
                                mask=next_valid, other=0)
 
         _grid_barrier(arrive_ptr + group, (it + 1) * n_splits)
@@ -581,7 +604,8 @@ def softmax_bwd_fused_kernel(
             dx = dz * scale
         else:
             dx = dz
-        d_ptrs = _range_base(dx_ptr, row, B1, B2, sd0, sd1, sd2, first, sdn) + _col_offsets(cols, sdn, WIDE)
+        d_ptrs = _range_base(dx_ptr, row, B1, B2, sd0, sd1, sd2, first, sdn, DA)
+        d_ptrs += _col_offsets(cols, sdn, WIDE)
         tl.store(d_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=valid)
         if NEED_DSCALE:
             dscale_acc += tl.where(keep, dz * x, 0.0)

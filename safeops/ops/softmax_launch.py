@@ -41,7 +41,7 @@ def _check_device(x: torch.Tensor) -> None:
 
 
 # Longest row a single program keeps entirely in registers, by element size in bytes.
-ROW_RESIDENT_MAX_COLS = {1: 16384, 2: 16384, 4: 8192}
+ROW_RESIDENT_MAX_COLS = {1: 16384, 2: 16384, 4: 16384}
 # Short rows, by element size: (smallest tile of BLOCK_M x BLOCK_N elements, elements per thread).
 ROWS_FWD = {1: (4096, 32), 2: (4096, 32), 4: (1024, 16)}
 ROWS_BWD = {1: (1024, 16), 2: (1024, 16), 4: (1024, 8)}
@@ -191,6 +191,29 @@ def _wide(rows: Rows) -> bool:
     return max(abs(st[3]) for st in rows.strides.values()) * rows.n_cols >= 2**31
 
 
+_ALIGN_ARGS = {"x": "XA", "out": "OA", "mask": "MA", "grad": "GA", "dx": "DA"}
+
+
+def _aligns(rows: Rows, tensors: dict[str, torch.Tensor | None]) -> dict[str, int]:
+    """Per tensor, the alignment (in elements) that every row start is known to have: 16 bytes or 1.
+
+    It is claimed only when the row length itself is a multiple of 16 bytes, so a row sliced out of a
+    batch is aligned exactly when the batch is; the vector width, and so the reduction order, then does
+    not depend on the rows around it (contract section 6).
+    """
+    aligns = {}
+    for name, t in tensors.items():
+        arg = _ALIGN_ARGS[name]
+        if t is None or name not in rows.strides:
+            aligns[arg] = 1
+            continue
+        per16 = max(1, 16 // t.element_size())
+        ok = (rows.n_cols % per16 == 0 and t.data_ptr() % 16 == 0
+              and all(st % per16 == 0 for st in rows.args(name)[:3]))
+        aligns[arg] = per16 if ok else 1
+    return aligns
+
+
 def _launch_options(cfg) -> dict:
     options = {"num_warps": cfg.num_warps, "enable_fp_fusion": _config.fp_fusion}
     if cfg.maxnreg is not None:
@@ -230,6 +253,7 @@ def forward(
     rows, t = _layout(x.shape, dim, {"x": x, "out": out if kind != 2 else None, "mask": mask_u8})
     x_, mask_ = t["x"], t["mask"]
     out_ = t["out"] if kind != 2 else out
+    al = _aligns(rows, {"x": x_, "out": t["out"], "mask": mask_})
     scale_mode, scale_ptr, scale_value = _scale_args(scale, scale_tensor, x_)
     mask_arg = mask_ if mask_ is not None else x_
     _, B1, B2 = rows.sizes
@@ -242,7 +266,7 @@ def forward(
             rows.n_rows, rows.n_cols, B1, B2,
             *rows.args("x"), *rows.args("out"), *rows.args("mask"),
             scale_value,
-            KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, WIDE=_wide(rows),
+            KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, WIDE=_wide(rows), **al,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             **_launch_options(cfg),
         )
@@ -252,7 +276,7 @@ def forward(
     sc = split_config(rows.n_cols, elem)
     ws_max = x.new_empty((rows.n_rows * sc.n_splits,), dtype=torch.float32)
     ws_sum = torch.empty_like(ws_max)
-    common = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, WIDE=_wide(rows),
+    common = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, WIDE=_wide(rows), **al,
                   SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n)
     if kind != 2 and x.device.type == "cuda" and _config.one_launch_long_rows:
         arrive = torch.zeros((1,), dtype=torch.int32, device=x.device)
@@ -276,7 +300,7 @@ def forward(
         *rows.args("x"), *rows.args("mask"),
         scale_value, sc.n_splits, sc.cols_per_split,
         SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, WIDE=common["WIDE"], BLOCK_N=sc.block_n,
-        **_launch_options(sc),
+        XA=al["XA"], MA=al["MA"], **_launch_options(sc),
     )
     k.softmax_fwd_finish_kernel[grid](
         x_, out_, mask_arg, scale_ptr, ws_max, ws_sum, row_max, row_sum,
@@ -317,6 +341,7 @@ def backward(
     else:
         rows, t = _layout(x.shape, dim, {"x": x, "dx": dx, "mask": mask_u8, "grad": grad})
     x_, mask_, grad_, dx_ = t["x"], t["mask"], t["grad"], t["dx"]
+    al = _aligns(rows, {"x": x_, "dx": dx_, "mask": mask_, "grad": grad_ if kind != 2 else None})
     scale_mode, scale_ptr, scale_value = _scale_args(scale, scale_tensor, x_)
     mask_arg = mask_ if mask_ is not None else x_
     _, B1, B2 = rows.sizes
@@ -331,12 +356,12 @@ def backward(
             *rows.args("grad"), *rows.args("x"), *rows.args("dx"), *rows.args("mask"),
             scale_value,
             KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, NEED_DSCALE=need_dscale,
-            WIDE=_wide(rows), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            WIDE=_wide(rows), **al, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             **_launch_options(cfg),
         )
     else:
         dscale_rows = _backward_split(k, kind, rows, grad_, x_, dx_, mask_arg, mask_ is not None, scale_mode,
-                                      scale_ptr, scale_value, row_max, row_sum, need_dscale)
+                                      scale_ptr, scale_value, row_max, row_sum, need_dscale, al)
     _write_back(dx, dx_)
     if need_dscale:
         dscale = dscale_rows.sum()
@@ -344,12 +369,12 @@ def backward(
 
 
 def _backward_split(k, kind, rows, grad_, x_, dx, mask_arg, has_mask, scale_mode, scale_ptr, scale_value,
-                    row_max, row_sum, need_dscale) -> torch.Tensor:
+                    row_max, row_sum, need_dscale, al) -> torch.Tensor:
     """Long-row backward; returns the per-program partials of the scale gradient."""
     _, B1, B2 = rows.sizes
     sc = split_config(rows.n_cols, x_.element_size())
     common = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=has_mask, NEED_DSCALE=need_dscale,
-                  WIDE=_wide(rows), SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n)
+                  WIDE=_wide(rows), **al, SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n)
     if kind != 2 and x_.device.type == "cuda" and _config.one_launch_long_rows:
         ws = x_.new_empty((rows.n_rows * sc.n_splits,), dtype=torch.float32)
         args = [grad_, x_, dx, mask_arg, scale_ptr, row_max, row_sum, ws, ws,
@@ -376,7 +401,7 @@ def _backward_split(k, kind, rows, grad_, x_, dx, mask_arg, has_mask, scale_mode
             *rows.args("grad"), *rows.args("x"), *rows.args("mask"),
             scale_value, sc.n_splits, sc.cols_per_split,
             KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=has_mask, WIDE=common["WIDE"], BLOCK_N=sc.block_n,
-            **_launch_options(sc),
+            GA=al["GA"], XA=al["XA"], MA=al["MA"], **_launch_options(sc),
         )
     k.softmax_bwd_finish_kernel[grid](
         grad_, x_, dx, mask_arg, scale_ptr, row_max, row_sum, ws, dscale_rows,
