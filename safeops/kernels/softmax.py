@@ -19,8 +19,10 @@ import triton
 import triton.language as tl
 
 NEG_INF = tl.constexpr(float("-inf"))
-# Row (batch) strides are never specialised by value; their alignment is stated by the launcher instead.
-ROW_STRIDES = [f"s{t}{i}" for t in "gxodm" for i in range(3)]
+# Nothing that changes with the number of rows is specialised by value (the row count, batch sizes, batch
+# strides; their alignment is stated by the launcher instead): a row alone and the same row in a batch then
+# run the same compiled kernel, hence the same reduction order (contract section 6).
+ROW_STRIDES = [f"s{t}{i}" for t in "gxodm" for i in range(3)] + ["n_rows", "B1", "B2"]
 
 
 @triton.jit
