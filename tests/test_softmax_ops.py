@@ -108,6 +108,7 @@ LAYOUTS = {
     "sliced": lambda s: (s.randn(6, 10)[::2, 1:8], 1),
     "expanded": lambda s: (s.randn(1, 5, 6).expand(4, 5, 6), 2),
     "permuted_4d_middle_dim": lambda s: (s.randn(2, 3, 4, 5).permute(3, 1, 0, 2), 1),
+    "permuted_5d_copy_path": lambda s: (s.randn(2, 2, 2, 2, 6).permute(3, 1, 4, 0, 2), 2),
 }
 
 
