@@ -1,0 +1,217 @@
+"""torch.compile integration: make Inductor route softmax through safeops.
+
+Two ways in:
+
+- ``torch.compile(fn, backend="safeops")``: Inductor with the safeops rewrite, for that call only;
+- ``safeops.register()`` / ``safeops.unregister()`` / ``with safeops.registered():``: every
+  ``torch.compile`` with the default Inductor backend gets the rewrite while registered.
+
+What is rewritten (see ``safeops.compile.rewrite``): calls of softmax / log_softmax / logsumexp and
+hand-written softmax and log-softmax cores, in the Dynamo graph, before autograd, so training graphs use
+the safeops backward. While registered, the aten forward ops ``_softmax``, ``_log_softmax`` and
+``logsumexp`` that other decompositions produce are also mapped to safeops through Inductor's
+decomposition table; their backward stays Inductor's fp32 formula on the (safe) forward output, because
+the aten backward ops receive the output, not the input.
+
+Cache safety: the rewrite is an Inductor ``CustomGraphPass`` whose ``uuid()`` hashes this package's
+rewrite code, so Inductor's FX-graph and AOT-autograd caches key on whether it ran. On torch versions
+whose caches do not hash custom passes, registration turns those caches off while in force.
+
+Attention: ``F.scaled_dot_product_attention`` is not rerouted yet (safeops.attention is a later issue);
+``_ATTENTION_TARGETS`` below is where it will plug in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+from pathlib import Path
+
+import torch
+
+from .. import __version__ as _version
+from ..ops import softmax as _ops
+from . import _compat
+from .rewrite import rewrite_graph, stats
+
+__all__ = ["register", "unregister", "registered", "is_registered", "backend", "stats", "BACKEND_NAME"]
+
+BACKEND_NAME = "safeops"
+# Seam for the attention issue: torch-level SDPA targets to reroute once safeops.attention exists.
+_ATTENTION_TARGETS: tuple = ()
+
+aten = torch.ops.aten
+_lock = threading.RLock()
+_state: dict = {"registered": False}
+
+
+def _code_hash() -> str:
+    h = hashlib.sha256(_version.encode())
+    for name in ("rewrite.py", "__init__.py"):
+        h.update((Path(__file__).parent / name).read_bytes())
+    return h.hexdigest()
+
+
+class SafeopsGraphPass(_compat.CustomGraphPass):
+    """Inductor pre-grad pass: rewrites softmax in the Dynamo graph to safeops ops."""
+
+    _uuid = _code_hash()
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        rewrite_graph(graph)
+
+    def uuid(self) -> str:
+        return self._uuid
+
+
+_PASS = SafeopsGraphPass()
+
+
+# ---------------------------------------------------------------------------------------------------
+# aten forward ops produced by other decompositions
+# ---------------------------------------------------------------------------------------------------
+
+
+def _aten_softmax(x, dim, half_to_float):
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return NotImplemented
+    out_dtype = torch.float32 if half_to_float else None
+    return _ops.softmax_op(x, dim % max(x.dim(), 1), None, None, None, out_dtype)[0]
+
+
+def _aten_log_softmax(x, dim, half_to_float):
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return NotImplemented
+    out_dtype = torch.float32 if half_to_float else None
+    return _ops.log_softmax_op(x, dim % max(x.dim(), 1), None, None, None, out_dtype)[0]
+
+
+def _aten_logsumexp(x, dim, keepdim=False):
+    dims = list(dim) if isinstance(dim, (list, tuple)) else [dim]
+    if len(dims) != 1 or x.dim() == 0 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32,
+                                                        torch.float64):
+        return NotImplemented
+    d = dims[0] % x.dim()
+    out = _ops.logsumexp_op(x, d, None, None, None, None)[0]
+    return out.unsqueeze(d) if keepdim else out
+
+
+def _decompositions() -> dict:
+    return {
+        aten._softmax.default: _aten_softmax,
+        aten._log_softmax.default: _aten_log_softmax,
+        aten.logsumexp.default: _aten_logsumexp,
+    }
+
+
+def _table_with_safeops() -> dict:
+    table = dict(_compat.select_decomp_table())
+    table.update(_decompositions())
+    return table
+
+
+# ---------------------------------------------------------------------------------------------------
+# The backend
+# ---------------------------------------------------------------------------------------------------
+
+
+def backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    """``torch.compile(fn, backend="safeops")``: Inductor plus the safeops rewrite, for this compile only."""
+    config = _compat.inductor_config()
+    current = config.pre_grad_custom_pass
+    passes = [] if current is None else (list(current) if isinstance(current, (list, tuple)) else [current])
+    if _PASS not in passes:
+        passes.append(_PASS)
+    patches = {"pre_grad_custom_pass": passes if len(passes) > 1 else passes[0]}
+    with config.patch(patches), _caches_safe():
+        return _compat.compile_fx(gm, example_inputs, decompositions=_table_with_safeops(), **kwargs)
+
+
+_compat.register_backend(BACKEND_NAME, backend)
+
+
+@contextlib.contextmanager
+def _caches_safe():
+    if _compat.pre_grad_pass_in_cache_key():
+        yield
+        return
+    with _compat.inductor_config().patch({"fx_graph_cache": False}), \
+            _compat.functorch_config().patch({"enable_autograd_cache": False}):
+        yield
+
+
+# ---------------------------------------------------------------------------------------------------
+# Global registration
+# ---------------------------------------------------------------------------------------------------
+
+
+def is_registered() -> bool:
+    return _state["registered"]
+
+
+def register() -> None:
+    """From now on, ``torch.compile`` (Inductor) routes softmax through safeops. Idempotent."""
+    with _lock:
+        if _state["registered"]:
+            return
+        config = _compat.inductor_config()
+        saved = {"pre_grad_custom_pass": config.pre_grad_custom_pass}
+        current = config.pre_grad_custom_pass
+        if current is None:
+            config.pre_grad_custom_pass = _PASS
+        elif isinstance(current, (list, tuple)):
+            config.pre_grad_custom_pass = [*current, _PASS]
+        else:
+            config.pre_grad_custom_pass = [current, _PASS]
+
+        table = _compat.decomposition_table()
+        saved["decompositions"] = {op: table.get(op) for op in _decompositions()}
+        table.update(_decompositions())
+        _compat.clear_decomposition_cache()
+
+        if not _compat.pre_grad_pass_in_cache_key():
+            fconfig = _compat.functorch_config()
+            saved["fx_graph_cache"] = config.fx_graph_cache
+            saved["enable_autograd_cache"] = fconfig.enable_autograd_cache
+            config.fx_graph_cache = False
+            fconfig.enable_autograd_cache = False
+        _state.update(registered=True, saved=saved)
+
+
+def unregister() -> None:
+    """Back to stock ``torch.compile``: undoes everything :func:`register` changed. Idempotent.
+
+    Functions compiled while registered keep their compiled (safe) code; call ``torch._dynamo.reset()``
+    to recompile them stock.
+    """
+    with _lock:
+        if not _state["registered"]:
+            return
+        saved = _state.pop("saved")
+        config = _compat.inductor_config()
+        config.pre_grad_custom_pass = saved["pre_grad_custom_pass"]
+        table = _compat.decomposition_table()
+        for op, fn in saved["decompositions"].items():
+            if fn is None:
+                table.pop(op, None)
+            else:
+                table[op] = fn
+        _compat.clear_decomposition_cache()
+        if "fx_graph_cache" in saved:
+            config.fx_graph_cache = saved["fx_graph_cache"]
+            _compat.functorch_config().enable_autograd_cache = saved["enable_autograd_cache"]
+        _state["registered"] = False
+
+
+@contextlib.contextmanager
+def registered():
+    """``with safeops.registered(): ...``: registration for the block, restored after (nesting is fine)."""
+    with _lock:
+        was = _state["registered"]
+        register()
+    try:
+        yield
+    finally:
+        if not was:
+            unregister()

@@ -1,0 +1,87 @@
+"""Everything that touches torch.compile internals, in one place (torch 2.11 to 2.13 are tested).
+
+Each helper names the private API it uses; when a torch release moves one, this is the only file to change.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+try:  # torch >= 2.6: passes with a uuid() take part in Inductor's cache keys
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+except ImportError:  # pragma: no cover - older torch
+    class CustomGraphPass:  # type: ignore[no-redef]
+        def uuid(self) -> Any:
+            return None
+
+
+def inductor_config():
+    import torch._inductor.config as config
+
+    return config
+
+
+def functorch_config():
+    import torch._functorch.config as config
+
+    return config
+
+
+def decomposition_table() -> dict:
+    """Inductor's global decomposition table (``torch._inductor.decomposition.decompositions``)."""
+    from torch._inductor import decomposition
+
+    return decomposition.decompositions
+
+
+def clear_decomposition_cache() -> None:
+    """``select_decomp_table()`` serves a cached merged copy; drop it after editing the table."""
+    from torch._inductor import decomposition
+
+    for name in ("fast_random_decomps", "select_decomp_table"):
+        fn = getattr(decomposition, name, None)
+        if fn is not None and hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+
+
+def select_decomp_table() -> dict:
+    from torch._inductor.decomposition import select_decomp_table as select
+
+    return select()
+
+
+def compile_fx(gm, example_inputs, **kwargs):
+    from torch._inductor.compile_fx import compile_fx as inductor_compile_fx
+
+    return inductor_compile_fx(gm, example_inputs, **kwargs)
+
+
+def register_backend(name: str, fn) -> None:
+    from torch._dynamo.backends.registry import _COMPILER_FNS
+    from torch._dynamo.backends.registry import register_backend as register
+
+    if name not in _COMPILER_FNS:
+        register(compiler_fn=fn, name=name)
+
+
+def pre_grad_pass_in_cache_key() -> bool:
+    """Whether Inductor's FX-graph / AOT-autograd caches hash ``config.pre_grad_custom_pass``.
+
+    Where they do not, a graph compiled with the safeops pass could be served to a compile without it (or
+    the other way round); ``register()`` then turns those caches off while it is in force.
+    """
+    try:
+        import torch._inductor.codecache as codecache
+
+        source = inspect.getsource(codecache)
+    except (OSError, TypeError, ImportError):
+        return False
+    return "pre_grad_custom_pass" in source
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)

@@ -1,0 +1,301 @@
+"""The graph rewrite that routes softmax in a Dynamo graph to safeops, before autograd.
+
+It runs on the torch-level FX graph that Dynamo hands to Inductor (as ``pre_grad_custom_pass``), so every
+rewritten softmax gets safeops' registered autograd: training graphs use the safeops backward, which
+recomputes fp32 probabilities from the input (contract section 3), not a formula on rounded outputs.
+
+Two kinds of rewrite:
+
+- calls: ``torch.softmax``, ``F.softmax``, ``Tensor.softmax`` (and ``torch.special.softmax``), the same
+  for ``log_softmax``, and ``torch.logsumexp`` / ``Tensor.logsumexp`` over one dim;
+- hand-written cores: ``m = amax(z, d, keepdim=True)`` (or ``max(z, d, keepdim=True)[0]``), then
+  ``e = exp(z - m)``, ``out = e / sum(e, d, keepdim=True)`` for softmax, and
+  ``out = (z - m) - log(sum(exp(z - m), d, keepdim=True))`` for log-softmax (``z - m`` once or twice).
+  An fp16/bf16 -> fp32 upcast right before ``z`` and a cast right after ``out`` are folded into the op.
+
+A core is rewritten only when its intermediates (the max, ``z - m``, ``exp``, the sum, the log) feed
+nothing outside it: an ``exp`` that is also used elsewhere is not a softmax. Whatever computes ``z``
+(a scale, ``masked_fill(mask, -inf)``, ``where(mask, x, -inf)``) stays in the graph as the op's input:
+safeops treats exact ``-inf`` as excluded (contract section 4), so fully masked rows come out 0, not NaN.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .. import functional
+
+stats: collections.Counter = collections.Counter()
+
+_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_FUNCTIONS = {
+    torch.softmax: "softmax", F.softmax: "softmax", torch.special.softmax: "softmax",
+    torch.log_softmax: "log_softmax", F.log_softmax: "log_softmax", torch.special.log_softmax: "log_softmax",
+    torch.logsumexp: "logsumexp", torch.special.logsumexp: "logsumexp",
+    torch.amax: "amax", torch.max: "max", operator.getitem: "getitem",
+    operator.sub: "sub", torch.sub: "sub", torch.exp: "exp", torch.sum: "sum",
+    operator.truediv: "div", torch.div: "div", torch.true_divide: "div", torch.log: "log",
+}
+_METHODS = {"softmax", "log_softmax", "logsumexp", "amax", "max", "sub", "exp", "sum", "div", "log", "float",
+            "to"}
+
+
+def _kind(node: fx.Node) -> str | None:
+    if node.op == "call_function":
+        try:
+            return _FUNCTIONS.get(node.target)
+        except TypeError:  # unhashable target
+            return None
+    if node.op == "call_method" and node.target in _METHODS:
+        return node.target
+    return None
+
+
+def _value(node) -> torch.Tensor | None:
+    if not isinstance(node, fx.Node):
+        return None
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _single_dim(dim, ndim: int) -> int | None:
+    if isinstance(dim, (list, tuple)):
+        if len(dim) != 1:
+            return None
+        dim = dim[0]
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        return None
+    rank = max(ndim, 1)
+    if not -rank <= dim < rank:
+        return None
+    return dim % rank
+
+
+def _supported(value: torch.Tensor | None) -> bool:
+    return value is not None and value.dtype in _FLOATING and value.device.type in ("cpu", "cuda")
+
+
+def _replace(graph: fx.Graph, old: fx.Node, fn, args, kwargs, dead: list[fx.Node]) -> None:
+    with graph.inserting_before(old):
+        new = graph.call_function(fn, tuple(args), dict(kwargs))
+    new.meta.update(old.meta)
+    old.replace_all_uses_with(new)
+    for node in [old, *dead]:
+        if not node.users:
+            graph.erase_node(node)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Calls of the library functions
+# ---------------------------------------------------------------------------------------------------
+
+
+def _rewrite_call(graph: fx.Graph, node: fx.Node, kind: str) -> bool:
+    x = node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self"))
+    value = _value(x)
+    if not _supported(value) or value.dim() == 0:
+        return False
+    offset = 1 if node.args else 0
+    if kind == "logsumexp":
+        dim = _single_dim(_arg(node, offset, "dim"), value.dim())
+        keepdim = _arg(node, offset + 1, "keepdim", False)
+        if dim is None or not isinstance(keepdim, bool):
+            return False
+        _replace(graph, node, functional.logsumexp, (x, dim), {"keepdim": keepdim}, [])
+        return True
+    dim = _single_dim(_arg(node, offset, "dim"), value.dim())
+    # F.softmax(x, dim, _stacklevel, dtype): dtype is the fourth positional argument there.
+    dtype = node.kwargs.get("dtype")
+    if node.op == "call_function" and node.target in (F.softmax, F.log_softmax) and len(node.args) > 3:
+        dtype = node.args[3]
+    elif len(node.args) > offset + 1 and node.target not in (F.softmax, F.log_softmax):
+        dtype = node.args[offset + 1]
+    if dim is None or not (dtype is None or dtype in _FLOATING):
+        return False
+    fn = functional.softmax if kind == "softmax" else functional.log_softmax
+    _replace(graph, node, fn, (x, dim), {"dtype": dtype}, [])
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hand-written cores
+# ---------------------------------------------------------------------------------------------------
+
+
+def _reduction(node, kind: str, src: fx.Node) -> int | None:
+    """The normalized dim of ``kind(src, dim, keepdim=True)``, or None."""
+    if not isinstance(node, fx.Node) or _kind(node) != kind or not node.args or node.args[0] is not src:
+        return None
+    if _arg(node, 2, "keepdim", False) is not True:
+        return None
+    value = _value(src)
+    return None if value is None else _single_dim(_arg(node, 1, "dim"), value.dim())
+
+
+def _row_max(m) -> tuple[fx.Node, int, list[fx.Node]] | None:
+    """(z, dim, nodes) for ``amax(z, dim, keepdim=True)`` or ``max(z, dim, keepdim=True)[0]``."""
+    if not isinstance(m, fx.Node):
+        return None
+    if _kind(m) == "amax" and m.args:
+        z = m.args[0]
+        dim = _reduction(m, "amax", z)
+        return None if dim is None else (z, dim, [m])
+    if _kind(m) == "getitem" and m.args[1] == 0 and isinstance(m.args[0], fx.Node):
+        pair = m.args[0]
+        if _kind(pair) != "max" or not pair.args or len(pair.users) != 1:
+            return None
+        z = pair.args[0]
+        dim = _reduction(pair, "max", z)
+        return None if dim is None else (z, dim, [m, pair])
+    return None
+
+
+def _difference(t) -> tuple[fx.Node, fx.Node] | None:
+    """(z, m) for ``z - m`` written as a plain subtraction."""
+    if not isinstance(t, fx.Node) or _kind(t) != "sub" or len(t.args) != 2 or t.kwargs:
+        return None
+    z, m = t.args
+    if not isinstance(z, fx.Node) or not isinstance(m, fx.Node):
+        return None
+    return z, m
+
+
+def _only_users(node: fx.Node, allowed) -> bool:
+    return set(node.users) <= set(allowed)
+
+
+def _fold_casts(graph: fx.Graph, z: fx.Node, z_users, out: fx.Node):
+    """Returns (input, out_dtype, node_to_replace, dead_after, dead_before): folds an upcast before z and a
+    cast after out. ``dead_after`` must be erased before the core's nodes, ``dead_before`` after them."""
+    inp, before, after = z, [], []
+    if _kind(z) in ("float", "to") and _only_users(z, z_users):
+        source = z.args[0] if z.args else None
+        src_value, z_value = _value(source), _value(z)
+        is_plain_cast = (_kind(z) == "float" and len(z.args) == 1 and not z.kwargs) or (
+            _kind(z) == "to" and len(z.args) == 2 and not z.kwargs and z.args[1] == torch.float32)
+        if (is_plain_cast and _supported(src_value) and z_value is not None
+                and src_value.dtype in (torch.float16, torch.bfloat16) and z_value.dtype == torch.float32):
+            inp, before = source, [z]
+    out_value = _value(out)
+    target, dtype = out, (out_value.dtype if out_value is not None else None)
+    if len(out.users) == 1:
+        (cast,) = out.users
+        cast_value = _value(cast)
+        if (_kind(cast) == "to" and len(cast.args) == 2 and not cast.kwargs and cast.args[1] in _FLOATING
+                and cast_value is not None and cast_value.dtype == cast.args[1]):
+            target, dtype = cast, cast.args[1]
+            after = [out]
+    return inp, dtype, target, after, before
+
+
+def _rewrite_softmax_core(graph: fx.Graph, out: fx.Node) -> bool:
+    """``out = e / sum(e, d, keepdim=True)`` with ``e = exp(z - m)`` and ``m`` the row max of z."""
+    if len(out.args) != 2 or out.kwargs:
+        return False
+    e, s = out.args
+    if not isinstance(e, fx.Node) or _kind(e) != "exp" or len(e.args) != 1:
+        return False
+    dim = _reduction(s, "sum", e)
+    if dim is None:
+        return False
+    diff = _difference(e.args[0])
+    if diff is None:
+        return False
+    t = e.args[0]
+    z, m = diff
+    row_max = _row_max(m)
+    if row_max is None or row_max[0] is not z or row_max[1] != dim:
+        return False
+    max_nodes = row_max[2]
+    if not (_only_users(e, (s, out)) and _only_users(s, (out,)) and _only_users(t, (e,))
+            and _only_users(m, (t,))):
+        return False
+    if not _supported(_value(z)):
+        return False
+    inp, dtype, target, after, before = _fold_casts(graph, z, (max_nodes[-1], t), out)
+    dead = [*after, s, e, t, *max_nodes, *before]
+    _replace(graph, target, functional.softmax, (inp, dim), {"dtype": dtype},
+             [n for n in dead if n is not target])
+    return True
+
+
+def _rewrite_log_softmax_core(graph: fx.Graph, out: fx.Node) -> bool:
+    """``out = (z - m) - log(sum(exp(z - m), d, keepdim=True))``."""
+    if len(out.args) != 2 or out.kwargs:
+        return False
+    a, lg = out.args
+    if not isinstance(lg, fx.Node) or _kind(lg) != "log" or len(lg.args) != 1:
+        return False
+    s = lg.args[0]
+    if not isinstance(s, fx.Node) or _kind(s) != "sum" or not s.args:
+        return False
+    e = s.args[0]
+    if not isinstance(e, fx.Node) or _kind(e) != "exp" or len(e.args) != 1:
+        return False
+    dim = _reduction(s, "sum", e)
+    t = e.args[0]
+    diff_t, diff_a = _difference(t), _difference(a)
+    if dim is None or diff_t is None or diff_a is None:
+        return False
+    if diff_t[0] is not diff_a[0] or diff_t[1] is not diff_a[1]:
+        return False
+    z, m = diff_t
+    row_max = _row_max(m)
+    if row_max is None or row_max[0] is not z or row_max[1] != dim:
+        return False
+    max_nodes = row_max[2]
+    same = a is t
+    diffs = (t,) if same else (t, a)
+    if not (_only_users(lg, (out,)) and _only_users(s, (lg,)) and _only_users(e, (s,))
+            and _only_users(m, diffs)):
+        return False
+    if same and not _only_users(t, (e, out)):
+        return False
+    if not same and not (_only_users(t, (e,)) and _only_users(a, (out,))):
+        return False
+    if not _supported(_value(z)):
+        return False
+    inp, dtype, target, after, before = _fold_casts(graph, z, (max_nodes[-1], *diffs), out)
+    dead = [*after, lg, s, e, *([] if same else [a]), t, *max_nodes, *before]
+    _replace(graph, target, functional.log_softmax, (inp, dim), {"dtype": dtype},
+             [n for n in dead if n is not target])
+    return True
+
+
+def rewrite_graph(graph: fx.Graph) -> int:
+    """Rewrites every softmax in ``graph`` it recognizes; returns how many it rewrote."""
+    count = 0
+    alive = set(graph.nodes)
+    for node in list(graph.nodes):
+        if node not in alive:
+            continue
+        kind = _kind(node)
+        done = False
+        if kind in ("softmax", "log_softmax", "logsumexp"):
+            done = _rewrite_call(graph, node, kind)
+            label = f"{kind}_call"
+        elif kind == "div":
+            done = _rewrite_softmax_core(graph, node)
+            label = "softmax_pattern"
+        elif kind == "sub":
+            done = _rewrite_log_softmax_core(graph, node)
+            label = "log_softmax_pattern"
+        if done:
+            stats[label] += 1
+            count += 1
+            alive = set(graph.nodes)
+    if count:
+        graph.lint()
+    return count
