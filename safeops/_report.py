@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from . import __version__, _config, _seed, log_softmax, logsumexp, softmax
+from . import compile as safeops_compile
 
 # Case 1 and 1b: safeops runs a softmax over a row of this many copies of x; the exact answer is 1/N.
 N_COPIES = 4
@@ -44,10 +45,21 @@ def _cell(fn: Callable[[], dict]) -> dict:
         return _error(exc)
 
 
-def _compiled(fn: Callable) -> Callable:
-    """``torch.compile(fn)`` after a fresh ``torch._dynamo.reset()``, so no earlier graph is reused."""
+def _compiled(fn: Callable, registered: bool = False) -> Callable:
+    """``torch.compile(fn)`` after a fresh ``torch._dynamo.reset()``, so no earlier graph is reused.
+
+    With ``registered``, the function is compiled and run under ``safeops.registered()``.
+    """
     torch._dynamo.reset()
-    return torch.compile(fn)
+    compiled = torch.compile(fn)
+    if not registered:
+        return compiled
+
+    def run(*args):
+        with safeops_compile.registered():
+            return compiled(*args)
+
+    return run
 
 
 def _same(a: float, b: float) -> bool:
@@ -113,6 +125,7 @@ def _fma_case(dtype: torch.dtype, expression: Callable, device: torch.device) ->
     cells = {
         "eager": _cell(lambda: _scalar(expression(x, scale))),
         "compiled": _cell(lambda: _scalar(_compiled(expression)(x, scale))),
+        "compiled_registered": _cell(lambda: _scalar(_compiled(expression, registered=True)(x, scale))),
         "safeops": _cell(lambda: _row(safeops_row(row, scale))),
         "safeops_compiled": _cell(lambda: _row(_compiled(safeops_row)(row, scale))),
     }
@@ -139,13 +152,20 @@ def _safeops_softmax(t: torch.Tensor, dim: int) -> torch.Tensor:
     return softmax(t, dim)
 
 
-def _y_grad(softmax_fn: Callable, device: torch.device, compile: bool) -> list[float]:
+def _y_grad(softmax_fn: Callable, device: torch.device, compile: bool,
+            registered: bool = False) -> list[float]:
     x, y = _seed.userland_inputs(torch.bfloat16, device)
 
     def loss(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return _seed.userland_loss(softmax_fn, a, b)
 
-    (_compiled(loss) if compile else loss)(x, y).backward()
+    if not compile:
+        loss(x, y).backward()
+    elif registered:
+        with safeops_compile.registered():
+            _compiled(loss)(x, y).backward()
+    else:
+        _compiled(loss)(x, y).backward()
     return y.grad.double().flatten().tolist()
 
 
@@ -158,17 +178,19 @@ def _reference_grad(device: torch.device) -> list[float]:
 
 
 def _userland_case(device: torch.device) -> dict:
-    variants = {  # name: (softmax function, compiled)
-        "eager_userland": (_seed.userland_softmax, False),
-        "eager_torch_softmax": (_torch_softmax, False),
-        "compiled_userland": (_seed.userland_softmax, True),
-        "safeops": (_safeops_softmax, False),
-        "safeops_compiled": (_safeops_softmax, True),
+    variants = {  # name: (softmax function, compiled, under safeops.register())
+        "eager_userland": (_seed.userland_softmax, False, False),
+        "eager_torch_softmax": (_torch_softmax, False, False),
+        "compiled_userland": (_seed.userland_softmax, True, False),
+        "compiled_userland_registered": (_seed.userland_softmax, True, True),
+        "safeops": (_safeops_softmax, False, False),
+        "safeops_compiled": (_safeops_softmax, True, False),
     }
     reference = _cell(lambda: {"grad": _reference_grad(device)})
     cells = {}
-    for name, (fn, compile) in variants.items():
-        cell = _cell(lambda fn=fn, compile=compile: {"grad": _y_grad(fn, device, compile)})
+    for name, (fn, compile, registered) in variants.items():
+        cell = _cell(lambda fn=fn, compile=compile, registered=registered:
+                     {"grad": _y_grad(fn, device, compile, registered)})
         if "grad" in cell:
             grad = cell["grad"]
             cell["nan"] = any(math.isnan(g) for g in grad)
@@ -340,12 +362,15 @@ def render(data: dict) -> str:
         f"         safeops: softmax(row of {N_COPIES} copies of x, scale=s); exact: 1/{N_COPIES}",
         "",
     ]
-    rows = [["", "eager", "torch.compile", "safeops", "safeops compiled", "note"]]
+    rows = [["", "eager", "torch.compile", "+ register()", "safeops", "safeops compiled", "note"]]
     for key in ("1", "1b"):
         c = cases[key]["cells"]
-        rows.append([f"case {key}", _scalar_text(c["eager"]), _scalar_text(c["compiled"]),
+        registered = _scalar_text(c["compiled_registered"]) if "compiled_registered" in c else "-"
+        rows.append([f"case {key}", _scalar_text(c["eager"]), _scalar_text(c["compiled"]), registered,
                      _row_text(c["safeops"]), _row_text(c["safeops_compiled"]), cases[key]["note"]])
-    lines += _table(rows, indent="") + [""]
+    lines += _table(rows, indent="")
+    lines += ["         (cases 1 and 1b are not softmax code, so register() leaves them alone; a softmax",
+              "         written the same way is what it rewrites: case 1c)", ""]
 
     case = cases["1c"]
     lines.append("case 1c  user-land bf16 softmax backward: y.grad of sum(softmax(x @ x / y)); exact: 0")
@@ -356,6 +381,7 @@ def render(data: dict) -> str:
         "eager_userland": "eager, user-land softmax",
         "eager_torch_softmax": "eager, torch.softmax",
         "compiled_userland": "torch.compile, user-land",
+        "compiled_userland_registered": "torch.compile + register()",
         "safeops": "safeops.softmax",
         "safeops_compiled": "safeops.softmax, compiled",
     }

@@ -21,8 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 # by 0.2; safeops recomputes fp32 probabilities in the backward (contract section 3), so its error against
 # float64 is fp32 rounding carried through the chain rule, far below this.
 USERLAND_GRAD_TOL = 1e-4
-FMA_CELLS = {"eager", "compiled", "safeops", "safeops_compiled"}
-USERLAND_CELLS = {"eager_userland", "eager_torch_softmax", "compiled_userland", "safeops", "safeops_compiled"}
+FMA_CELLS = {"eager", "compiled", "compiled_registered", "safeops", "safeops_compiled"}
+USERLAND_CELLS = {"eager_userland", "eager_torch_softmax", "compiled_userland",
+                  "compiled_userland_registered", "safeops", "safeops_compiled"}
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,8 @@ def test_userland_safeops_gradients_are_finite_and_match_float64(report):
     reference = case["reference"]["grad"]
     assert len(reference) == 4
     assert all(abs(g) < 1e-10 for g in reference)
-    for name in ("safeops", "safeops_compiled"):
+    # safeops directly, and the user-land softmax compiled under safeops.register() (issue 3).
+    for name in ("safeops", "safeops_compiled", "compiled_userland_registered"):
         cell = case["cells"][name]
         assert "error" not in cell, cell
         assert cell["finite"] and not cell["nan"]
