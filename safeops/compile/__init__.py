@@ -68,6 +68,34 @@ class SafeopsGraphPass(_compat.CustomGraphPass):
 _PASS = SafeopsGraphPass()
 
 
+class _Chain(_compat.CustomGraphPass):
+    """A user's own pre-grad pass followed by the safeops pass, as one pass.
+
+    One callable rather than a list, since older torch calls ``config.pre_grad_custom_pass(graph)``.
+    """
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.first(graph)
+        self.second(graph)
+
+    def uuid(self):
+        first = self.first.uuid() if hasattr(self.first, "uuid") else None
+        # A user pass without a uuid keeps Inductor from caching with it, as it would without safeops.
+        return None if first is None else (first, self.second.uuid())
+
+
+def _with_safeops_pass(current):
+    """``current`` (None, a pass, or a chain already holding safeops) with the safeops pass added."""
+    if current is None or current is _PASS:
+        return _PASS
+    if isinstance(current, _Chain) and current.second is _PASS:
+        return current
+    return _Chain(current, _PASS)
+
+
 # ---------------------------------------------------------------------------------------------------
 # aten forward ops produced by other decompositions
 # ---------------------------------------------------------------------------------------------------
@@ -119,11 +147,7 @@ def _table_with_safeops() -> dict:
 def backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     """``torch.compile(fn, backend="safeops")``: Inductor plus the safeops rewrite, for this compile only."""
     config = _compat.inductor_config()
-    current = config.pre_grad_custom_pass
-    passes = [] if current is None else (list(current) if isinstance(current, (list, tuple)) else [current])
-    if _PASS not in passes:
-        passes.append(_PASS)
-    patches = {"pre_grad_custom_pass": passes if len(passes) > 1 else passes[0]}
+    patches = {"pre_grad_custom_pass": _with_safeops_pass(config.pre_grad_custom_pass)}
     with config.patch(patches), _caches_safe():
         return _compat.compile_fx(gm, example_inputs, decompositions=_table_with_safeops(), **kwargs)
 
@@ -157,13 +181,7 @@ def register() -> None:
             return
         config = _compat.inductor_config()
         saved = {"pre_grad_custom_pass": config.pre_grad_custom_pass}
-        current = config.pre_grad_custom_pass
-        if current is None:
-            config.pre_grad_custom_pass = _PASS
-        elif isinstance(current, (list, tuple)):
-            config.pre_grad_custom_pass = [*current, _PASS]
-        else:
-            config.pre_grad_custom_pass = [current, _PASS]
+        config.pre_grad_custom_pass = _with_safeops_pass(config.pre_grad_custom_pass)
 
         table = _compat.decomposition_table()
         saved["decompositions"] = {op: table.get(op) for op in _decompositions()}
