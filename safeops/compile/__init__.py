@@ -101,41 +101,49 @@ def _with_safeops_pass(current):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _aten_softmax(x, dim, half_to_float):
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        return NotImplemented
-    out_dtype = torch.float32 if half_to_float else None
-    return _ops.softmax_op(x, dim % max(x.dim(), 1), None, None, None, out_dtype)[0]
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _aten_log_softmax(x, dim, half_to_float):
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        return NotImplemented
-    out_dtype = torch.float32 if half_to_float else None
-    return _ops.log_softmax_op(x, dim % max(x.dim(), 1), None, None, None, out_dtype)[0]
+def _decompositions(original: dict) -> dict:
+    """Decompositions of the aten forward ops into safeops ops; anything else goes to ``original``."""
 
+    def fallback(op, *args):
+        fn = original.get(op)
+        return NotImplemented if fn is None else fn(*args)
 
-def _aten_logsumexp(x, dim, keepdim=False):
-    dims = list(dim) if isinstance(dim, (list, tuple)) else [dim]
-    if len(dims) != 1 or x.dim() == 0 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32,
-                                                        torch.float64):
-        return NotImplemented
-    d = dims[0] % x.dim()
-    out = _ops.logsumexp_op(x, d, None, None, None, None)[0]
-    return out.unsqueeze(d) if keepdim else out
+    def softmax(x, dim, half_to_float):
+        if x.dtype not in _FLOATS or x.dim() == 0:
+            return fallback(aten._softmax.default, x, dim, half_to_float)
+        out_dtype = torch.float32 if half_to_float else None
+        return _ops.softmax_op(x, dim % x.dim(), None, None, None, out_dtype)[0]
 
+    def log_softmax(x, dim, half_to_float):
+        if x.dtype not in _FLOATS or x.dim() == 0:
+            return fallback(aten._log_softmax.default, x, dim, half_to_float)
+        out_dtype = torch.float32 if half_to_float else None
+        return _ops.log_softmax_op(x, dim % x.dim(), None, None, None, out_dtype)[0]
 
-def _decompositions() -> dict:
+    def logsumexp(x, dim, keepdim=False):
+        dims = list(dim) if isinstance(dim, (list, tuple)) else [dim]
+        if len(dims) != 1 or x.dim() == 0 or x.dtype not in _FLOATS:
+            return fallback(aten.logsumexp.default, x, dim, keepdim)
+        d = dims[0] % x.dim()
+        out = _ops.logsumexp_op(x, d, None, None, None, None)[0]
+        return out.unsqueeze(d) if keepdim else out
+
     return {
-        aten._softmax.default: _aten_softmax,
-        aten._log_softmax.default: _aten_log_softmax,
-        aten.logsumexp.default: _aten_logsumexp,
+        aten._softmax.default: softmax,
+        aten._log_softmax.default: log_softmax,
+        aten.logsumexp.default: logsumexp,
     }
+
+
+_OPS = (aten._softmax.default, aten._log_softmax.default, aten.logsumexp.default)
 
 
 def _table_with_safeops() -> dict:
     table = dict(_compat.select_decomp_table())
-    table.update(_decompositions())
+    table.update(_decompositions({op: table.get(op) for op in _OPS}))
     return table
 
 
@@ -184,8 +192,8 @@ def register() -> None:
         config.pre_grad_custom_pass = _with_safeops_pass(config.pre_grad_custom_pass)
 
         table = _compat.decomposition_table()
-        saved["decompositions"] = {op: table.get(op) for op in _decompositions()}
-        table.update(_decompositions())
+        saved["decompositions"] = {op: table.get(op) for op in _OPS}
+        table.update(_decompositions(dict(saved["decompositions"])))
         _compat.clear_decomposition_cache()
 
         if not _compat.pre_grad_pass_in_cache_key():
