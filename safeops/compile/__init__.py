@@ -10,8 +10,9 @@ What is rewritten (see ``safeops.compile.rewrite``): calls of softmax / log_soft
 hand-written softmax and log-softmax cores, in the Dynamo graph, before autograd, so training graphs use
 the safeops backward. While registered, the aten forward ops ``_softmax``, ``_log_softmax`` and
 ``logsumexp`` that other decompositions produce are also mapped to safeops through Inductor's
-decomposition table; their backward stays Inductor's fp32 formula on the (safe) forward output, because
-the aten backward ops receive the output, not the input.
+decomposition table. Their backward ops receive the output, not the input, so they cannot recompute:
+``_softmax_backward_data`` stays Inductor's fp32 formula on the (safe) output, and
+``_log_softmax_backward_data`` gets a version that gives excluded entries (output -inf) a zero gradient.
 
 Cache safety: the rewrite is an Inductor ``CustomGraphPass`` whose ``uuid()`` hashes this package's
 rewrite code, so Inductor's FX-graph and AOT-autograd caches key on whether it ran. On torch versions
@@ -131,14 +132,25 @@ def _decompositions(original: dict) -> dict:
         out = _ops.logsumexp_op(x, d, None, None, None, None)[0]
         return out.unsqueeze(d) if keepdim else out
 
+    def log_softmax_backward(grad, output, dim, input_dtype):
+        # The aten backward sees only the output. An excluded entry (output exactly -inf) influences
+        # nothing, so its gradient is 0 and its incoming gradient is not summed (contract section 4);
+        # Inductor's own formula would give it g, and g to the others through the sum.
+        keep = output != float("-inf")
+        g = torch.where(keep, grad.float(), 0.0)
+        dx = g - torch.exp(output.float()) * g.sum(dim, keepdim=True)
+        return torch.where(keep, dx, 0.0).to(input_dtype)
+
     return {
         aten._softmax.default: softmax,
         aten._log_softmax.default: log_softmax,
         aten.logsumexp.default: logsumexp,
+        aten._log_softmax_backward_data.default: log_softmax_backward,
     }
 
 
-_OPS = (aten._softmax.default, aten._log_softmax.default, aten.logsumexp.default)
+_OPS = (aten._softmax.default, aten._log_softmax.default, aten.logsumexp.default,
+        aten._log_softmax_backward_data.default)
 
 
 def _table_with_safeops() -> dict:

@@ -7,7 +7,8 @@ recomputes fp32 probabilities from the input (contract section 3), not a formula
 Two kinds of rewrite:
 
 - calls: ``torch.softmax``, ``F.softmax``, ``Tensor.softmax`` (and ``torch.special.softmax``), the same
-  for ``log_softmax``, and ``torch.logsumexp`` / ``Tensor.logsumexp`` over one dim;
+  for ``log_softmax``, and ``torch.logsumexp`` / ``Tensor.logsumexp`` over one dim, and the aten ops
+  ``_softmax``, ``softmax.int``, ``_log_softmax``, ``log_softmax.int``, ``logsumexp`` called directly;
 - hand-written cores: ``m = amax(z, d, keepdim=True)`` (or ``max(z, d, keepdim=True)[0]``), then
   ``e = exp(z - m)``, ``out = e / sum(e, d, keepdim=True)`` for softmax, and
   ``out = (z - m) - log(sum(exp(z - m), d, keepdim=True))`` for log-softmax (``z - m`` once or twice).
@@ -46,7 +47,18 @@ _METHODS = {"softmax", "log_softmax", "logsumexp", "amax", "max", "sub", "exp", 
             "to"}
 
 
+_aten = torch.ops.aten
+# aten ops a user (or a library) calls directly: (kind, how their arguments map to safeops').
+_ATEN_CALLS = {
+    _aten._softmax.default: "softmax", _aten._log_softmax.default: "log_softmax",
+    _aten.softmax.int: "softmax", _aten.log_softmax.int: "log_softmax", _aten.logsumexp.default: "logsumexp",
+}
+
+
 def _kind(node: fx.Node) -> str | None:
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        kind = _ATEN_CALLS.get(node.target)
+        return None if kind is None else f"aten_{kind}"
     if node.op == "call_function":
         try:
             return _FUNCTIONS.get(node.target)
@@ -123,6 +135,35 @@ def _rewrite_call(graph: fx.Graph, node: fx.Node, kind: str) -> bool:
     elif len(node.args) > offset + 1 and node.target not in (F.softmax, F.log_softmax):
         dtype = node.args[offset + 1]
     if dim is None or not (dtype is None or dtype in _FLOATING):
+        return False
+    fn = functional.softmax if kind == "softmax" else functional.log_softmax
+    _replace(graph, node, fn, (x, dim), {"dtype": dtype}, [])
+    return True
+
+
+def _rewrite_aten_call(graph: fx.Graph, node: fx.Node, kind: str) -> bool:
+    """``aten._softmax(x, dim, half_to_float)``, ``aten.softmax.int(x, dim, dtype)``, the log_softmax
+    twins, and ``aten.logsumexp(x, dims, keepdim)`` called directly in the graph."""
+    if len(node.args) < 2 or node.kwargs.keys() - {"dtype", "keepdim", "half_to_float"}:
+        return False
+    x = node.args[0]
+    value = _value(x)
+    if not _supported(value) or value.dim() == 0:
+        return False
+    dim = _single_dim(node.args[1], value.dim())
+    if dim is None:
+        return False
+    if kind == "logsumexp":
+        keepdim = _arg(node, 2, "keepdim", False)
+        if not isinstance(keepdim, bool):
+            return False
+        _replace(graph, node, functional.logsumexp, (x, dim), {"keepdim": keepdim}, [])
+        return True
+    if node.target in (_aten._softmax.default, _aten._log_softmax.default):
+        dtype = torch.float32 if _arg(node, 2, "half_to_float", False) else None
+    else:
+        dtype = _arg(node, 2, "dtype", None)
+    if not (dtype is None or dtype in _FLOATING):
         return False
     fn = functional.softmax if kind == "softmax" else functional.log_softmax
     _replace(graph, node, fn, (x, dim), {"dtype": dtype}, [])
@@ -286,6 +327,9 @@ def rewrite_graph(graph: fx.Graph) -> int:
         if kind in ("softmax", "log_softmax", "logsumexp"):
             done = _rewrite_call(graph, node, kind)
             label = f"{kind}_call"
+        elif kind is not None and kind.startswith("aten_"):
+            done = _rewrite_aten_call(graph, node, kind[5:])
+            label = f"{kind[5:]}_call"
         elif kind == "div":
             done = _rewrite_softmax_core(graph, node)
             label = "softmax_pattern"
