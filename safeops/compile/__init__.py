@@ -48,9 +48,12 @@ _state: dict = {"registered": False}
 
 
 def _code_hash() -> str:
+    """Changes whenever the code that decides what a compiled graph computes changes."""
     h = hashlib.sha256(_version.encode())
-    for name in ("rewrite.py", "__init__.py"):
-        h.update((Path(__file__).parent / name).read_bytes())
+    package = Path(__file__).parent.parent
+    for path in sorted([*package.joinpath("compile").glob("*.py"), package / "functional.py",
+                        *package.joinpath("ops").glob("*.py")]):
+        h.update(path.read_bytes())
     return h.hexdigest()
 
 
@@ -164,10 +167,16 @@ def _table_with_safeops() -> dict:
 # ---------------------------------------------------------------------------------------------------
 
 
-def backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
-    """``torch.compile(fn, backend="safeops")``: Inductor plus the safeops rewrite, for this compile only."""
+def backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None,
+            **kwargs):
+    """``torch.compile(fn, backend="safeops")``: Inductor plus the safeops rewrite, for this compile only.
+
+    ``mode`` and ``options`` mean what they mean for Inductor (``torch.compile`` passes them through).
+    """
     config = _compat.inductor_config()
-    patches = {"pre_grad_custom_pass": _with_safeops_pass(config.pre_grad_custom_pass)}
+    patches = dict(_compat.mode_options(mode))
+    patches.update(options or {})
+    patches["pre_grad_custom_pass"] = _with_safeops_pass(config.pre_grad_custom_pass)
     with config.patch(patches), _caches_safe():
         return _compat.compile_fx(gm, example_inputs, decompositions=_table_with_safeops(), **kwargs)
 
@@ -180,6 +189,7 @@ def _caches_safe():
     if _compat.pre_grad_pass_in_cache_key():
         yield
         return
+    # The caches would not see that this compile differs from a stock one: compile without them.
     with _compat.inductor_config().patch({"fx_graph_cache": False}), \
             _compat.functorch_config().patch({"enable_autograd_cache": False}):
         yield
@@ -209,6 +219,7 @@ def register() -> None:
         _compat.clear_decomposition_cache()
 
         if not _compat.pre_grad_pass_in_cache_key():
+            # The caches would not see whether safeops was in force: off while it is.
             fconfig = _compat.functorch_config()
             saved["fx_graph_cache"] = config.fx_graph_cache
             saved["enable_autograd_cache"] = fconfig.enable_autograd_cache

@@ -5,7 +5,6 @@ Each helper names the private API it uses; when a torch release moves one, this 
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -68,18 +67,33 @@ def register_backend(name: str, fn) -> None:
 
 
 def pre_grad_pass_in_cache_key() -> bool:
-    """Whether Inductor's FX-graph / AOT-autograd caches hash ``config.pre_grad_custom_pass``.
+    """Whether Inductor's FX-graph / AOT-autograd caches will hash ``config.pre_grad_custom_pass`` now.
 
-    Where they do not, a graph compiled with the safeops pass could be served to a compile without it (or
-    the other way round); ``register()`` then turns those caches off while it is in force.
+    torch >= 2.12 runs a pass with a ``uuid()`` "late" (after the cache lookup) and hashes it; a pass
+    without one (a user's pass chained with safeops') or ``pre_grad_pass_timing="early"`` runs before the
+    lookup and is not hashed, and older torch never hashes it. Then a graph that only the decomposition
+    table changes could be served across a safeops / stock boundary, so the callers turn the caches off.
     """
     try:
         import torch._inductor.codecache as codecache
-
-        source = inspect.getsource(codecache)
-    except (OSError, TypeError, ImportError):
+    except ImportError:
         return False
-    return "pre_grad_custom_pass" in source
+    resolve = getattr(codecache, "resolve_pre_grad_pass_timing", None)
+    if resolve is None:
+        return False
+    try:
+        return resolve() == "late"
+    except RuntimeError:
+        return False
+
+
+def mode_options(mode: str | None) -> dict:
+    """Inductor config patches for a ``torch.compile`` mode (what the stock Inductor backend applies)."""
+    if mode is None or mode == "default":
+        return {}
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
 
 
 def torch_version() -> tuple[int, int]:

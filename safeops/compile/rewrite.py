@@ -42,6 +42,7 @@ _FUNCTIONS = {
     torch.amax: "amax", torch.max: "max", operator.getitem: "getitem",
     operator.sub: "sub", torch.sub: "sub", torch.exp: "exp", torch.sum: "sum",
     operator.truediv: "div", torch.div: "div", torch.true_divide: "div", torch.log: "log",
+    torch._softmax: "aten_softmax", torch._log_softmax: "aten_log_softmax", F.softmin: "softmin",
 }
 _METHODS = {"softmax", "log_softmax", "logsumexp", "amax", "max", "sub", "exp", "sum", "div", "log", "float",
             "to"}
@@ -56,6 +57,8 @@ _ATEN_CALLS = {
 
 
 def _kind(node: fx.Node) -> str | None:
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverloadPacket):
+        node = type("_Default", (), {"op": "call_function", "target": node.target.default})()
     if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
         kind = _ATEN_CALLS.get(node.target)
         return None if kind is None else f"aten_{kind}"
@@ -141,6 +144,20 @@ def _rewrite_call(graph: fx.Graph, node: fx.Node, kind: str) -> bool:
     return True
 
 
+def _rewrite_softmin(graph: fx.Graph, node: fx.Node) -> bool:
+    """``F.softmin(x, dim, _stacklevel, dtype)`` is softmax of ``-x``: a scale of -1 (an exact multiply)."""
+    x = node.args[0] if node.args else node.kwargs.get("input")
+    value = _value(x)
+    if not _supported(value) or value.dim() == 0:
+        return False
+    dim = _single_dim(_arg(node, 1, "dim"), value.dim())
+    dtype = node.args[3] if len(node.args) > 3 else node.kwargs.get("dtype")
+    if dim is None or not (dtype is None or dtype in _FLOATING):
+        return False
+    _replace(graph, node, functional.softmax, (x, dim), {"scale": -1.0, "dtype": dtype}, [])
+    return True
+
+
 def _rewrite_aten_call(graph: fx.Graph, node: fx.Node, kind: str) -> bool:
     """``aten._softmax(x, dim, half_to_float)``, ``aten.softmax.int(x, dim, dtype)``, the log_softmax
     twins, and ``aten.logsumexp(x, dims, keepdim)`` called directly in the graph."""
@@ -159,7 +176,8 @@ def _rewrite_aten_call(graph: fx.Graph, node: fx.Node, kind: str) -> bool:
             return False
         _replace(graph, node, functional.logsumexp, (x, dim), {"keepdim": keepdim}, [])
         return True
-    if node.target in (_aten._softmax.default, _aten._log_softmax.default):
+    if node.target in (_aten._softmax.default, _aten._log_softmax.default, _aten._softmax,
+                       _aten._log_softmax, torch._softmax, torch._log_softmax):
         dtype = torch.float32 if _arg(node, 2, "half_to_float", False) else None
     else:
         dtype = _arg(node, 2, "dtype", None)
@@ -213,6 +231,34 @@ def _difference(t) -> tuple[fx.Node, fx.Node] | None:
     return z, m
 
 
+def _mutates(node: fx.Node) -> bool:
+    """Whether ``node`` may write to a tensor in place (an in-place method or function, or an op that
+    declares a mutation). Conservative: when in doubt, it mutates."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op == "call_function":
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
+        name = getattr(target, "__name__", "")
+        return (name.endswith("_") and not name.endswith("__")) or name.startswith("i") and target in (
+            operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow)
+    return node.op == "call_module"
+
+
+def _no_mutation_between(first: fx.Node, last: fx.Node) -> bool:
+    """No node from ``first`` to ``last`` (graph order) writes in place: the rewritten op reads its input
+    at ``last``, so the values there must be those the original code read."""
+    node = first
+    while node is not last:
+        if _mutates(node):
+            return False
+        node = node.next
+        if node.op == "root":
+            return False
+    return not _mutates(last)
+
+
 def _only_users(node: fx.Node, allowed) -> bool:
     return set(node.users) <= set(allowed)
 
@@ -241,6 +287,11 @@ def _fold_casts(graph: fx.Graph, z: fx.Node, z_users, out: fx.Node):
     return inp, dtype, target, after, before
 
 
+def _position(graph: fx.Graph):
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
 def _rewrite_softmax_core(graph: fx.Graph, out: fx.Node) -> bool:
     """``out = e / sum(e, d, keepdim=True)`` with ``e = exp(z - m)`` and ``m`` the row max of z."""
     if len(out.args) != 2 or out.kwargs:
@@ -266,6 +317,9 @@ def _rewrite_softmax_core(graph: fx.Graph, out: fx.Node) -> bool:
     if not _supported(_value(z)):
         return False
     inp, dtype, target, after, before = _fold_casts(graph, z, (max_nodes[-1], t), out)
+    first = min([*max_nodes, t, *before], key=_position(graph))
+    if not _no_mutation_between(first, target):
+        return False
     dead = [*after, s, e, t, *max_nodes, *before]
     _replace(graph, target, functional.softmax, (inp, dim), {"dtype": dtype},
              [n for n in dead if n is not target])
@@ -309,6 +363,9 @@ def _rewrite_log_softmax_core(graph: fx.Graph, out: fx.Node) -> bool:
     if not _supported(_value(z)):
         return False
     inp, dtype, target, after, before = _fold_casts(graph, z, (max_nodes[-1], *diffs), out)
+    first = min([*max_nodes, *diffs, *before], key=_position(graph))
+    if not _no_mutation_between(first, target):
+        return False
     dead = [*after, lg, s, e, *([] if same else [a]), t, *max_nodes, *before]
     _replace(graph, target, functional.log_softmax, (inp, dim), {"dtype": dtype},
              [n for n in dead if n is not target])
@@ -330,6 +387,9 @@ def rewrite_graph(graph: fx.Graph) -> int:
         elif kind is not None and kind.startswith("aten_"):
             done = _rewrite_aten_call(graph, node, kind[5:])
             label = f"{kind[5:]}_call"
+        elif kind == "softmin":
+            done = _rewrite_softmin(graph, node)
+            label = "softmax_call"
         elif kind == "div":
             done = _rewrite_softmax_core(graph, node)
             label = "softmax_pattern"
