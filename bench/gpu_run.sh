@@ -11,6 +11,7 @@
 #   sanitize  compute-sanitizer --tool memcheck over a small representative subset of the GPU tests
 #             (SAFEOPS_GPU_SMALL=1 shrinks their shapes; SANITIZE_K picks the tests)
 #   bench     python3 bench/softmax.py --out $OUT     (softmax.csv, softmax.md, softmax.png)
+#   compile   python3 bench/compile.py                (a transformer block compiled stock vs safeops.register())
 #   sweep     python3 bench/softmax.py --sweep        (safeops launcher knobs per N; softmax_sweep.csv)
 #
 # The whole run stays inside BUDGET_S seconds (default 530, under the device's 10-minute command limit): a
@@ -151,6 +152,10 @@ for s in "${STEPS[@]}"; do
         step bench "$lim" python3 bench/softmax.py --out "$OUT" --budget-s $((lim > 90 ? lim - 60 : 30)) \
             ${BENCH_ARGS:-}
         ;;
+    compile)
+        step compile "$(limit_for "${T_COMPILE:-300}")" python3 bench/compile.py --out "$OUT/compile.md" \
+            ${COMPILE_ARGS:-}
+        ;;
     sweep)
         lim=$(limit_for "${T_SWEEP:-520}")
         # shellcheck disable=SC2086
@@ -158,7 +163,7 @@ for s in "${STEPS[@]}"; do
             ${SWEEP_ARGS:-}
         ;;
     *)
-        log "unknown step '$s' (steps: info tests alltests sanitize bench sweep)"
+        log "unknown step '$s' (steps: info tests alltests sanitize bench compile sweep)"
         SUMMARY+=("$s: unknown step")
         FAILED=1
         ;;
