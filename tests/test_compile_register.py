@@ -1144,3 +1144,41 @@ def test_backend_name_is_listed_and_needs_no_registration():
     stats.clear()
     assert torch.isnan(compiled(userland_row, "stock")(x)[1]).all()
     assert not stats
+
+
+# --------------------------------------------------------------------------------------------------
+# A detached row max (common in stable softmax code: the gradient through the max cancels out)
+# --------------------------------------------------------------------------------------------------
+
+
+def softmax_detached_max(z, d):
+    m = torch.amax(z, d, keepdim=True).detach()
+    e = torch.exp(z - m)
+    return e / torch.sum(e, d, keepdim=True)
+
+
+def log_softmax_detached_max(z, d):
+    m = z.max(d, keepdim=True)[0].detach()
+    return z - m - torch.log(torch.sum(torch.exp(z - m), d, keepdim=True))
+
+
+@pytest.mark.parametrize("dim", [-1, 0])
+@pytest.mark.parametrize(("fn", "kind", "eager"), [
+    (softmax_detached_max, "softmax_pattern", safeops.softmax),
+    (log_softmax_detached_max, "log_softmax_pattern", safeops.log_softmax),
+], ids=["softmax", "log_softmax"])
+def test_detached_row_max_is_rewritten(reference_backend, fn, kind, eager, dim, seed):
+    torch._dynamo.reset()
+    stats.clear()
+    x = fill_line(seed.randn(*SHAPE, std=3.0), dim, NEG_INF).requires_grad_(True)
+    with safeops.registered():
+        out = compiled(lambda t: fn(t, dim), "registered")(x)
+    g = seed.randn(*out.shape)
+    (dx,) = torch.autograd.grad(out, x, g)
+    x2 = x.detach().clone().requires_grad_(True)
+    want = eager(x2, dim)
+    (want_dx,) = torch.autograd.grad(want, x2, g)
+    assert rewrites() == {kind: 1}, dict(stats)
+    assert_same_bits(out, want, "output", seed)
+    assert_same_bits(dx, want_dx, "d/dx", seed)
+    torch._dynamo.reset()

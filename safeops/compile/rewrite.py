@@ -43,9 +43,10 @@ _FUNCTIONS = {
     operator.sub: "sub", torch.sub: "sub", torch.exp: "exp", torch.sum: "sum",
     operator.truediv: "div", torch.div: "div", torch.true_divide: "div", torch.log: "log",
     torch._softmax: "aten_softmax", torch._log_softmax: "aten_log_softmax", F.softmin: "softmin",
+    torch.detach: "detach",
 }
 _METHODS = {"softmax", "log_softmax", "logsumexp", "amax", "max", "sub", "exp", "sum", "div", "log", "float",
-            "to"}
+            "to", "detach"}
 
 
 _aten = torch.ops.aten
@@ -204,9 +205,14 @@ def _reduction(node, kind: str, src: fx.Node) -> int | None:
 
 
 def _row_max(m) -> tuple[fx.Node, int, list[fx.Node]] | None:
-    """(z, dim, nodes) for ``amax(z, dim, keepdim=True)`` or ``max(z, dim, keepdim=True)[0]``."""
+    """(z, dim, nodes) for ``amax(z, dim, keepdim=True)`` or ``max(z, dim, keepdim=True)[0]``, detached
+    or not (the gradient through the max cancels out of a softmax either way)."""
     if not isinstance(m, fx.Node):
         return None
+    if _kind(m) == "detach" and len(m.args) == 1 and not m.kwargs:
+        inner = m.args[0]
+        found = _row_max(inner) if isinstance(inner, fx.Node) and len(inner.users) == 1 else None
+        return None if found is None else (found[0], found[1], [m, *found[2]])
     if _kind(m) == "amax" and m.args:
         z = m.args[0]
         dim = _reduction(m, "amax", z)
