@@ -1,4 +1,7 @@
-"""Contract section 1 at the instruction level: no fused multiply-add in the compiled kernels.
+"""Contract section 1 at the instruction level: nothing in the compiled kernels can become an fma.
+
+PTX ``fma`` would contract by itself; a plain ``mul.f32`` / ``add.f32`` (no ``.rn``) lets ptxas fuse the
+pair into an FFMA when it assembles. With fp fusion off every f32 multiply and add must carry ``.rn``.
 
 The kernels are compiled for sm_90 (Hopper) with exactly the options the launcher uses. This needs no
 GPU: Triton compiles to PTX on the CPU. It runs in a subprocess because this process has Triton's
@@ -52,7 +55,9 @@ _SCRIPT = textwrap.dedent(
         options["enable_fp_fusion"] = fusion if fusion else options["enable_fp_fusion"]
         src = ASTSource(fn=fn, signature=signature(fn, constexprs), constexprs=constexprs)
         ptx = triton.compile(src, target=target, options=options).asm["ptx"]
-        return len(re.findall(r"\bfma\.rn(\.ftz)?\.f32\b", ptx))
+        # fma in the PTX, and f32 multiplies/adds without .rn, which ptxas itself may fuse into an fma.
+        return (len(re.findall(r"\bfma\.rn(\.ftz)?\.f32\b", ptx))
+                + len(re.findall(r"\b(mul|add|sub)(\.ftz)?\.f32\b", ptx)))
 
     rows = L.rows_config(4096, 2, True)
     split = L.split_config(1 << 20, 2)

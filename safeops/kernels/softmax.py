@@ -27,13 +27,15 @@ ROW_STRIDES = [f"s{t}{i}" for t in "gxodm" for i in range(3)] + ["n_rows", "B1",
 
 @triton.jit
 def _row_offsets(rows, B1, B2, s0, s1, s2, ALIGN: tl.constexpr):
-    # 64-bit offsets: tensors past 2**31 elements must index correctly (contract section 8).
-    r = rows.to(tl.int64)
+    # Row indices and batch sizes fit 32 bits (the launcher checks), so the division is 32-bit, which is
+    # several times cheaper than 64-bit; the offsets are 64-bit: tensors past 2**31 elements must index
+    # correctly (contract section 8).
+    r = rows.to(tl.int32)
     i2 = r % B2
     r = r // B2
     i1 = r % B1
     i0 = r // B1
-    offsets = i0 * s0 + i1 * s1 + i2 * s2
+    offsets = i0.to(tl.int64) * s0 + i1.to(tl.int64) * s1 + i2.to(tl.int64) * s2
     # Row strides are not specialised by value (ROW_STRIDES); the launcher states their 16-byte alignment,
     # so the vector width, and with it the order of every row reduction, depends on the row length and
     # the layout, never on how many rows a launch has (contract section 6).

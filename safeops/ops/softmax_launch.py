@@ -188,6 +188,8 @@ def _wide(rows: Rows) -> bool:
     """Whether per-element column offsets can pass 2**31 (then the kernels compute them in 64 bits)."""
     if rows.n_cols >= 2**31:
         raise ValueError(f"x: rows of {rows.n_cols} elements are not supported (at most 2**31 - 1)")
+    if rows.n_rows >= 2**31 - 2**16:
+        raise ValueError(f"x: {rows.n_rows} rows are not supported (at most 2**31 - 2**16)")
     return max(abs(st[3]) for st in rows.strides.values()) * rows.n_cols >= 2**31
 
 
