@@ -1182,3 +1182,72 @@ def test_detached_row_max_is_rewritten(reference_backend, fn, kind, eager, dim, 
     assert_same_bits(out, want, "output", seed)
     assert_same_bits(dx, want_dx, "d/dx", seed)
     torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------------------------------
+# Review findings: code the rewrite must leave to torch (or handle exactly as torch does)
+# --------------------------------------------------------------------------------------------------
+
+
+def _lse_out(x):
+    o = torch.empty(x.shape[0], dtype=x.dtype)
+    torch.logsumexp(x, 1, out=o)
+    return o
+
+
+def _setitem_in_core(z):
+    z = z * 1.0
+    m = torch.amax(z, -1, keepdim=True)
+    e = torch.exp(z - m)
+    z[:, 0] = 50.0
+    return e / torch.sum(e, -1, keepdim=True) + 0 * z
+
+
+def _relu_inplace_in_core(z):
+    z = z * 1.0
+    m = torch.amax(z, -1, keepdim=True)
+    e = torch.exp(z - m)
+    F.relu(z, inplace=True)
+    return e / torch.sum(e, -1, keepdim=True) + 0 * z
+
+
+def _downcast_call(x):
+    return torch.softmax(x, -1, dtype=torch.float16)
+
+
+def _sum_with_dtype(z):
+    m = z.amax(-1, keepdim=True)
+    e = torch.exp(z - m)
+    return e / e.sum(-1, keepdim=True, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("fn", [_lse_out, _setitem_in_core, _relu_inplace_in_core, _downcast_call,
+                                _sum_with_dtype], ids=lambda f: f.__name__.strip("_"))
+def test_left_to_torch(reference_backend, fn, seed):
+    """out=, an in-place write inside a core, a lower dtype= (torch rounds the input first), a sum with
+    dtype=: none is rewritten, and the registered compile gives what stock compile gives."""
+    x = seed.randn(4, 7, std=3.0)
+    torch._dynamo.reset()
+    want = compiled(fn, "stock")(x.clone())
+    if fn is _downcast_call:
+        # torch rounds x to fp16 first; the aten._softmax that follows is then safeops' (decomposition).
+        want = safeops.softmax(x.to(torch.float16), -1)
+    torch._dynamo.reset()
+    stats.clear()
+    with safeops.registered():
+        got = compiled(fn, "registered")(x.clone())
+    torch._dynamo.reset()
+    assert not rewrites(), dict(stats)
+    assert_same_bits(got, want, "output", seed)
+
+
+def test_cross_entropy_fp64_gradient_stays_fp64(seed):
+    # F.cross_entropy reaches log_softmax inside AOT (decomposition table); its backward must keep fp64.
+    x = seed.randn(5, 9, dtype=torch.float64, std=2.0).requires_grad_(True)
+    target = torch.arange(5) % 9
+    want = torch.autograd.grad(F.cross_entropy(x, target), x)[0]
+    torch._dynamo.reset()
+    with safeops.registered():
+        got = torch.autograd.grad(compiled(lambda t: F.cross_entropy(t, target), "registered")(x), x)[0]
+    torch._dynamo.reset()
+    assert (got - want).abs().max().item() < 1e-14

@@ -139,9 +139,10 @@ def _decompositions(original: dict) -> dict:
         # The aten backward sees only the output. An excluded entry (output exactly -inf) influences
         # nothing, so its gradient is 0 and its incoming gradient is not summed (contract section 4);
         # Inductor's own formula would give it g, and g to the others through the sum.
+        acc = torch.float64 if torch.float64 in (output.dtype, grad.dtype) else torch.float32
         keep = output != float("-inf")
-        g = torch.where(keep, grad.float(), 0.0)
-        dx = g - torch.exp(output.float()) * g.sum(dim, keepdim=True)
+        g = torch.where(keep, grad.to(acc), 0.0)
+        dx = g - torch.exp(output.to(acc)) * g.sum(dim, keepdim=True)
         return torch.where(keep, dx, 0.0).to(input_dtype)
 
     return {

@@ -118,7 +118,22 @@ def _replace(graph: fx.Graph, old: fx.Node, fn, args, kwargs, dead: list[fx.Node
 # ---------------------------------------------------------------------------------------------------
 
 
+_EXACT_CASTS = {
+    torch.float16: (torch.float16, torch.float32, torch.float64),
+    torch.bfloat16: (torch.bfloat16, torch.float32, torch.float64),
+    torch.float32: (torch.float32, torch.float64),
+    torch.float64: (torch.float64,),
+}
+
+
+def _dtype_ok(value: torch.Tensor, dtype) -> bool:
+    """torch rounds x to ``dtype`` first; safeops does not. Same result only when that cast is exact."""
+    return dtype is None or dtype in _EXACT_CASTS.get(value.dtype, ())
+
+
 def _rewrite_call(graph: fx.Graph, node: fx.Node, kind: str) -> bool:
+    if set(node.kwargs) - {"input", "self", "dim", "dtype", "keepdim", "_stacklevel"}:
+        return False  # out= and the like: keep torch's own call
     x = node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self"))
     value = _value(x)
     if not _supported(value) or value.dim() == 0:
@@ -138,7 +153,7 @@ def _rewrite_call(graph: fx.Graph, node: fx.Node, kind: str) -> bool:
         dtype = node.args[3]
     elif len(node.args) > offset + 1 and node.target not in (F.softmax, F.log_softmax):
         dtype = node.args[offset + 1]
-    if dim is None or not (dtype is None or dtype in _FLOATING):
+    if dim is None or not (dtype is None or dtype in _FLOATING) or not _dtype_ok(value, dtype):
         return False
     fn = functional.softmax if kind == "softmax" else functional.log_softmax
     _replace(graph, node, fn, (x, dim), {"dtype": dtype}, [])
@@ -153,7 +168,9 @@ def _rewrite_softmin(graph: fx.Graph, node: fx.Node) -> bool:
         return False
     dim = _single_dim(_arg(node, 1, "dim"), value.dim())
     dtype = node.args[3] if len(node.args) > 3 else node.kwargs.get("dtype")
-    if dim is None or not (dtype is None or dtype in _FLOATING):
+    if set(node.kwargs) - {"input", "dim", "dtype", "_stacklevel"}:
+        return False
+    if dim is None or not (dtype is None or dtype in _FLOATING) or not _dtype_ok(value, dtype):
         return False
     _replace(graph, node, functional.softmax, (x, dim), {"scale": -1.0, "dtype": dtype}, [])
     return True
@@ -182,7 +199,7 @@ def _rewrite_aten_call(graph: fx.Graph, node: fx.Node, kind: str) -> bool:
         dtype = torch.float32 if _arg(node, 2, "half_to_float", False) else None
     else:
         dtype = _arg(node, 2, "dtype", None)
-    if not (dtype is None or dtype in _FLOATING):
+    if not (dtype is None or dtype in _FLOATING) or not _dtype_ok(value, dtype):
         return False
     fn = functional.softmax if kind == "softmax" else functional.log_softmax
     _replace(graph, node, fn, (x, dim), {"dtype": dtype}, [])
@@ -197,6 +214,9 @@ def _rewrite_aten_call(graph: fx.Graph, node: fx.Node, kind: str) -> bool:
 def _reduction(node, kind: str, src: fx.Node) -> int | None:
     """The normalized dim of ``kind(src, dim, keepdim=True)``, or None."""
     if not isinstance(node, fx.Node) or _kind(node) != kind or not node.args or node.args[0] is not src:
+        return None
+    # A sum with dtype= (or anything else extra) is not the plain row reduction.
+    if len(node.args) > 3 or set(node.kwargs) - {"dim", "keepdim"}:
         return None
     if _arg(node, 2, "keepdim", False) is not True:
         return None
@@ -240,10 +260,14 @@ def _difference(t) -> tuple[fx.Node, fx.Node] | None:
 def _mutates(node: fx.Node) -> bool:
     """Whether ``node`` may write to a tensor in place (an in-place method or function, or an op that
     declares a mutation). Conservative: when in doubt, it mutates."""
+    if node.kwargs.get("inplace") is True or "out" in node.kwargs:
+        return True
     if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.endswith("__")
+        return node.target.endswith("_") and not node.target.endswith("__") or node.target == "__setitem__"
     if node.op == "call_function":
         target = node.target
+        if target in (operator.setitem, operator.delitem):
+            return True
         if isinstance(target, torch._ops.OpOverload):
             return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
         name = getattr(target, "__name__", "")
