@@ -57,11 +57,15 @@ _ATEN_CALLS = {
 }
 
 
+def _overload(target):
+    """``torch.ops.aten.x`` (a packet) means its default overload."""
+    return target.default if isinstance(target, torch._ops.OpOverloadPacket) else target
+
+
 def _kind(node: fx.Node) -> str | None:
-    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverloadPacket):
-        node = type("_Default", (), {"op": "call_function", "target": node.target.default})()
-    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        kind = _ATEN_CALLS.get(node.target)
+    aten_op = isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+    if node.op == "call_function" and aten_op:
+        kind = _ATEN_CALLS.get(_overload(node.target))
         return None if kind is None else f"aten_{kind}"
     if node.op == "call_function":
         try:
@@ -194,8 +198,8 @@ def _rewrite_aten_call(graph: fx.Graph, node: fx.Node, kind: str) -> bool:
             return False
         _replace(graph, node, functional.logsumexp, (x, dim), {"keepdim": keepdim}, [])
         return True
-    if node.target in (_aten._softmax.default, _aten._log_softmax.default, _aten._softmax,
-                       _aten._log_softmax, torch._softmax, torch._log_softmax):
+    if _overload(node.target) in (_aten._softmax.default, _aten._log_softmax.default, torch._softmax,
+                                  torch._log_softmax):
         dtype = torch.float32 if _arg(node, 2, "half_to_float", False) else None
     else:
         dtype = _arg(node, 2, "dtype", None)
