@@ -25,6 +25,9 @@
 # (per-step timeouts, s), PYTEST_WORKERS (xdist workers for tests/alltests, default 4; 0 = none), MAXFAIL
 # (default 30), PYTEST_ARGS, SANITIZE_K, BENCH_ARGS (e.g. "--quick", "--dtype bf16 --n 64K,1M"), SWEEP_ARGS
 # (e.g. "--dtype bf16 --n 16K,64K,256K"). Carry the wheels (Liger-Kernel) by naming .whl in the call's carry.
+# .whl/ is git-ignored; fetch it on the development machine (the GPU machine has no network) with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform any -d .whl liger-kernel==0.8.5
 
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 2
