@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 try:  # torch >= 2.6: passes with a uuid() take part in Inductor's cache keys
     from torch._inductor.custom_graph_pass import CustomGraphPass
 except ImportError:  # pragma: no cover - older torch
@@ -95,7 +93,3 @@ def mode_options(mode: str | None) -> dict:
 
     return dict(list_mode_options(mode))
 
-
-def torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)

@@ -326,6 +326,21 @@ def _position(graph: fx.Graph):
     return order.__getitem__
 
 
+def _replace_core(graph: fx.Graph, fn, z: fx.Node, dim: int, out: fx.Node, core: list[fx.Node],
+                  max_nodes: list[fx.Node], z_users) -> bool:
+    """Replaces a matched core (``core`` and ``max_nodes`` listed users first) by ``fn(input, dim)``.
+
+    Leaves the graph unchanged, returning False, when something writes in place inside the core.
+    """
+    inp, dtype, target, after, before = _fold_casts(graph, z, z_users, out)
+    first = min([*max_nodes, *core, *before], key=_position(graph))
+    if not _no_mutation_between(first, target):
+        return False
+    dead = [*after, *core, *max_nodes, *before]
+    _replace(graph, target, fn, (inp, dim), {"dtype": dtype}, [n for n in dead if n is not target])
+    return True
+
+
 def _rewrite_softmax_core(graph: fx.Graph, out: fx.Node) -> bool:
     """``out = e / sum(e, d, keepdim=True)`` with ``e = exp(z - m)`` and ``m`` the row max of z."""
     if len(out.args) != 2 or out.kwargs:
@@ -350,14 +365,7 @@ def _rewrite_softmax_core(graph: fx.Graph, out: fx.Node) -> bool:
         return False
     if not _supported(_value(z)):
         return False
-    inp, dtype, target, after, before = _fold_casts(graph, z, (max_nodes[-1], t), out)
-    first = min([*max_nodes, t, *before], key=_position(graph))
-    if not _no_mutation_between(first, target):
-        return False
-    dead = [*after, s, e, t, *max_nodes, *before]
-    _replace(graph, target, functional.softmax, (inp, dim), {"dtype": dtype},
-             [n for n in dead if n is not target])
-    return True
+    return _replace_core(graph, functional.softmax, z, dim, out, [s, e, t], max_nodes, (max_nodes[-1], t))
 
 
 def _rewrite_log_softmax_core(graph: fx.Graph, out: fx.Node) -> bool:
@@ -396,14 +404,8 @@ def _rewrite_log_softmax_core(graph: fx.Graph, out: fx.Node) -> bool:
         return False
     if not _supported(_value(z)):
         return False
-    inp, dtype, target, after, before = _fold_casts(graph, z, (max_nodes[-1], *diffs), out)
-    first = min([*max_nodes, *diffs, *before], key=_position(graph))
-    if not _no_mutation_between(first, target):
-        return False
-    dead = [*after, lg, s, e, *([] if same else [a]), t, *max_nodes, *before]
-    _replace(graph, target, functional.log_softmax, (inp, dim), {"dtype": dtype},
-             [n for n in dead if n is not target])
-    return True
+    core = [lg, s, e, *([] if same else [a]), t]
+    return _replace_core(graph, functional.log_softmax, z, dim, out, core, max_nodes, (max_nodes[-1], *diffs))
 
 
 def rewrite_graph(graph: fx.Graph) -> int:

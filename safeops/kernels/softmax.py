@@ -70,19 +70,27 @@ def _scale_of(scale_ptr, scale_value, SCALE_MODE: tl.constexpr):
 
 
 @triton.jit
-def _logits(x_ptrs, mask_ptrs, valid, scale, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr):
-    """Loads x and returns (fp32 x, z). z is the one materialized value per logit; excluded entries -inf."""
-    x = tl.load(x_ptrs, mask=valid, other=0.0).to(tl.float32)
+def _materialize(x, keep, scale, SCALE_MODE: tl.constexpr):
+    """z, the one materialized value per logit (fp32 x times the scale); excluded entries -inf.
+
+    Every kernel computes z here, so a recomputation is the same instruction sequence (contract
+    section 1). A select, not an add: a NaN at a masked position must not reach the row (section 5).
+    """
     if SCALE_MODE != 0:
         z = x * scale
     else:
         z = x
+    return tl.where(keep, z, NEG_INF)
+
+
+@triton.jit
+def _logits(x_ptrs, mask_ptrs, valid, scale, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Loads x and returns (fp32 x, z)."""
+    x = tl.load(x_ptrs, mask=valid, other=0.0).to(tl.float32)
     keep = valid
     if HAS_MASK:
         keep = keep & (tl.load(mask_ptrs, mask=valid, other=0) != 0)
-    # A select, not an add: a NaN at a masked position must not reach the row (contract section 5).
-    z = tl.where(keep, z, NEG_INF)
-    return x, z
+    return x, _materialize(x, keep, scale, SCALE_MODE)
 
 
 @triton.jit
@@ -111,12 +119,16 @@ def _probabilities(z, m_safe, inv_l):
 
 
 @triton.jit
-def _combine_partials(ws_max_ptr, ws_sum_ptr, base, n_splits, SPLITS: tl.constexpr):
-    """Row max and sum from per-split partials, in a fixed order (deterministic, batch-invariant)."""
+def _combine_partials(ws_max_ptr, ws_sum_ptr, base, n_splits, SPLITS: tl.constexpr,
+                      VOLATILE: tl.constexpr = False):
+    """Row max and sum from per-split partials, in a fixed order (deterministic, batch-invariant).
+
+    VOLATILE reads around L1, for partials other programs of the same launch have just written.
+    """
     idx = tl.arange(0, SPLITS)
     ok = idx < n_splits
-    pm = tl.load(ws_max_ptr + base + idx, mask=ok, other=NEG_INF)
-    ps = tl.load(ws_sum_ptr + base + idx, mask=ok, other=0.0)
+    pm = tl.load(ws_max_ptr + base + idx, mask=ok, other=NEG_INF, volatile=VOLATILE)
+    ps = tl.load(ws_sum_ptr + base + idx, mask=ok, other=0.0, volatile=VOLATILE)
     m = tl.max(pm, 0)
     l = tl.sum(tl.where(ok, ps * tl.exp(pm - _safe_max(m)), 0.0), 0)
     return m, l
@@ -484,11 +496,7 @@ def softmax_fwd_fused_kernel(
         else:
             keep = valid
         x = x_raw.to(tl.float32)
-        if SCALE_MODE != 0:
-            z = x * scale
-        else:
-            z = x
-        z = tl.where(keep, z, NEG_INF)
+        z = _materialize(x, keep, scale, SCALE_MODE)
         m_part, l_part = _online_step(tl.full((), NEG_INF, tl.float32), tl.zeros((), tl.float32), z)
         ws = row.to(tl.int64) * n_splits
         tl.store(ws_max_ptr + ws + split, m_part)
@@ -505,12 +513,7 @@ def softmax_fwd_fused_kernel(
                                mask=next_valid, other=0)
 
         _grid_barrier(arrive_ptr + group, (it + 1) * n_splits)
-        idx = tl.arange(0, SPLITS)
-        ok = idx < n_splits
-        pm = tl.load(ws_max_ptr + ws + idx, mask=ok, other=NEG_INF, volatile=True)
-        ps = tl.load(ws_sum_ptr + ws + idx, mask=ok, other=0.0, volatile=True)
-        m = tl.max(pm, 0)
-        l = tl.sum(tl.where(ok, ps * tl.exp(pm - _safe_max(m)), 0.0), 0)
+        m, l = _combine_partials(ws_max_ptr, ws_sum_ptr, ws, n_splits, SPLITS, True)
         if split == 0:
             tl.store(row_max_ptr + row, m)
             tl.store(row_sum_ptr + row, l)
@@ -567,11 +570,7 @@ def softmax_bwd_fused_kernel(
         else:
             keep = valid
         x = x_raw.to(tl.float32)
-        if SCALE_MODE != 0:
-            z = x * scale
-        else:
-            z = x
-        z = tl.where(keep, z, NEG_INF)
+        z = _materialize(x, keep, scale, SCALE_MODE)
         keep = z != NEG_INF
         g = g_raw.to(tl.float32)
         m_safe = _safe_max(tl.load(row_max_ptr + row))
