@@ -658,6 +658,96 @@ def test_masked_fill_with_finfo_min_stays_a_real_logit(reference_backend, dtype,
                                msg=lambda m: f"registered vs stock: {m}; {ctx}")
 
 
+# What computes the input -- a constant scale, a -inf fill -- is folded into the safeops op as ``scale=`` and
+# ``mask=`` (one kernel reads the scores once), where that keeps the meaning of the user's code.
+
+
+def scaled_masked(core, c, fill_first=False, upcast=False):
+    def f(s, drop):
+        z = s.masked_fill(drop, NEG_INF) * c if fill_first else (s * c).masked_fill(drop, NEG_INF)
+        z = z.float() if upcast else z
+        out = core(z, -1)
+        return out.to(s.dtype) if upcast else out
+    return f
+
+
+def generated_kernels(fn, *args) -> str:
+    from torch._inductor.utils import run_and_get_code
+    _, codes = run_and_get_code(fn, *args)
+    return "\n".join(codes)
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+@pytest.mark.parametrize("form", ["softmax_amax", "log_softmax_once", "F.softmax", "logsumexp"])
+def test_scale_and_mask_fold_into_the_op(reference_backend, form, dtype, seed):
+    """``(s * c).masked_fill(drop, -inf)`` before a softmax: the compiled code runs no separate kernel
+    for the scale or the fill (the op gets ``scale=c, mask=~drop``), and the result is safeops' own
+    ``softmax(s, scale=c, mask=~drop)``: for fp32 the same bits (torch multiplies by fp32(c) too), for
+    bf16 the fp32 product is not rounded to bf16 first, which is the contract's z (section 1)."""
+    core = {"softmax_amax": softmax_amax, "log_softmax_once": log_softmax_once,
+            "F.softmax": lambda z, d: F.softmax(z, dim=d),
+            "logsumexp": lambda z, d: torch.logsumexp(z, d, keepdim=True)}[form]
+    want_fn = {"softmax_amax": safeops.softmax, "F.softmax": safeops.softmax,
+               "log_softmax_once": safeops.log_softmax,
+               "logsumexp": lambda *a, **k: safeops.logsumexp(*a, keepdim=True, **k)}[form]
+    c = 0.1 + seed.uniform(0.0, 1.0)  # not a power of two
+    s = seed.randn(3, 5, 16, dtype=dtype, std=4.0).requires_grad_(True)
+    drop = fill_line(~seed.mask(3, 5, 16, keep=0.7), -1, True, at=2)  # row (2, 2) fully masked
+    fn = compiled(scaled_masked(core, c), "registered")
+    with safeops.registered():
+        code = generated_kernels(fn, s, drop)
+        got = fn(s, drop)
+    assert sum(rewrites().values()) == 1, dict(stats)
+    assert "masked_fill" not in code and "cpp_fused_mul" not in code, "a separate scale / fill kernel remains"
+    want = want_fn(s.detach(), -1, scale=c, mask=~drop)
+    assert_same_bits(got, want, form, f"folded vs eager safeops; {seed}")
+    g = seed.randn(*got.shape, dtype=got.dtype)
+    (ds,) = torch.autograd.grad(got, s, g)
+    s2 = s.detach().clone().requires_grad_(True)
+    (ds_want,) = torch.autograd.grad(want_fn(s2, -1, scale=c, mask=~drop), s2, g)
+    assert_same_bits(ds, ds_want, f"{form} gradient", f"folded vs eager safeops; {seed}")
+    assert torch.isfinite(ds).all() and (ds[2, 2] == 0).all(), seed
+
+
+def test_negative_scale_after_the_mask_does_not_fold_the_mask(reference_backend, seed):
+    # (s.masked_fill(drop, -inf)) * -1 puts +inf at the masked entries: those rows are NaN in eager
+    # (contract section 5); folding the fill as a mask would hide that.
+    s = seed.randn(3, 5, 16, std=2.0)
+    drop = ~seed.mask(3, 5, 16, keep=0.9)
+    drop[0, 0] = False  # one row with nothing masked stays finite
+    drop[1, 1, 3] = True
+    f = scaled_masked(softmax_amax, -1.0, fill_first=True)
+    with safeops.registered():
+        got = compiled(f, "registered")(s, drop)
+    want = safeops.softmax(s.masked_fill(drop, NEG_INF) * -1.0, -1)
+    assert_same_bits(got, want, "negative scale after the fill", seed)
+    assert torch.isnan(got[1, 1]).all() and torch.isfinite(got[0, 0]).all()
+
+
+def test_fp32_division_by_a_non_power_of_two_stays_a_division(reference_backend, seed):
+    # s / 3 is not s * fp32(1/3) in fp32: the division stays in the graph, the op reads its result.
+    s = seed.randn(4, 32, std=3.0)
+    f = lambda t: F.softmax(t / 3.0, dim=-1)  # noqa: E731
+    with safeops.registered():
+        got = compiled(f, "registered")(s)
+    assert rewrites() == {"softmax_call": 1}, dict(stats)
+    assert_same_bits(got, safeops.softmax(s / 3.0, -1), "division by 3", seed)
+
+
+def test_fill_used_elsewhere_is_not_folded(reference_backend, seed):
+    s = seed.randn(3, 16, std=3.0)
+    drop = ~seed.mask(3, 16, keep=0.7)
+
+    def f(t, d):
+        z = (t * 0.3).masked_fill(d, NEG_INF)
+        return F.softmax(z, dim=-1), z.clamp(min=-5.0).sum()
+
+    with safeops.registered():
+        got, other = compiled(f, "registered")(s, drop)
+    assert_same_bits(got, safeops.softmax((s * 0.3).masked_fill(drop, NEG_INF), -1), "softmax", seed)
+    torch.testing.assert_close(other, ((s * 0.3).masked_fill(drop, NEG_INF)).clamp(min=-5.0).sum())
+
+
 def mutate_inside_core(z):
     m = torch.amax(z, -1, keepdim=True)
     e = torch.exp(z - m)

@@ -15,14 +15,22 @@ Two kinds of rewrite:
   An fp16/bf16 -> fp32 upcast right before ``z`` and a cast right after ``out`` are folded into the op.
 
 A core is rewritten only when its intermediates (the max, ``z - m``, ``exp``, the sum, the log) feed
-nothing outside it: an ``exp`` that is also used elsewhere is not a softmax. Whatever computes ``z``
-(a scale, ``masked_fill(mask, -inf)``, ``where(mask, x, -inf)``) stays in the graph as the op's input:
-safeops treats exact ``-inf`` as excluded (contract section 4), so fully masked rows come out 0, not NaN.
+nothing outside it: an ``exp`` that is also used elsewhere is not a softmax.
+
+What computes the input is folded into the op when nothing else uses it, so one kernel reads the scores
+once (otherwise a separate pass writes the scaled, masked scores and the backward reads them again):
+``masked_fill(t, mask, -inf)`` / ``where(mask, t, -inf)`` becomes ``mask=`` (a select, as before: exact
+``-inf`` is excluded, contract section 4, so fully masked rows come out 0, not NaN), ``t * c`` / ``t / c``
+with a python number ``c`` becomes ``scale=`` (for fp32, only where one fp32 multiply gives the same bits
+as the user's op; for fp16/bf16 the product is then not rounded to 16 bits first, which is the contract's
+``z``), and an fp16/bf16 -> fp32 upcast is dropped. A fill value other than ``-inf`` (``finfo.min``) is a
+real logit and stays in the graph.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import operator
 
 import torch
@@ -43,10 +51,11 @@ _FUNCTIONS = {
     operator.sub: "sub", torch.sub: "sub", torch.exp: "exp", torch.sum: "sum",
     operator.truediv: "div", torch.div: "div", torch.true_divide: "div", torch.log: "log",
     torch._softmax: "aten_softmax", torch._log_softmax: "aten_log_softmax", F.softmin: "softmin",
-    torch.detach: "detach",
+    torch.detach: "detach", operator.mul: "mul", torch.mul: "mul", torch.multiply: "mul",
+    torch.masked_fill: "masked_fill", torch.where: "where",
 }
 _METHODS = {"softmax", "log_softmax", "logsumexp", "amax", "max", "sub", "exp", "sum", "div", "log", "float",
-            "to", "detach"}
+            "to", "detach", "mul", "masked_fill"}
 
 
 _aten = torch.ops.aten
@@ -148,7 +157,11 @@ def _rewrite_call(graph: fx.Graph, node: fx.Node, kind: str) -> bool:
         keepdim = _arg(node, offset + 1, "keepdim", False)
         if dim is None or not isinstance(keepdim, bool):
             return False
-        _replace(graph, node, functional.logsumexp, (x, dim), {"keepdim": keepdim}, [])
+        inp, mask, negate, scale, _, folded = _prologue(graph, x, (node,), allow_upcast=False)
+        if folded and not _no_mutation_between(folded[-1], node):
+            inp, mask, scale, folded = x, None, None, []
+        kwargs = {"keepdim": keepdim, **_prologue_kwargs(graph, node, mask, negate, scale)}
+        _replace(graph, node, functional.logsumexp, (inp, dim), kwargs, folded)
         return True
     dim = _single_dim(_arg(node, offset, "dim"), value.dim())
     # F.softmax(x, dim, _stacklevel, dtype): dtype is the fourth positional argument there.
@@ -160,7 +173,13 @@ def _rewrite_call(graph: fx.Graph, node: fx.Node, kind: str) -> bool:
     if dim is None or not (dtype is None or dtype in _FLOATING) or not _dtype_ok(value, dtype):
         return False
     fn = functional.softmax if kind == "softmax" else functional.log_softmax
-    _replace(graph, node, fn, (x, dim), {"dtype": dtype}, [])
+    inp, mask, negate, scale, upcast, folded = _prologue(graph, x, (node,))
+    if folded and not _no_mutation_between(folded[-1], node):
+        inp, mask, scale, upcast, folded = x, None, None, False, []
+    if upcast and dtype is None:
+        dtype = torch.float32  # softmax(x.float()) is fp32
+    kwargs = {"dtype": dtype, **_prologue_kwargs(graph, node, mask, negate, scale)}
+    _replace(graph, node, fn, (inp, dim), kwargs, folded)
     return True
 
 
@@ -297,6 +316,122 @@ def _only_users(node: fx.Node, allowed) -> bool:
     return set(node.users) <= set(allowed)
 
 
+def _is_upcast(node: fx.Node) -> bool:
+    """``t.float()`` or ``t.to(torch.float32)`` of an fp16/bf16 tensor: exact, and safeops works in fp32."""
+    if _kind(node) not in ("float", "to") or node.kwargs:
+        return False
+    if not ((_kind(node) == "float" and len(node.args) == 1)
+            or (_kind(node) == "to" and len(node.args) == 2 and node.args[1] == torch.float32)):
+        return False
+    src, out = _value(node.args[0]), _value(node)
+    return (_supported(src) and out is not None and src.dtype in (torch.float16, torch.bfloat16)
+            and out.dtype == torch.float32)
+
+
+def _neg_inf_fill(node: fx.Node):
+    """(source, mask, keep_when_true) for ``masked_fill(source, mask, -inf)`` and
+    ``where(mask, source, -inf)`` / ``where(mask, -inf, source)`` with a bool mask the shape of the result."""
+    kind = _kind(node)
+    if kind == "masked_fill" and len(node.args) == 3 and not node.kwargs:
+        source, mask, fill = node.args
+        keep_when_true = False
+    elif kind == "where" and len(node.args) == 3 and not node.kwargs:
+        mask, a, b = node.args
+        if isinstance(b, float) and isinstance(a, fx.Node):
+            source, fill, keep_when_true = a, b, True
+        elif isinstance(a, float) and isinstance(b, fx.Node):
+            source, fill, keep_when_true = b, a, False
+        else:
+            return None
+    else:
+        return None
+    if not (isinstance(fill, float) and fill == float("-inf") and isinstance(source, fx.Node)
+            and isinstance(mask, fx.Node)):
+        return None
+    src, msk, out = _value(source), _value(mask), _value(node)
+    if src is None or msk is None or out is None or msk.dtype != torch.bool or out.shape != src.shape:
+        return None
+    if out.dtype != src.dtype:
+        return None
+    return source, mask, keep_when_true
+
+
+def _constant_scale(node: fx.Node):
+    """(source, scale, sign_safe) for ``source * c``, ``c * source`` and ``source / c`` with a python number
+    ``c``, when one fp32 multiply by ``scale`` reproduces it: always for a multiply (torch multiplies by
+    fp32(c) too); for a division when 1/c is exact (a power of two), or when the source is fp16/bf16 (there
+    eager rounds the quotient to 16 bits, and one fp32 multiply by 1/c is the more accurate of the two)."""
+    kind = _kind(node)
+    if kind not in ("mul", "div") or len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    if kind == "mul" and isinstance(a, (int, float)) and isinstance(b, fx.Node):
+        a, b = b, a
+    if not isinstance(a, fx.Node) or isinstance(b, bool) or not isinstance(b, (int, float)):
+        return None
+    c = float(b)
+    if not math.isfinite(c) or c == 0.0:
+        return None
+    src, out = _value(a), _value(node)
+    if not _supported(src) or out is None or out.shape != src.shape or out.dtype != src.dtype:
+        return None
+    if src.dtype == torch.float64:
+        return None  # fp64 runs the reference in fp64; keep the user's own op
+    if kind == "div":
+        if abs(math.frexp(c)[0]) != 0.5 and src.dtype not in (torch.float16, torch.bfloat16):
+            return None
+        c = 1.0 / c
+    return a, c
+
+
+def _prologue(graph: fx.Graph, inp: fx.Node, consumers, allow_upcast: bool = True):
+    """Folds what computes a softmax's input into the safeops call: ``masked_fill(t, mask, -inf)`` /
+    ``where(mask, t, -inf)`` becomes ``mask=``, ``t * c`` / ``t / c`` becomes ``scale=``, and an
+    fp16/bf16 -> fp32 upcast is dropped (safeops reads 16-bit inputs and works in fp32 anyway).
+
+    Every folded node must feed only the next one (its intermediate is used nowhere else). A scale applied
+    after the mask folds only when positive (``-inf * c`` stays ``-inf``). Returns
+    ``(input, mask_node, negate_mask, scale, upcast, folded_nodes_outermost_first)``.
+    """
+    mask = negate = scale = None
+    upcast = no_mask = False
+    folded: list[fx.Node] = []
+    node = inp
+    while isinstance(node, fx.Node) and (
+            _only_users(node, consumers) if not folded else list(node.users) == [folded[-1]]):
+        if allow_upcast and not upcast and _is_upcast(node):
+            upcast, inner = True, node.args[0]
+        elif mask is None and not no_mask and (fill := _neg_inf_fill(node)) is not None:
+            inner, mask, keep_when_true = fill
+            negate = not keep_when_true
+        elif scale is None and (found := _constant_scale(node)) is not None:
+            inner, scale = found
+            # A negative scale applied after a mask would turn its -inf into +inf: no mask below it.
+            no_mask = mask is None and scale < 0
+        else:
+            break
+        folded.append(node)
+        node = inner
+    return node, mask, negate, scale, upcast, folded
+
+
+def _prologue_kwargs(graph: fx.Graph, before: fx.Node, mask: fx.Node | None, negate: bool,
+                     scale: float | None) -> dict:
+    kwargs = {}
+    if scale is not None:
+        kwargs["scale"] = scale
+    if mask is not None:
+        if negate:
+            with graph.inserting_before(before):
+                keep = graph.call_function(torch.logical_not, (mask,))
+            value = _value(mask)
+            if value is not None:
+                keep.meta["example_value"] = torch.empty_like(value)
+            mask = keep
+        kwargs["mask"] = mask
+    return kwargs
+
+
 def _fold_casts(graph: fx.Graph, z: fx.Node, z_users, out: fx.Node):
     """Returns (input, out_dtype, node_to_replace, dead_after, dead_before): folds an upcast before z and a
     cast after out. ``dead_after`` must be erased before the core's nodes, ``dead_before`` after them."""
@@ -333,11 +468,13 @@ def _replace_core(graph: fx.Graph, fn, z: fx.Node, dim: int, out: fx.Node, core:
     Leaves the graph unchanged, returning False, when something writes in place inside the core.
     """
     inp, dtype, target, after, before = _fold_casts(graph, z, z_users, out)
-    first = min([*max_nodes, *core, *before], key=_position(graph))
+    inp, mask, negate, scale, _, folded = _prologue(graph, inp, tuple(before) or z_users)
+    first = min([*max_nodes, *core, *before, *folded], key=_position(graph))
     if not _no_mutation_between(first, target):
         return False
-    dead = [*after, *core, *max_nodes, *before]
-    _replace(graph, target, fn, (inp, dim), {"dtype": dtype}, [n for n in dead if n is not target])
+    dead = [*after, *core, *max_nodes, *before, *folded]
+    kwargs = {"dtype": dtype, **_prologue_kwargs(graph, target, mask, negate, scale)}
+    _replace(graph, target, fn, (inp, dim), kwargs, [n for n in dead if n is not target])
     return True
 
 
