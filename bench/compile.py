@@ -178,9 +178,34 @@ def measure(variant: str, block: nn.Module, x: torch.Tensor, drop: torch.Tensor,
             row["peak_mib"] = peak / 2**20
             row["step_mib"] = (peak - before) / 2**20
             row["ms"], row["ms_p20"], row["ms_p80"] = H.bench_ms(lambda: step(), args.warmup_ms, args.rep_ms)
+            if args.profile:
+                _profile(variant, step)
     except Exception as e:  # one variant failing must not lose the others' numbers
         row["status"], row["note"] = "error", H._short(e)
     return row
+
+
+def _profile(variant: str, step, steps: int = 3) -> None:
+    """Prints where one step's time goes: GPU kernels by total time, and GPU busy time against wall time
+    (a step whose wall time is well above its kernel time is bound by launches on the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    events = prof.key_averages()
+    attr = "device_time_total" if hasattr(events[0], "device_time_total") else "cuda_time_total"
+    kernels = [e for e in events if getattr(e, attr, 0) > 0 and e.device_type.name in ("CUDA", "PrivateUse1")]
+    busy_ms = sum(getattr(e, attr) for e in kernels) / 1e3 / steps
+    print(f"--- profile {variant}: wall {wall_ms:.3f} ms/step, GPU kernels {busy_ms:.3f} ms/step, "
+          f"{sum(e.count for e in kernels) / steps:.0f} kernels/step", flush=True)
+    for e in sorted(kernels, key=lambda e: -getattr(e, attr))[:14]:
+        ms = getattr(e, attr) / 1e3 / steps
+        print(f"    {ms:8.3f} ms  x{e.count // steps:<3d} {e.key[:100]}", flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -254,6 +279,9 @@ def parse_args(argv=None):
     p.add_argument("--rep-ms", type=float, default=500, help="do_bench repetitions, ms")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(HERE / "out" / "compile.md"), help="Markdown file to write")
+    p.add_argument("--profile", action="store_true",
+                   help="also print each variant's GPU kernels by time (torch.profiler) and GPU busy time "
+                        "against wall time")
     p.add_argument("--keep-caches", action="store_true",
                    help="leave Inductor's FX-graph / AOT-autograd caches on (the rewrite count may then "
                         "read 0)")
