@@ -13,6 +13,11 @@
 #   bench     python3 bench/softmax.py --out $OUT     (softmax.csv, softmax.md, softmax.png)
 #   compile   python3 bench/compile.py                (a transformer block compiled stock vs safeops.register())
 #   sweep     python3 bench/softmax.py --sweep        (safeops launcher knobs per N; softmax_sweep.csv)
+#   attention python3 bench/attention.py --out $OUT   (attention.{csv,md,png}; ATTENTION_ARGS, e.g. --quick)
+#   cast      python3 bench/cast_transpose.py --out $OUT   (cast_transpose.{csv,md,png}; CAST_ARGS)
+#   model     python3 bench/model.py                  (a ~1B Llama training step, sdpa vs safeops; MODEL_ARGS;
+#             needs transformers: carry its wheels in .whl)
+#   ncu       Nsight Compute on a few softmax kernels (speed-of-light, occupancy, warp stalls), if ncu exists
 #
 # The whole run stays inside BUDGET_S seconds (default 530, under the device's 10-minute command limit): a
 # step gets at most its own timeout and what is left of the budget; the benchmark stops starting new shapes
@@ -165,8 +170,35 @@ for s in "${STEPS[@]}"; do
         step sweep "$lim" python3 bench/softmax.py --sweep --out "$OUT" --budget-s $((lim > 60 ? lim - 30 : 20)) \
             ${SWEEP_ARGS:-}
         ;;
+    attention)
+        lim=$(limit_for "${T_ATTENTION:-420}")
+        # shellcheck disable=SC2086
+        step attention "$lim" python3 bench/attention.py --out "$OUT" --budget-s $((lim > 90 ? lim - 45 : 30)) \
+            ${ATTENTION_ARGS:-}
+        ;;
+    cast)
+        lim=$(limit_for "${T_CAST:-240}")
+        # shellcheck disable=SC2086
+        step cast "$lim" python3 bench/cast_transpose.py --out "$OUT" --budget-s $((lim > 60 ? lim - 30 : 20)) \
+            ${CAST_ARGS:-}
+        ;;
+    model)
+        # shellcheck disable=SC2086
+        step model "$(limit_for "${T_MODEL:-240}")" python3 bench/model.py --out "$OUT/model.md" ${MODEL_ARGS:-}
+        ;;
+    ncu)
+        if command -v ncu >/dev/null; then
+            # Each kernel of each shape runs twice (compile, then clean); ncu profiles both.
+            step ncu "$(limit_for "${T_NCU:-180}")" ncu --target-processes all -k "regex:softmax_(fwd|bwd)_rows" \
+                --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+                --section MemoryWorkloadAnalysis python3 bench/profile_softmax.py ${NCU_ARGS:-}
+        else
+            log "=== ncu: not installed here"
+            SUMMARY+=("ncu: not installed")
+        fi
+        ;;
     *)
-        log "unknown step '$s' (steps: info tests alltests sanitize bench compile sweep)"
+        log "unknown step '$s' (steps: info tests alltests sanitize bench compile sweep attention cast model ncu)"
         SUMMARY+=("$s: unknown step")
         FAILED=1
         ;;

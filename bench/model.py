@@ -1,0 +1,193 @@
+"""One training step of a ~1B-parameter Llama-style model: attn_implementation "sdpa" against "safeops".
+
+Issue 5, "Performance". A ``LlamaForCausalLM`` built from a config with random weights (no download):
+hidden 2048, 22 layers, 32 query heads, 4 key/value heads (GQA), MLP 5632, vocabulary 32000 -- about
+1.1B parameters, the TinyLlama shape -- in bf16, batch 1, sequence 4096. For each attention implementation
+the same weights run one step, ``loss = model(ids, labels=ids).loss; loss.backward()``, and the script
+reports:
+
+- step time: median of CUDA-event timings (``triton.testing.do_bench`` through ``bench/_harness.py``),
+  20th-80th percentile in brackets, and tokens per second from the median;
+- peak memory: ``torch.cuda.max_memory_allocated()`` over one step;
+- the loss, and the largest difference of the logits from the first implementation's, relative to its
+  largest logit (same weights, same input: the two differ only in attention rounding).
+
+Optional ``--pad N`` left-pads the first N tokens of the sequence (attention_mask 0 there), the case where
+torch's SDPA can produce NaN in padded rows and safeops gives 0.
+
+    python bench/model.py [--seq 4096] [--batch 1] [--layers 22] [--impls sdpa,safeops] [--pad 0]
+                          [--warmup-ms 200] [--rep-ms 1500] [--out bench/out/model.md]
+
+Needs a CUDA GPU and transformers (``pip install 'safeops[transformers]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+for path in (str(HERE.parent), str(HERE)):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import safeops  # noqa: E402, F401, I001  (first: on a CPU machine it sets TRITON_INTERPRET)
+import _harness as H  # noqa: E402
+import torch  # noqa: E402
+
+IMPLS = ("sdpa", "safeops", "eager")
+
+
+def build(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=args.hidden, intermediate_size=args.mlp, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
+        max_position_embeddings=max(4096, args.seq), rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(args.seed)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.train()
+    return model
+
+
+def set_impl(model, impl: str) -> None:
+    if impl == "safeops":
+        import safeops.transformers  # noqa: F401  (registers "safeops" with transformers)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(impl)
+    else:
+        model.config._attn_implementation = impl
+
+
+def measure(model, impl: str, ids, mask, args, reference) -> dict:
+    row = {"impl": impl, "status": "ok", "note": ""}
+    try:
+        set_impl(model, impl)
+
+        def step(keep=False):
+            model.zero_grad(set_to_none=True)
+            out = model(input_ids=ids, attention_mask=mask, labels=ids)
+            out.loss.backward()
+            return out if keep else None
+
+        out = step(keep=True)
+        row["loss"] = float(out.loss)
+        logits = out.logits.detach()
+        row["finite"] = bool(torch.isfinite(logits).all()) and all(
+            p.grad is None or bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+        if reference is None:
+            row["keep"] = logits.float().cpu()
+            row["logit_diff"] = 0.0
+        else:
+            a = logits.float().cpu()
+            ok = torch.isfinite(a) & torch.isfinite(reference)
+            row["logit_diff"] = ((a[ok] - reference[ok]).abs().max() / reference[ok].abs().max()).item()
+        del out, logits
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row["ms"], row["p20"], row["p80"] = H.bench_ms(step, args.warmup_ms, args.rep_ms)
+        row["tok_s"] = ids.numel() / (row["ms"] * 1e-3)
+    except Exception as e:  # one implementation failing must not lose the others' numbers
+        row["status"], row["note"] = "error", H._short(e)
+    return row
+
+
+def markdown(rows, meta, args, n_params) -> str:
+    lines = [
+        f"### Llama-style model, one training step, sdpa vs safeops: measured {meta.get('date')} on "
+        f"{meta.get('gpu')} (torch {meta.get('torch')}, triton {meta.get('triton')}, "
+        f"CUDA {meta.get('cuda')})",
+        "",
+        f"{n_params / 1e9:.2f}B parameters (hidden {args.hidden}, {args.layers} layers, {args.heads} "
+        f"query / {args.kv_heads} key-value heads, MLP {args.mlp}, vocabulary {args.vocab}), bf16, "
+        f"batch {args.batch}, sequence {args.seq}"
+        + (f", first {args.pad} tokens left-padded" if args.pad else "")
+        + ". One step = forward with labels + backward. Time: median of CUDA-event timings, 20th-80th "
+        "percentile in brackets. Logit diff: max |logits - first| / max |first|.",
+        "",
+        "| attn_implementation | step ms | tokens/s | vs first | peak GiB | loss | finite | logit diff |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    first = next((r for r in rows if r["status"] == "ok"), None)
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['impl']} | {r['status']}: {r['note']} | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['impl']} | {r['ms']:.1f} [{r['p20']:.1f}-{r['p80']:.1f}] | {r['tok_s']:.0f} | "
+            f"{first['ms'] / r['ms']:.2f}x | {r['peak_gib']:.2f} | {r['loss']:.4f} | "
+            f"{'yes' if r['finite'] else 'NO'} | {r['logit_diff']:.2e} |")
+    lines += ["", "'vs first' > 1 means faster than the first row."]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="One training step of a ~1B Llama-style model, sdpa vs safeops.")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--mlp", type=int, default=5632)
+    p.add_argument("--layers", type=int, default=22)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--pad", type=int, default=0, help="left-padded tokens at the start of the sequence")
+    p.add_argument("--impls", default="sdpa,safeops", help=f"comma list from {', '.join(IMPLS)}")
+    p.add_argument("--warmup-ms", type=float, default=200)
+    p.add_argument("--rep-ms", type=float, default=1500)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(HERE / "out" / "model.md"))
+    args = p.parse_args(argv)
+    impls = [s.strip() for s in args.impls.split(",") if s.strip()]
+    bad = [i for i in impls if i not in IMPLS]
+    if bad:
+        p.error(f"unknown implementation(s) {bad}; choose from {IMPLS}")
+    H.require_cuda("bench/model.py")
+    try:
+        import transformers
+    except ImportError:
+        sys.exit("bench/model.py: needs transformers (pip install 'safeops[transformers]')")
+
+    meta = H.device_meta()
+    print(f"{meta['gpu']}: torch {meta['torch']}, triton {meta['triton']}, transformers "
+          f"{transformers.__version__}", flush=True)
+    model = build(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator(device="cuda").manual_seed(args.seed)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
+    mask = torch.ones_like(ids)
+    if args.pad:
+        mask[:, : args.pad] = 0
+    rows, reference = [], None
+    for impl in impls:
+        row = measure(model, impl, ids, mask, args, reference)
+        if reference is None and row["status"] == "ok":
+            reference = row.pop("keep")
+        row.pop("keep", None)
+        rows.append(row)
+        shown = (f"{row['ms']:.1f} ms, {row['tok_s']:.0f} tok/s, peak {row['peak_gib']:.2f} GiB, loss "
+                 f"{row['loss']:.4f}, finite {row['finite']}" if row["status"] == "ok"
+                 else f"{row['status']}: {row['note']}")
+        print(f"{impl}: {shown}", flush=True)
+    text = markdown(rows, meta, args, n_params)
+    print("\n" + text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+    print(f"\nwrote {out}")
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
