@@ -206,6 +206,29 @@ def _profile(variant: str, step, steps: int = 3) -> None:
     for e in sorted(kernels, key=lambda e: -getattr(e, attr))[:14]:
         ms = getattr(e, attr) / 1e3 / steps
         print(f"    {ms:8.3f} ms  x{e.count // steps:<3d} {e.key[:100]}", flush=True)
+    # Host side: the time to enqueue one step (no synchronization inside), and where it goes.
+    import cProfile
+    import io
+    import pstats
+
+    n = 20
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    host_ms = (time.perf_counter() - t0) * 1e3 / n
+    torch.cuda.synchronize()
+    print(f"--- host {variant}: {host_ms:.3f} ms/step to enqueue (GPU-bound if below the GPU kernel time)",
+          flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+    print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:3000], flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
