@@ -145,7 +145,7 @@ def measure(variant: str, block: nn.Module, x: torch.Tensor, drop: torch.Tensor,
     backend = "safeops" if variant == "backend" else "inductor"
     try:
         with _variant_context(variant):
-            fn = torch.compile(block, backend=backend, fullgraph=True)
+            fn = torch.compile(block, backend=backend, fullgraph=True, mode=args.mode)
 
             def step():
                 out = fn(x, drop)
@@ -251,6 +251,7 @@ def markdown(rows: list[dict], meta: dict, args) -> str:
         "",
         f"B={args.batch}, H={args.heads}, S={args.seq}, D={args.head_dim} (width {width}), "
         f"MLP x{args.mlp_ratio}, {args.dtype}, causal mask"
+        + (f", torch.compile mode={args.mode}" if args.mode else "")
         + (f" + {args.pad} padded keys in sequence 0" if args.pad else "")
         + f", softmax `{args.softmax}` ({SOFTMAX_NOTES[args.softmax]}). One step = forward + backward "
         "(gradients of every parameter and of the input). Time: median of CUDA-event timings "
@@ -302,6 +303,7 @@ def parse_args(argv=None):
     p.add_argument("--rep-ms", type=float, default=500, help="do_bench repetitions, ms")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(HERE / "out" / "compile.md"), help="Markdown file to write")
+    p.add_argument("--mode", default=None, help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)")
     p.add_argument("--profile", action="store_true",
                    help="also print each variant's GPU kernels by time (torch.profiler) and GPU busy time "
                         "against wall time")
