@@ -1,18 +1,32 @@
 """safeops: numerically safe softmax, log-softmax and logsumexp for PyTorch that the compiler cannot break.
 
 Public API: :func:`softmax`, :func:`log_softmax`, :func:`logsumexp`; :func:`register`,
-:func:`unregister`, :func:`registered` for ``torch.compile`` (and ``backend="safeops"``). The README's
-contract says what "safe" means, clause by clause.
+:func:`unregister`, :func:`registered` for ``torch.compile`` (and ``backend="safeops"``). For existing
+models: :mod:`safeops.nn` (drop-in modules), :func:`replace_modules` / :func:`restore_modules`,
+:func:`patched` (eager patching) and ``import safeops.transformers`` (``attn_implementation="safeops"``).
+The README's contract says what "safe" means, clause by clause.
 """
 
 __version__ = "0.1.0"
 
+from . import nn  # noqa: E402  (drop-in modules; safeops.transformers is imported only on request)
 from . import ops as _ops  # noqa: E402,F401  (registers the torch.library ops)
 from .compile import is_registered, register, registered, unregister  # noqa: E402
-from .functional import log_softmax, logsumexp, softmax  # noqa: E402
+from .functional import (  # noqa: E402
+    attention,
+    attention_varlen,
+    cast_transpose,
+    log_softmax,
+    logsumexp,
+    softmax,
+)
+from .patching import patched  # noqa: E402
+from .replace import replace_modules, restore_modules  # noqa: E402
 
 __all__ = [
-    "softmax", "log_softmax", "logsumexp",
+    "softmax", "log_softmax", "logsumexp", "attention", "attention_varlen",
+    "cast_transpose",
     "register", "unregister", "registered", "is_registered",
+    "nn", "replace_modules", "restore_modules", "patched",
     "__version__",
 ]

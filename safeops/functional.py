@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
 
+from .ops import attention as _ops_attention
+from .ops import cast_transpose as _ops_cast
 from .ops import softmax as _ops
 
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -100,7 +103,7 @@ def softmax(x, dim=-1, *, scale=None, mask=None, dtype=None) -> torch.Tensor:
     if x.dim() == 0:
         return softmax(x.reshape(1), 0, scale=scale, mask=None if mask is None else mask.reshape(1),
                        dtype=dtype).reshape(())
-    return _ops.softmax_op(x, dim, scale_value, scale_tensor, mask, dtype)[0]
+    return _ops.forward(_ops.SOFTMAX, x, dim, scale_value, scale_tensor, mask, dtype)[0]
 
 
 def log_softmax(x, dim=-1, *, scale=None, mask=None, dtype=None) -> torch.Tensor:
@@ -113,7 +116,7 @@ def log_softmax(x, dim=-1, *, scale=None, mask=None, dtype=None) -> torch.Tensor
     if x.dim() == 0:
         return log_softmax(x.reshape(1), 0, scale=scale, mask=None if mask is None else mask.reshape(1),
                            dtype=dtype).reshape(())
-    return _ops.log_softmax_op(x, dim, scale_value, scale_tensor, mask, dtype)[0]
+    return _ops.forward(_ops.LOG_SOFTMAX, x, dim, scale_value, scale_tensor, mask, dtype)[0]
 
 
 def logsumexp(x, dim=-1, *, scale=None, mask=None, keepdim=False) -> torch.Tensor:
@@ -127,5 +130,275 @@ def logsumexp(x, dim=-1, *, scale=None, mask=None, keepdim=False) -> torch.Tenso
     if x.dim() == 0:
         out = logsumexp(x.reshape(1), 0, scale=scale, mask=None if mask is None else mask.reshape(1))
         return out.reshape(())
-    out = _ops.logsumexp_op(x, dim, scale_value, scale_tensor, mask, None)[0]
+    out = _ops.forward(_ops.LOGSUMEXP, x, dim, scale_value, scale_tensor, mask, None)[0]
     return out.unsqueeze(dim) if keepdim else out
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------------
+
+_MAX_HEAD_DIM = 256
+
+
+@torch.compiler.assume_constant_result
+def _matmul_precision() -> str:
+    # Read when torch.compile traces (Dynamo cannot put the string in a graph); eager reads it every call.
+    return torch.get_float32_matmul_precision()
+
+
+def _check_qkv(q, k, v, rank: int, layout: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOATING:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+        if t.dim() != rank:
+            raise ValueError(f"{name} must have {rank} dimensions {layout}, got shape {tuple(t.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}: q, k and v must share a dtype")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    h = -2 if rank == 3 else 1  # the head dimension
+    hq, hk, hv = q.shape[h], k.shape[h], v.shape[h]
+    if hk != hv:
+        raise ValueError(f"k has {hk} heads but v has {hv}: k and v must have the same number of heads")
+    if hk == 0 and hq != 0 or hk and hq % hk:
+        raise ValueError(f"q has {hq} heads, not a multiple of k's {hk} (grouped-query attention needs "
+                         "Hq % Hkv == 0)")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q has head dim {q.shape[-1]} but k has {k.shape[-1]}: they must match")
+    for name, t in (("q", q), ("v", v)):
+        if not 1 <= t.shape[-1] <= _MAX_HEAD_DIM:
+            raise ValueError(f"{name} has head dim {t.shape[-1]}; supported head dims are 1 to "
+                             f"{_MAX_HEAD_DIM}")
+    s = 0 if rank == 3 else 2  # the sequence dimension
+    if k.shape[s] != v.shape[s]:
+        raise ValueError(f"k has {k.shape[s]} keys but v has {v.shape[s]} values: they must match")
+
+
+def _attention_options(q, scale, softcap, window, is_causal, return_lse, precision):
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be None or a python float, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+            raise TypeError(f"softcap must be None or a positive python float, got {type(softcap).__name__}")
+        softcap = float(softcap)
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap must be a positive finite float, got {softcap}")
+    left, right = -1, -1
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise ValueError(f"window must be None or a pair (left, right), got {window!r}")
+        sides = []
+        for side, w in zip(("left", "right"), window, strict=True):
+            if w is None:
+                w = -1
+            if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+                raise TypeError(f"window {side} must be an int >= 0 (or None / -1 for unbounded), got {w!r}")
+            if int(w) < -1:
+                raise ValueError(f"window {side} must be >= 0 (or None / -1 for unbounded), got {w}")
+            sides.append(int(w))
+        left, right = sides
+    if is_causal:
+        right = 0
+    code = 0
+    if q.dtype == torch.float32:
+        if precision is None:
+            precision = {"highest": "ieee"}.get(_matmul_precision(), "tf32")
+        if precision not in _ops_attention.PRECISIONS:
+            raise ValueError(f"precision must be None, 'ieee', 'tf32' or 'tf32x3', got {precision!r}")
+        code = _ops_attention.PRECISIONS[precision]
+    elif precision is not None and precision not in _ops_attention.PRECISIONS:
+        raise ValueError(f"precision must be None, 'ieee', 'tf32' or 'tf32x3', got {precision!r}")
+    return scale, softcap, left, right, code
+
+
+def _attention_mask(attn_mask, q: torch.Tensor, sk: int):
+    if attn_mask is None:
+        return None, 0
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be None or a tensor, got {type(attn_mask).__name__}")
+    if attn_mask.dtype == torch.bool:
+        kind = 1
+    elif attn_mask.dtype in _FLOATING:
+        kind = 2
+    else:
+        raise TypeError(f"attn_mask must be bool (True = attend) or floating (added to the scores), "
+                        f"got {attn_mask.dtype}")
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {q.device}")
+    target = (q.shape[0], q.shape[1], q.shape[2], sk)
+    try:
+        ok = torch.broadcast_shapes(attn_mask.shape, target) == torch.Size(target)
+    except RuntimeError:
+        ok = False
+    if not ok or attn_mask.dim() > 4:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                         f"(B, Hq, Sq, Sk) = {target}")
+    return attn_mask.expand(target), kind  # a view: broadcast dims get stride 0, nothing is materialized
+
+
+def _finish(out, row_max, row_sum, return_lse):
+    if not return_lse:
+        return out
+    from . import reference
+
+    return out, reference.attention_lse(row_max.detach(), row_sum.detach())
+
+
+def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, softcap=None, window=None,
+              return_lse=False, precision=None):
+    """Scaled dot-product attention in the ``(B, H, S, D)`` layout, a drop-in for SDPA.
+
+    Each score is one materialized fp32 value ``z = fp32(q.k) * scale`` (then ``softcap * tanh(z / softcap)``,
+    then ``+ attn_mask``) feeding both the row max and the subtraction (contract section 1); the row max and
+    sum are kept apart for the backward (3); a query that sees no key gets output 0, lse -inf and zero
+    gradient (4); masked keys are selected away, so NaN there does not leak (5); results are deterministic
+    and batch-invariant (6); fp32 inputs follow ``precision`` (7).
+
+    Args:
+        q: ``(B, Hq, Sq, D)``; k: ``(B, Hkv, Sk, D)``; v: ``(B, Hkv, Sk, Dv)``, with ``Hq % Hkv == 0``
+            (grouped-query / multi-query attention), head dims 1..256 (multiples of 16 are fastest).
+        attn_mask: bool (True = attend) or floating (added to the scores), broadcastable to
+            ``(B, Hq, Sq, Sk)``; never materialized. A float mask gets no gradient.
+        is_causal: query i sees keys ``j <= i`` (top-left aligned, like SDPA). May be combined with a mask.
+        scale: multiplies ``q.k``; default ``1 / sqrt(D)``.
+        softcap: ``z = softcap * tanh(z / softcap)`` (Gemma 2 style), applied before the mask.
+        window: ``(left, right)``: key j visible iff ``i - left <= j <= i + right``; ``None``/-1 for an
+            unbounded side. With ``is_causal`` only ``left`` matters.
+        return_lse: also return the natural-log logsumexp per query, fp32, ``(B, Hq, Sq)``.
+        precision: fp32 inputs only: ``"ieee"``, ``"tf32"`` (inputs rounded to nearest TF32) or ``"tf32x3"``;
+            default from ``torch.get_float32_matmul_precision()``.
+    """
+    _check_qkv(q, k, v, 4, "(B, H, S, D)")
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise ValueError(f"q, k and v must have the same batch size, got {q.shape[0]}, {k.shape[0]}, "
+                         f"{v.shape[0]}")
+    scale, softcap, left, right, code = _attention_options(q, scale, softcap, window, is_causal,
+                                                           return_lse, precision)
+    mask, mask_kind = _attention_mask(attn_mask, q, k.shape[2])
+    out, row_max, row_sum = _ops_attention.forward(
+        q, k, v, mask, mask_kind, None, None, q.shape[2], k.shape[2], is_causal, scale, softcap, left, right,
+        code)
+    return _finish(out, row_max, row_sum, return_lse)
+
+
+def _check_cu_seqlens(name: str, cu, total: int, device, max_seqlen, max_name: str) -> tuple[int, int]:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32 (as in FlashAttention), got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be 1-D with batch + 1 entries, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+    values = cu.tolist()  # one device sync: bad offsets would read out of bounds in the kernel
+    if values[0] != 0 or values[-1] != total:
+        raise ValueError(f"{name} must start at 0 and end at the packed length {total}, got "
+                         f"{values[0]} .. {values[-1]}")
+    lengths = [b - a for a, b in zip(values[:-1], values[1:], strict=True)]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{name} must be non-decreasing, got {values}")
+    longest = max(lengths, default=0)
+    if max_seqlen is None:
+        return longest, len(values) - 1
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral):
+        raise TypeError(f"{max_name} must be None or an int, got {type(max_seqlen).__name__}")
+    if int(max_seqlen) < longest:
+        raise ValueError(f"{max_name} is {max_seqlen} but {name} has a sequence of length {longest}")
+    return int(max_seqlen), len(values) - 1
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
+                     is_causal=False, scale=None, softcap=None, window=None, return_lse=False,
+                     precision=None):
+    """Attention over packed variable-length sequences, like FlashAttention's ``flash_attn_varlen_func``.
+
+    q ``(Tq, Hq, D)``, k ``(Tk, Hkv, D)``, v ``(Tk, Hkv, Dv)`` hold the sequences back to back; sequence b's
+    queries are rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and it attends only to its own keys
+    ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` (int32, ``(B + 1,)``, starting at 0). ``max_seqlen_*`` (the longest
+    sequence) are computed when None. ``is_causal`` and ``window`` are top-left aligned within each
+    sequence, as in :func:`attention` (FlashAttention aligns causal bottom-right when a sequence has more
+    keys than queries). FlexAttention's document masking (``doc[q_idx] == doc[kv_idx]``, optionally
+    ``and q_idx >= kv_idx``) over one packed batch is this call with ``cu_seqlens_q = cu_seqlens_k`` = the
+    document boundaries (and ``is_causal=True``). The lse is ``(Hq, Tq)``. Other arguments and the contract
+    are those of :func:`attention`.
+    """
+    _check_qkv(q, k, v, 3, "(total, H, D)")
+    sq, nb = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, max_seqlen_q,
+                               "max_seqlen_q")
+    sk, nbk = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, max_seqlen_k,
+                                "max_seqlen_k")
+    if nb != nbk:
+        raise ValueError(f"cu_seqlens_q has {nb + 1} entries but cu_seqlens_k has {nbk + 1}: one batch size")
+    scale, softcap, left, right, code = _attention_options(q, scale, softcap, window, is_causal,
+                                                           return_lse, precision)
+    out, row_max, row_sum = _ops_attention.forward(
+        q, k, v, None, 0, cu_seqlens_q, cu_seqlens_k, sq, sk, is_causal, scale, softcap, left, right, code)
+    return _finish(out, row_max, row_sum, return_lse)
+
+
+# --------------------------------------------------------------------------------------------------
+# fp8 cast + transpose
+# --------------------------------------------------------------------------------------------------
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_CAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def cast_transpose(x, scale, dtype=torch.float8_e4m3fn, *, rowwise=False):
+    """Casts ``x`` to fp8 in both layouts at once: returns ``(y, y_t, amax)``.
+
+    - ``y = (x.float() * scale).clamp(-max, max).to(dtype)``, bit for bit (``max = finfo(dtype).max``);
+      NaN stays NaN, +-inf saturate to +-max, -0 stays -0, rounding is to nearest even;
+    - ``y_t``: the same values column-major, shape ``(M, K)``, strides ``(1, M)``, what
+      ``y.t().contiguous().t()`` holds (the second operand layout of ``torch._scaled_mm``);
+    - ``amax = x.abs().max()`` as a 0-d fp32 tensor (NaN if ``x`` holds a NaN), from the same pass.
+      An empty ``x`` gives empty ``y``/``y_t`` and ``amax = 0`` (the largest of no magnitudes; eager
+      ``x.abs().max()`` would raise).
+
+    Not differentiable: the outputs never require grad (inputs that do are detached).
+
+    Args:
+        x: 2-D float16, bfloat16 or float32 tensor ``(M, K)``, any strides (read in place).
+        scale: float16/bfloat16/float32 tensor on x's device: one element (tensorwise), or ``(M, 1)``
+            with ``rowwise=True`` (one scale per row). Applied as one fp32 multiply.
+        dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
+        rowwise: whether ``scale`` holds one value per row.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _CAST_DTYPES:
+        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (M, K), got shape {tuple(x.shape)}")
+    if not isinstance(dtype, torch.dtype) or dtype not in _FP8_DTYPES:
+        raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype!r}")
+    if not isinstance(rowwise, bool):
+        raise TypeError(f"rowwise must be a bool, got {type(rowwise).__name__}")
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError("scale must be a tensor (e.g. torch.tensor(s, dtype=torch.float32, device=x.device)),"
+                        f" got {type(scale).__name__}")
+    if scale.dtype not in _CAST_DTYPES:
+        raise TypeError(f"scale must be float32, float16 or bfloat16, got {scale.dtype}")
+    if scale.device != x.device:
+        raise ValueError(f"scale is on {scale.device} but x is on {x.device}")
+    if rowwise:
+        if tuple(scale.shape) != (x.shape[0], 1):
+            raise ValueError(f"scale must have shape (M, 1) = ({x.shape[0]}, 1) with rowwise=True, "
+                             f"got {tuple(scale.shape)}")
+    elif scale.numel() != 1 or scale.dim() > 2:
+        raise ValueError(f"scale must have one element (or pass rowwise=True with an (M, 1) scale), "
+                         f"got shape {tuple(scale.shape)}")
+    return _ops_cast.cast_transpose_op(x.detach(), scale.detach(), dtype, rowwise)

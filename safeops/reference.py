@@ -129,3 +129,185 @@ def backward(
     else:
         dx = dz
     return dx.to(x.dtype), dscale
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------------
+#
+# The kernels work in base 2 with log2(e) folded into the one scale multiply (contract section 1 allows
+# it as long as the same bits feed the max and the subtraction): the materialized score is
+#
+#     z2 = fp32(s * fp32(scale * log2e))                              no softcap
+#     z2 = fp32(tanh(fp32(s * fp32(scale / softcap))) * fp32(softcap * log2e))   with softcap
+#     z2 = z2 + fp32(fp32(mask) * fp32(log2e))                        additive mask
+#     z2 = -inf where a boolean / causal / window mask excludes the key (selected, never added)
+#
+# with s the fp32 dot product q.k. The row stats are m2 = max z2 and l = sum exp2(z2 - m2), kept apart;
+# the user-visible lse is ln(2) * (m2 + log2(l)). This reference computes s in float64 and rounds it once
+# (more accurate than any kernel's fp32 accumulation), then follows the same formulas; everything after
+# z2 is float64. It ignores ``precision`` (CPU tensors are always computed at full precision).
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+ATTN_MASK_NONE, ATTN_MASK_BOOL, ATTN_MASK_ADD = 0, 1, 2
+
+
+def attention_constants(scale: float, softcap: float | None) -> tuple[float, float]:
+    """(c1, c2) for ``z2 = s * c1`` or ``z2 = tanh(s * c1) * c2``, each rounded once to fp32."""
+    f32 = torch.float32
+    if softcap is None:
+        return float(torch.tensor(scale * LOG2E, dtype=f32)), 1.0
+    return float(torch.tensor(scale / softcap, dtype=f32)), float(torch.tensor(softcap * LOG2E, dtype=f32))
+
+
+def attention_visible(sq: int, sk: int, is_causal: bool, window_left: int, window_right: int,
+                      device) -> torch.Tensor | None:
+    """Bool (sq, sk): key j visible from query i (top-left aligned); None when everything is visible.
+
+    ``window_left``/``window_right`` < 0 mean unbounded; ``is_causal`` caps the right side at 0.
+    """
+    right = 0 if is_causal else window_right
+    if right < 0 and window_left < 0:
+        return None
+    i = torch.arange(sq, device=device).unsqueeze(1)
+    j = torch.arange(sk, device=device).unsqueeze(0)
+    visible = torch.ones((sq, sk), dtype=torch.bool, device=device)
+    if right >= 0:
+        visible &= j <= i + right
+    if window_left >= 0:
+        visible &= j >= i - window_left
+    return visible
+
+
+def _expand_kv(t: torch.Tensor, hq: int) -> torch.Tensor:
+    return t.repeat_interleave(hq // t.shape[1], dim=1) if t.shape[1] != hq else t
+
+
+def attention_scores(q, k, mask, mask_kind, is_causal, scale, softcap, window_left, window_right):
+    """z2 (B, Hq, Sq, Sk) in the compute dtype (fp32, or fp64 for fp64 inputs), -inf where excluded."""
+    acc = compute_dtype(q.dtype)
+    k = _expand_kv(k, q.shape[1])
+    s = (q.to(torch.float64) @ k.to(torch.float64).transpose(-1, -2)).to(acc)
+    c1, c2 = attention_constants(scale, softcap)
+    if acc == torch.float64:
+        c1, c2 = (scale * LOG2E, 1.0) if softcap is None else (scale / softcap, softcap * LOG2E)
+    c1 = torch.tensor(c1, dtype=acc)
+    c2 = torch.tensor(c2, dtype=acc)
+    z = s * c1 if softcap is None else torch.tanh(s * c1) * c2
+    if mask_kind == ATTN_MASK_ADD:
+        # An additive -inf excludes the key: selected, so a NaN score there does not reach the row.
+        add = mask.to(acc)
+        z = torch.where(add == NEG_INF, NEG_INF, z + add * torch.tensor(LOG2E, dtype=acc))
+    keep = None
+    if mask_kind == ATTN_MASK_BOOL:
+        keep = mask
+    visible = attention_visible(q.shape[2], k.shape[2], is_causal, window_left, window_right, q.device)
+    if visible is not None:
+        keep = visible if keep is None else keep & visible
+    if keep is not None:
+        z = torch.where(keep, z, torch.full((), NEG_INF, dtype=acc))
+    return z
+
+
+def _attention_probs(z: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
+    """float64 p = exp2(z - m) / l, exactly 0 in empty rows (m = -inf, l = 0)."""
+    m = m.to(torch.float64).unsqueeze(-1)
+    l = l.to(torch.float64).unsqueeze(-1)
+    e = torch.exp2(z.to(torch.float64) - _safe_max(m))
+    p = e / torch.where(l == 0, torch.ones_like(l), l)
+    return torch.where(l == 0, torch.zeros_like(p), p)
+
+
+def attention_forward(q, k, v, mask, mask_kind, is_causal, scale, softcap, window_left, window_right
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense attention, ``(B, H, S, D)`` layout. Returns ``(out, m2, l)``; the stats are (B, Hq, Sq)."""
+    acc = compute_dtype(q.dtype)
+    B, Hq, Sq, _ = q.shape
+    if k.shape[2] == 0:
+        out = q.new_zeros((B, Hq, Sq, v.shape[3]))
+        return out, q.new_full((B, Hq, Sq), NEG_INF, dtype=acc), q.new_zeros((B, Hq, Sq), dtype=acc)
+    z = attention_scores(q, k, mask, mask_kind, is_causal, scale, softcap, window_left, window_right)
+    m = torch.amax(z, -1)
+    e = torch.exp2(z.to(torch.float64) - _safe_max(m.to(torch.float64)).unsqueeze(-1))
+    l64 = e.sum(-1)
+    l = l64.to(acc)
+    o = e @ _expand_kv(v, Hq).to(torch.float64)
+    o = o / torch.where(l64 == 0, torch.ones_like(l64), l64).unsqueeze(-1)
+    o = torch.where((l64 == 0).unsqueeze(-1), torch.zeros_like(o), o)
+    return o.to(q.dtype), m, l
+
+
+def attention_lse(m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
+    """Natural-log logsumexp from the base-2 stats; -inf for empty rows."""
+    lse = (m.to(torch.float64) + torch.log2(l.to(torch.float64))) * LN2
+    return torch.where(l == 0, torch.full_like(lse, NEG_INF), lse).to(m.dtype)
+
+
+def _reduce_heads(t: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Sum the gradients of the q heads of one group onto their kv head."""
+    B, H, S, D = t.shape
+    return t.reshape(B, hkv, H // hkv, S, D).sum(2) if H != hkv else t
+
+
+def attention_backward(grad, q, k, v, out, m, l, mask, mask_kind, is_causal, scale, softcap,
+                       window_left, window_right) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the saved inputs, output and base-2 stats (contract section 3)."""
+    f64 = torch.float64
+    Hq, Hkv = q.shape[1], k.shape[1]
+    if k.shape[2] == 0 or q.shape[2] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    z = attention_scores(q, k, mask, mask_kind, is_causal, scale, softcap, window_left, window_right)
+    p = _attention_probs(z, m, l)
+    do = grad.to(f64)
+    ve = _expand_kv(v, Hq).to(f64)
+    ke = _expand_kv(k, Hq).to(f64)
+    dv = p.transpose(-1, -2) @ do
+    dp = do @ ve.transpose(-1, -2)
+    delta = (do * out.to(f64)).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
+    # Chain rule through z = s * scale (or softcap * tanh(s * scale / softcap)); excluded keys have p = 0.
+    if softcap is None:
+        ds = ds * scale
+    else:
+        t = torch.tanh(q.to(f64) @ ke.transpose(-1, -2) * (scale / softcap))
+        ds = ds * (scale * (1 - t * t))
+    ds = torch.where(p == 0, torch.zeros_like(ds), ds)
+    dq = ds @ ke
+    dk = ds.transpose(-1, -2) @ q.to(f64)
+    return (dq.to(q.dtype), _reduce_heads(dk, Hkv).to(k.dtype), _reduce_heads(dv, Hkv).to(v.dtype))
+
+
+# --------------------------------------------------------------------------------------------------
+# fp8 cast + transpose
+# --------------------------------------------------------------------------------------------------
+
+
+class Fp8Format:
+    """What the cast kernel needs to know about an fp8 dtype; the one home of these constants."""
+
+    def __init__(self, dtype: torch.dtype, code: int, mantissa_bits: int, exponent_bias: int):
+        self.dtype, self.code = dtype, code
+        self.mantissa_bits, self.exponent_bias = mantissa_bits, exponent_bias
+        self.max = torch.finfo(dtype).max  # 448 for e4m3fn, 57344 for e5m2
+        self.max_bits = int(torch.tensor(self.max, dtype=torch.float32).view(torch.int32))
+
+
+FP8_FORMATS = {
+    torch.float8_e4m3fn: Fp8Format(torch.float8_e4m3fn, 0, 3, 7),
+    torch.float8_e5m2: Fp8Format(torch.float8_e5m2, 1, 2, 15),
+}
+
+
+def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                   rowwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``y = (x.float() * scale).clamp(-max, max).to(dtype)``, ``y_t`` its column-major copy, and
+    ``amax = x.abs().max()`` in fp32 (0 for an empty ``x``). ``scale`` is one element, or ``(M, 1)``
+    when ``rowwise``; it is converted to fp32 first (exact for fp16/bf16/fp32, as torch's promotion does).
+    """
+    fmax = FP8_FORMATS[dtype].max
+    s = scale.to(torch.float32).reshape(-1, 1) if rowwise else scale.to(torch.float32).reshape(())
+    y = (x.float() * s).clamp(-fmax, fmax).to(dtype)
+    y_t = y.t().contiguous().t()
+    amax = x.abs().max().float() if x.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
+    return y, y_t, amax

@@ -287,3 +287,179 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tens
                  context: object) -> None:
     ratio, where = max_violation(actual, expected, bound)
     assert ratio <= 1.0, f"{what}: error {ratio:.3g} x the allowed bound {where}; {context}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention: float64 oracle and forward-error bounds
+# ---------------------------------------------------------------------------------------------------
+#
+# Written from the math (softmax(q k^T * scale [softcap] + mask) v), not from safeops.reference. Scores are
+# in natural units; the kernels' base-2 score and fp32 dot accumulation differ from it by rounding, which
+# the bounds below account for.
+
+
+def round_tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> nearest TF32 (ties to even), through float64 arithmetic on the exponent (not bit tricks)."""
+    x = x.to(torch.float32)
+    x64 = x.to(F64)
+    finite = torch.isfinite(x64) & (x64 != 0)
+    mant, expo = torch.frexp(torch.where(finite, x64, torch.ones_like(x64)))
+    # mant in [0.5, 1): TF32 keeps 11 significant bits, so round mant * 2**11 to an integer (ties to even).
+    rounded = torch.round(mant * 2048.0) / 2048.0
+    return torch.where(finite, torch.ldexp(rounded, expo), x64).to(torch.float32)
+
+
+@dataclass
+class AttentionResult:
+    out: torch.Tensor  # (B, Hq, Sq, Dv) float64
+    lse: torch.Tensor  # (B, Hq, Sq) float64, -inf for empty rows
+    p: torch.Tensor  # (B, Hq, Sq, Sk) probabilities, 0 where excluded and in empty rows
+    zmag: torch.Tensor  # (B, Hq, Sq, 1): largest |score| term magnitude of the row (for the bounds)
+    v_abs: torch.Tensor  # (B, Hq, Sk, Dv) |v| expanded to the q heads
+    k_abs: torch.Tensor  # (B, Hq, Sk, D)
+    q_abs: torch.Tensor  # (B, Hq, Sq, D)
+
+
+def _heads(t: torch.Tensor, hq: int) -> torch.Tensor:
+    return t.repeat_interleave(hq // t.shape[1], dim=1)
+
+
+def attention_keep(sq: int, sk: int, attn_mask, is_causal: bool, window) -> torch.Tensor:
+    """Bool (.., Sq, Sk) of the keys each query may see, from the bool mask, causal and window."""
+    i = torch.arange(sq).unsqueeze(1)
+    j = torch.arange(sk).unsqueeze(0)
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if is_causal:
+        keep &= j <= i
+    if window is not None:
+        left, right = window
+        if left is not None and left >= 0:
+            keep &= j >= i - left
+        if right is not None and right >= 0 and not is_causal:
+            keep &= j <= i + right
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        keep = keep & attn_mask
+    return keep
+
+
+def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, softcap=None, window=None,
+              precision=None, leaves=None) -> AttentionResult:
+    """Float64 attention. ``leaves`` = (q64, k64, v64) to differentiate through (default: detached copies).
+
+    fp32 inputs with precision "tf32" are rounded to TF32 first (the contract's rounding, done here by
+    float64 arithmetic). Probabilities are exact here; the kernels round them to the input dtype for the
+    second matmul, which the bounds allow for.
+    """
+    if precision == "tf32" and q.dtype == torch.float32:
+        q, k, v = round_tf32(q), round_tf32(k), round_tf32(v)
+    q64, k64, v64 = leaves if leaves is not None else (t.detach().to(F64) for t in (q, k, v))
+    if leaves is not None and precision == "tf32" and q.dtype == torch.float32:
+        # Values of the rounded inputs, gradient of the unrounded leaves (straight through the rounding).
+        pairs = zip(leaves, (q, k, v), strict=True)
+        q64, k64, v64 = (leaf + (r.to(F64) - leaf).detach() for leaf, r in pairs)
+    hq, sq, sk, d = q.shape[1], q.shape[2], k.shape[2], q.shape[3]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    ke, ve = _heads(k64, hq), _heads(v64, hq)
+    s = q64 @ ke.transpose(-1, -2)
+    z = s * scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    keep = attention_keep(sq, sk, attn_mask, is_causal, window).expand(z.shape)
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        add = attn_mask.detach().to(F64).expand(z.shape)
+        keep = keep & (add != NEG_INF)
+        z = z + torch.where(keep, add, torch.zeros_like(add))
+    z = torch.where(keep, z, torch.full_like(z, NEG_INF))
+    m = torch.amax(z.detach(), -1, keepdim=True) if sk else z.new_full(z.shape[:-1] + (1,), NEG_INF)
+    empty = m == NEG_INF
+    e = torch.where(keep, torch.exp(z - torch.where(empty, torch.zeros_like(m), m)), torch.zeros_like(z))
+    l = e.sum(-1, keepdim=True)
+    p = e / torch.where(empty, torch.ones_like(l), l)
+    out = p @ ve
+    log_l = torch.log(torch.where(empty, torch.ones_like(l), l))
+    lse = torch.where(empty, torch.full_like(m, NEG_INF), m + log_l)
+    terms = q.detach().to(F64).abs() @ _heads(k.detach().to(F64).abs(), hq).transpose(-1, -2) * abs(scale)
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        terms = terms + attn_mask.detach().to(F64).abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    terms = torch.where(keep, terms, torch.zeros_like(terms))
+    zmag = terms.amax(-1, keepdim=True) if sk else terms.new_zeros(terms.shape[:-1] + (1,))
+    return AttentionResult(out=out, lse=lse.squeeze(-1), p=p.detach(), zmag=zmag,
+                           v_abs=_heads(v.detach().to(F64).abs(), hq),
+                           k_abs=_heads(k.detach().to(F64).abs(), hq),
+                           q_abs=q.detach().to(F64).abs())
+
+
+def attention_gradients(q, k, v, grad_out, **options):
+    """(out, dq, dk, dv) in float64 by autograd on the oracle; dk/dv summed over each kv head's q heads."""
+    leaves = tuple(t.detach().to(F64).requires_grad_(True) for t in (q, k, v))
+    r = attention(q, k, v, leaves=leaves, **options)
+    dq, dk, dv = torch.autograd.grad((r.out * grad_out.detach().to(F64)).sum(), leaves, allow_unused=True)
+    pairs = zip((dq, dk, dv), leaves, strict=True)
+    dq, dk, dv = (torch.zeros_like(leaf) if g is None else g for g, leaf in pairs)
+    return r, dq, dk, dv
+
+
+def _unit(dtype: torch.dtype, precision) -> float:
+    """Unit roundoff of a matmul operand as the kernels feed it (probabilities, ds, inputs)."""
+    if dtype == torch.float32:
+        return 2.0**-11 if precision == "tf32" else 2.0**-24
+    return eps(dtype) / 2
+
+
+def attention_bounds(r: AttentionResult, q, grad_out=None, *, scale=None, softcap=None, precision=None):
+    """Allowed |error| of (out, lse) and, with ``grad_out``, of (dq, dk, dv), element-wise.
+
+    The score of each key is off by E_z (fp32 rounding of the dot, of the scale product and of the base-2
+    conversion: a few ulps of the row's largest score term, times log2(D) for the accumulation); softmax
+    is shift invariant, so the output moves by at most 2 E_z sum_j p_j |v_j|. Each matmul operand that the
+    kernels round (p and ds to the input dtype, or to TF32) adds its unit roundoff times the same sum.
+    """
+    out_dtype = q.dtype
+    d = q.shape[-1]
+    sk = r.p.shape[-1]
+    u32 = eps(torch.float32) / 2
+    c = 8 + 2 * math.log2(max(d, 2)) + math.log2(max(sk, 2))
+    z_err = c * u32 * (r.zmag + 1.0)
+    if softcap is not None:
+        z_err = z_err + 16 * u32 * softcap
+    u_op = _unit(out_dtype, precision)
+    pv = r.p @ r.v_abs
+    rel = 2 * z_err + 2 * u_op + c * u32
+    # Rounding p and ds to fp16/bf16 for a matmul is relative (u_op) only in the normal range: a tiny p or ds
+    # lands on a subnormal and is off by up to half a subnormal step, absolutely, for every key it touches.
+    eta = subnormal_step(out_dtype) / 2 if out_dtype in (torch.float16, torch.bfloat16) else 0.0
+    touched = (r.p != 0).to(r.p.dtype)
+    out_b = (eps(out_dtype) * r.out.detach().abs() + rel * pv + eta * (touched @ r.v_abs)
+             + 2 * subnormal_step(out_dtype))
+    lse = r.lse.detach()
+    lse_fin = torch.where(torch.isfinite(lse), lse.abs(), torch.zeros_like(lse))
+    lse_b = 2 * z_err.squeeze(-1) + c * u32 * (lse_fin + 1)
+    if grad_out is None:
+        return out_b, lse_b
+    g = grad_out.detach().to(F64)
+    ga = g.abs()
+    scale = 1.0 / math.sqrt(d) if scale is None else abs(scale)
+    # Magnitude of each ds term: p (|dp| + |delta| + |dO| |v| + |dO| |O|).
+    dp_abs = ga @ r.v_abs.transpose(-1, -2)
+    delta_abs = (ga * r.out.detach().abs()).sum(-1, keepdim=True)
+    a = r.p * (dp_abs + delta_abs)
+    # delta comes from the output rounded to its dtype: eps(out) |dO| |O| per row.
+    rel_ds = 2 * z_err + 3 * u_op + c * u32 + eps(out_dtype)
+    # The relative errors are per query row: they weight each term inside the sums over rows.
+    # The kernels round scale * ds (not ds) to the operand dtype, so its subnormal floor is not scaled.
+    dq_b = scale * ((rel_ds * a) @ r.k_abs) + eta * (touched @ r.k_abs)
+    dk_full = scale * ((rel_ds * a).transpose(-1, -2) @ r.q_abs) + eta * (touched.transpose(-1, -2) @ r.q_abs)
+    dv_full = (((2 * z_err + 2 * u_op + c * u32) * r.p + eta * touched).transpose(-1, -2) @ ga)
+    return out_b, lse_b, dq_b, dk_full, dv_full
+
+
+def reduce_kv_bound(bound: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Sum a (B, Hq, Sk, .) bound over the q heads of each kv head."""
+    b, hq, s, d = bound.shape
+    return bound.reshape(b, hkv, hq // hkv, s, d).sum(2)
+
+
+def add_rounding(bound: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Plus the final rounding of the result to ``dtype`` (about one ulp)."""
+    finite = expected.detach().abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    return bound + eps(dtype) * finite + 2 * subnormal_step(dtype)

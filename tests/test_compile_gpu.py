@@ -80,3 +80,58 @@ def test_seed_userland_backward_under_registration_on_cuda():
     torch._dynamo.reset()
     assert torch.isfinite(y.grad).all()
     assert y.grad.abs().max().item() <= 1e-3
+
+
+def test_folded_scale_and_mask_match_eager_safeops_on_cuda():
+    # (s * c).masked_fill(drop, -inf) before a hand-written bf16 softmax folds into one safeops call.
+    s = torch.randn(4, 8, 256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    drop = torch.ones(256, 256, device="cuda", dtype=torch.bool).triu(1)[None, None]
+    c = 0.125 * 1.1
+
+    def f(t, d):
+        z = (t * c).masked_fill(d, float("-inf"))
+        m = torch.amax(z, -1, keepdim=True)
+        e = torch.exp(z - m)
+        return e / torch.sum(e, -1, keepdim=True)
+
+    with safeops.registered():
+        torch._dynamo.reset()
+        out = torch.compile(f, fullgraph=True)(s, drop)
+    torch._dynamo.reset()
+    assert sum(safeops.compile.stats.values()) >= 1
+    want = safeops.softmax(s.detach(), -1, scale=c, mask=~drop)
+    assert torch.equal(out, want)
+    g = torch.randn_like(out)
+    (ds,) = torch.autograd.grad(out, s, g)
+    s2 = s.detach().clone().requires_grad_()
+    (ds2,) = torch.autograd.grad(safeops.softmax(s2, -1, scale=c, mask=~drop), s2, g)
+    assert torch.equal(ds, ds2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_sdpa_under_registration_is_safeops_attention_on_cuda(dtype):
+    import torch.nn.functional as F
+
+    q = torch.randn(2, 8, 300, 64, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 2, 333, 64, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 2, 333, 64, device="cuda", dtype=dtype, requires_grad=True)
+    keep = torch.rand(300, 333, device="cuda") < 0.8
+    keep[7] = False  # a query that sees no key
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+
+    safeops.compile.stats.clear()
+    with safeops.registered():
+        torch._dynamo.reset()
+        out = torch.compile(f, fullgraph=True)(q, k, v)
+    torch._dynamo.reset()
+    assert safeops.compile.stats["attention_call"] == 1
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    want = safeops.attention(*leaves, attn_mask=keep)
+    assert torch.equal(out, want)
+    assert (out[:, :, 7] == 0).all()
+    g = torch.randn_like(out)
+    got_grads = torch.autograd.grad(out, (q, k, v), g)
+    for a, b in zip(got_grads, torch.autograd.grad(want, leaves, g), strict=True):
+        assert torch.equal(a, b)

@@ -18,8 +18,8 @@ Cache safety: the rewrite is an Inductor ``CustomGraphPass`` whose ``uuid()`` ha
 rewrite code, so Inductor's FX-graph and AOT-autograd caches key on whether it ran. On torch versions
 whose caches do not hash custom passes, registration turns those caches off while in force.
 
-Attention: ``F.scaled_dot_product_attention`` is not rerouted yet (safeops.attention is a later issue);
-``_ATTENTION_TARGETS`` below is where it will plug in.
+Attention: ``F.scaled_dot_product_attention`` calls go to ``safeops.attention`` where it computes the
+same function (``safeops.compile.attention`` says when: no dropout, 4-D inputs, ...).
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ import torch
 from .. import __version__ as _version
 from ..ops import softmax as _ops
 from . import _compat
+from .attention import rewrite as rewrite_attention
+from .cast_transpose import rewrite as rewrite_cast_transpose
 from .rewrite import rewrite_graph, stats
 
 __all__ = ["register", "unregister", "registered", "is_registered", "backend", "stats", "BACKEND_NAME"]
 
 BACKEND_NAME = "safeops"
-# Seam for the attention issue: torch-level SDPA targets to reroute once safeops.attention exists.
-_ATTENTION_TARGETS: tuple = ()
 
 aten = torch.ops.aten
 _lock = threading.RLock()
@@ -58,12 +58,15 @@ def _code_hash() -> str:
 
 
 class SafeopsGraphPass(_compat.CustomGraphPass):
-    """Inductor pre-grad pass: rewrites softmax in the Dynamo graph to safeops ops."""
+    """Inductor pre-grad pass: rewrites softmax (and SDPA, and the fp8 cast + transpose) in the Dynamo graph
+    to safeops ops."""
 
     _uuid = _code_hash()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         rewrite_graph(graph)
+        rewrite_attention(graph)  # F.scaled_dot_product_attention -> safeops.attention
+        rewrite_cast_transpose(graph)  # fp8 cast + transposed copy -> safeops::cast_transpose
 
     def uuid(self) -> str:
         return self._uuid

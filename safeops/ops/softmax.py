@@ -115,6 +115,10 @@ def softmax_backward(
     mask: torch.Tensor | None,
     need_dscale: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward_impl(grad, x, row_max, row_sum, dim, kind, scale, scale_tensor, mask, need_dscale)
+
+
+def _backward_impl(grad, x, row_max, row_sum, dim, kind, scale, scale_tensor, mask, need_dscale):
     if row_max.dtype == torch.float64 or not _config.use_triton(x):
         dx, dscale = reference.backward(
             kind, grad, x, row_max, row_sum, dim, scale, scale_tensor, mask, need_dscale
@@ -137,3 +141,66 @@ def _(grad, x, row_max, row_sum, dim, kind, scale, scale_tensor, mask, need_dsca
 softmax_op = _make_forward_op(SOFTMAX)
 log_softmax_op = _make_forward_op(LOG_SOFTMAX)
 logsumexp_op = _make_forward_op(LOGSUMEXP)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Eager fast path
+# ---------------------------------------------------------------------------------------------------
+# A call through torch.library's Python custom-op layers costs 100-300 us of host time per op on torch
+# 2.11 (bench/overhead.py), more than the kernel itself for small and medium inputs. Eager calls on plain
+# tensors skip those layers: the same forward and backward implementations behind a plain
+# autograd.Function, so the same kernels run with the same arguments and give the same bits. Anything
+# that traces or transforms (torch.compile / export, FakeTensor, make_fx, vmap, tensor subclasses, Python
+# dispatch or function modes) keeps the registered op.
+
+
+def eager_fast_path(*tensors) -> bool:
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    if torch._C._is_torch_function_mode_enabled():
+        return False
+    if torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.Python):
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if _get_current_dispatch_mode() is not None:
+        return False
+    return all(t is None or type(t) is torch.Tensor for t in tensors)
+
+
+class _EagerSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kind, x, dim, scale, scale_tensor, mask, out_dtype):
+        out, row_max, row_sum = _forward_impl(kind, x, dim, scale, scale_tensor, mask, out_dtype)
+        ctx.kind, ctx.dim, ctx.scale = kind, dim, scale
+        ctx.has_scale_tensor = scale_tensor is not None
+        ctx.save_for_backward(x, row_max, row_sum, scale_tensor, mask)
+        ctx.mark_non_differentiable(row_max, row_sum)
+        return out, row_max, row_sum
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_max, grad_sum):
+        x, row_max, row_sum, scale_tensor, mask = ctx.saved_tensors
+        need_dscale = ctx.has_scale_tensor and ctx.needs_input_grad[4]
+        grad_x, grad_scale = _backward_impl(
+            grad_out, x, row_max, row_sum, ctx.dim, ctx.kind, ctx.scale, scale_tensor, mask, need_dscale
+        )
+        if need_dscale:
+            grad_scale = grad_scale.to(scale_tensor.dtype).reshape(scale_tensor.shape)
+        else:
+            grad_scale = None
+        return None, grad_x, None, None, grad_scale, None, None
+
+
+_OPS = {}
+
+
+def forward(kind, x, dim, scale, scale_tensor, mask, out_dtype):
+    """``(out, row_max, row_sum)`` of the op ``kind``: the eager fast path when it applies, else the op."""
+    if eager_fast_path(x, scale_tensor, mask):
+        return _EagerSoftmax.apply(kind, x, dim, scale, scale_tensor, mask, out_dtype)
+    return _OPS[kind](x, dim, scale, scale_tensor, mask, out_dtype)
+
+
+_OPS.update({SOFTMAX: softmax_op, LOG_SOFTMAX: log_softmax_op, LOGSUMEXP: logsumexp_op})

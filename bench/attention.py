@@ -1,0 +1,515 @@
+"""Attention forward and backward TFLOP/s: safeops against SDPA (flash, cuDNN, efficient, math) and
+FlexAttention (torch.compile'd), with the same masks, plus a "fusion on" variant of our kernels.
+
+FLOPs: forward 4 * B * H * Sq * Sk * D (halved for causal), backward 2.5x the forward. Shapes: bf16 for D in
+{64, 128}, S in {1K, 4K, 16K}, causal and not, B * H * S = 2**18 (H = 16; B = 16, 4, 1); fp16 and fp32
+(per precision mode, against SDPA math/efficient) on fewer shapes. What each backward timing measures:
+
+- safeops: ``torch.ops.safeops.attention_backward`` alone (delta, dk/dv and dq kernels) from saved tensors;
+- safeops, fusion on: the same kernels compiled with ``enable_fp_fusion=True``
+  (``safeops._config.fp_fusion``), to measure what the contraction-free build costs (target < 3%); it is
+  our variant, not a peer;
+- SDPA backends and FlexAttention: ``torch.autograd.grad`` of the output w.r.t. (q, k, v) on a retained
+  graph, which runs their backward kernels only.
+
+The dense bf16 matmul ceiling (8192^3 ``torch.mm``) is measured in the same run; "% ceil" is ours against it.
+
+    python3 bench/attention.py --out DIR [--budget-s S] [--quick] [--impl safeops,flex] [--d 128]
+                               [--causal 0,1] [--directions fwd,bwd]
+    python3 bench/attention.py --sweep --out DIR [--kernels fwd,dkdv,dq] [--d 64,128] [--causal 0,1]
+
+``--sweep`` times safeops alone with each candidate configuration of the chosen kernels
+(``attention_launch.config_override``) on bf16 B=4 H=16 S=4K for the chosen head dims and causal settings,
+and writes attention_sweep.csv plus the best per kernel, to paste into
+``FWD_CONFIGS``/``DKDV_CONFIGS``/``DQ_CONFIGS``. Each candidate compiles one kernel (seconds): filter to
+fit a time slot, e.g. ``--kernels dkdv,dq --d 128``.
+
+Needs a CUDA GPU; without one it exits with a message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import math
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+for path in (str(HERE.parent), str(HERE)):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import _harness as H  # noqa: E402
+import torch  # noqa: E402
+
+HEADS = 16
+TOKENS_HEADS = 2**18  # B * H * S
+MATMUL_LABEL = "dense bf16 matmul ceiling (8192^3 torch.mm, same run)"
+
+
+# A case's shape is (B, H, S, D, causal, precision code); precision only matters for fp32.
+PRECISION_NAMES = {0: "ieee", 1: "tf32", 2: "tf32x3", 3: "-"}
+
+
+def flops(case: H.Case) -> float:
+    b, h, s, d, causal, _ = case.shape
+    f = 4.0 * b * h * s * s * d / (2 if causal else 1)
+    return f * (2.5 if case.direction == "bwd" else 1.0)
+
+
+def make_cases(quick: bool, dims=(64, 128), causals=(0, 1), directions=("fwd", "bwd")) -> list[H.Case]:
+    """--quick: bf16 S=4K only (no fp16 / fp32 cases)."""
+    cases = []
+    seqs = [2**12] if quick else [2**10, 2**12, 2**14]
+    for direction in directions:
+        for d in dims:
+            for s in seqs:
+                for causal in causals:
+                    cases.append(H.Case(direction, torch.bfloat16, (TOKENS_HEADS // (HEADS * s), HEADS, s, d,
+                                                                    causal, 3)))
+        if not quick:
+            for causal in causals:
+                cases.append(H.Case(direction, torch.float16, (4, HEADS, 2**12, 128, causal, 3)))
+            for prec in (0, 1, 2):
+                cases.append(H.Case(direction, torch.float32, (2, HEADS, 2**11, 64, 0, prec)))
+    return cases
+
+
+def make_inputs(case: H.Case) -> dict:
+    b, h, s, d, causal, _ = case.shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, g = (torch.randn(b, h, s, d, device="cuda", dtype=case.dtype, generator=gen) for _ in range(4))
+    return {"q": q, "k": k, "v": v, "g": g, "causal": bool(causal)}
+
+
+def reference(case: H.Case, t: dict) -> torch.Tensor:
+    """fp32 SDPA (efficient backend) output, or the q gradient for bwd: a loose check only."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (t[n].float().requires_grad_(case.direction == "bwd") for n in ("q", "k", "v"))
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=t["causal"])
+    if case.direction == "fwd":
+        return out.detach()
+    (dq,) = torch.autograd.grad(out, (q,), t["g"].float())
+    return dq
+
+
+def check(case: H.Case, out, ref: torch.Tensor) -> str | None:
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    err = (out.float() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    tol = (0.02 if case.dtype != torch.float32 else 0.005) * scale + 1e-3
+    return None if err <= tol else f"max error {err:.3g} > {tol:.3g}"
+
+
+@contextlib.contextmanager
+def fp_fusion(on: bool):
+    from safeops import _config
+
+    saved = _config.fp_fusion
+    _config.fp_fusion = on
+    try:
+        yield
+    finally:
+        _config.fp_fusion = saved
+
+
+def build_safeops(case: H.Case, t: dict, fusion: bool = False):
+    import safeops
+
+    q, k, v, causal = t["q"], t["k"], t["v"], t["causal"]
+    prec = PRECISION_NAMES[case.shape[5]] if case.dtype == torch.float32 else None
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if case.direction == "fwd":
+        def call():
+            with fp_fusion(fusion):
+                return safeops.attention(q, k, v, is_causal=causal, precision=prec)
+        return call
+    code = case.shape[5] if case.dtype == torch.float32 else 0
+    s = q.shape[2]
+    with fp_fusion(fusion):
+        out, m, l = torch.ops.safeops.attention(q, k, v, None, 0, None, None, s, s, causal, scale, None, -1,
+                                                0 if causal else -1, code)
+
+    def backward():
+        with fp_fusion(fusion):
+            return torch.ops.safeops.attention_backward(t["g"], q, k, v, out, m, l, None, 0, None, None, s, s,
+                                                        causal, scale, None, -1, 0 if causal else -1, code)[0]
+    return backward
+
+
+def _autograd_call(case: H.Case, t: dict, forward):
+    if case.direction == "fwd":
+        def call():
+            with torch.no_grad():
+                return forward(t["q"], t["k"], t["v"])
+        return call
+    q, k, v = (t[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
+    out = forward(q, k, v)
+
+    def backward():
+        return torch.autograd.grad(out, (q, k, v), t["g"], retain_graph=True)[0]
+    return backward
+
+
+def sdpa_builder(backend_name: str):
+    def build(case: H.Case, t: dict):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = getattr(SDPBackend, backend_name)
+
+        def forward(q, k, v):
+            with sdpa_kernel([backend]):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=t["causal"])
+        try:
+            return _autograd_call(case, t, forward)
+        except RuntimeError as e:
+            if "No available kernel" in str(e) or "not supported" in str(e).lower():
+                raise H.Refused(str(e).splitlines()[0][:120]) from e
+            raise
+    return build
+
+
+_flex = {}
+
+
+def _flex_fn():
+    if "fn" not in _flex:
+        import torch._functorch.config as functorch_config
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # The backward is timed on a retained graph (autograd.grad(..., retain_graph=True)); a compiled
+        # backward that donates its saved buffers refuses that ("non-empty donated buffers").
+        functorch_config.donated_buffer = False
+
+        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+        # One compile per mask type and dtype / head dim; sequence lengths are dynamic.
+        _flex["fn"] = torch.compile(flex_attention, dynamic=True)
+    return _flex["fn"]
+
+
+def _block_mask(s: int, causal: bool):
+    key = (s, causal)
+    if key not in _flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def causal_mask(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+
+        _flex[key] = create_block_mask(causal_mask, None, None, s, s, device="cuda") if causal else None
+    return _flex[key]
+
+
+def build_flex(case: H.Case, t: dict):
+    fn = _flex_fn()
+    mask = _block_mask(t["q"].shape[2], t["causal"])
+
+    def forward(q, k, v):
+        return fn(q, k, v, block_mask=mask)
+    return _autograd_call(case, t, forward)
+
+
+def build_benchmark(cases: list[H.Case], only: set[str] | None = None) -> H.Benchmark:
+    bench = H.Benchmark(name="attention", metric=H.Metric("TFLOP/s", flops, scale=1e-12), cases=cases,
+                        make_inputs=make_inputs, reference=reference, check=check)
+    impls = [
+        ("safeops", build_safeops, dict(role="ours")),
+        ("safeops fusion on", lambda c, t: build_safeops(c, t, fusion=True), dict(role="variant")),
+        ("sdpa flash", sdpa_builder("FLASH_ATTENTION"), dict(tag="F")),
+        ("sdpa cudnn", sdpa_builder("CUDNN_ATTENTION"), dict(tag="C")),
+        ("sdpa efficient", sdpa_builder("EFFICIENT_ATTENTION"), dict(tag="E")),
+        ("sdpa math", sdpa_builder("MATH"), dict(tag="M")),
+        ("flex", build_flex, dict(tag="X")),
+    ]
+    for name, build, kw in impls:
+        if only and name not in only:
+            continue
+        bench.add(name, build, **kw)
+    return bench
+
+
+# --quick's default set: the peers the issue's targets name (cuDNN, FlexAttention), SDPA flash, and our
+# fusion-on variant for the safety cost. SDPA efficient / math only in the full run.
+QUICK_IMPLS = {"safeops", "safeops fusion on", "sdpa cudnn", "sdpa flash", "flex"}
+
+
+def _skip_slow_peers(bench: H.Benchmark) -> None:
+    """SDPA math on bf16/fp16 and long sequences is slow and memory hungry: only fp32 runs it."""
+    for impl in bench.impls:
+        if impl.name == "sdpa math":
+            build = impl.build
+
+            def guarded(case, t, build=build):
+                if case.dtype != torch.float32:
+                    raise H.Refused("math backend timed on fp32 inputs only")
+                return build(case, t)
+            impl.build = guarded
+
+
+def matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms, _, _ = H.bench_ms(lambda: torch.mm(a, b), 25, 200)
+    return 2 * 8192**3 / (ms * 1e-3) * 1e-12
+
+
+# ------------------------------------------------------------------------------------------------------
+# Reports (TFLOP/s tables; the harness's own tables are for bandwidth-bound ops)
+# ------------------------------------------------------------------------------------------------------
+
+
+def _label(case: H.Case) -> str:
+    b, h, s, d, causal, prec = case.shape
+    tail = f" {PRECISION_NAMES[prec]}" if case.dtype == torch.float32 else ""
+    return f"B{b} S{H.size_label(s)} D{d}{' causal' if causal else ''}{tail}"
+
+
+def tables(results: list[H.Result], ceiling: float, meta: dict) -> str:
+    lines = [f"### attention: measured {meta.get('date')} on {meta.get('gpu')} (torch {meta.get('torch')}, "
+             f"triton {meta.get('triton')}, CUDA {meta.get('cuda')}); TFLOP/s, H={HEADS}; "
+             f"{MATMUL_LABEL}: {ceiling:.0f} TFLOP/s", ""]
+    groups: dict[tuple[str, str], list[H.Result]] = {}
+    for r in results:
+        groups.setdefault((r.case.direction, H.DTYPE_NAMES[r.case.dtype]), []).append(r)
+    for (direction, dtype), rs in groups.items():
+        impls = list(dict.fromkeys(r.impl for r in rs))
+        cases = list(dict.fromkeys(r.case for r in rs))
+        lines.append(f"**{direction} {dtype}**")
+        lines.append("")
+        lines.append("| shape | " + " | ".join(impls) + " | ours % ceil | ours / best peer | fusion cost |")
+        lines.append("|---|" + "---|" * (len(impls) + 3))
+        for case in cases:
+            row = {r.impl: r for r in rs if r.case == case}
+            cells = []
+            for impl in impls:
+                r = row.get(impl)
+                cells.append("-" if r is None else f"{r.value:.0f}{'!' if r.status == 'wrong' else ''}"
+                             if not math.isnan(r.value) else r.status)
+            mine, peer = H.ours(list(row.values())), H.best_peer(list(row.values()))
+            fused = row.get("safeops fusion on")
+            ok = mine is not None and mine.status == "ok"
+            pct = f"{100 * mine.value / ceiling:.0f}%" if ok else "-"
+            ratio = f"{mine.value / peer.value:.2f}x {peer.tag or peer.impl}" if ok and peer else "-"
+            cost = (f"{100 * (fused.value / mine.value - 1):+.1f}%"
+                    if ok and fused is not None and fused.status == "ok" else "-")
+            lines.append(f"| {_label(case)} | " + " | ".join(cells) + f" | {pct} | {ratio} | {cost} |")
+        lines.append("")
+    lines.append("'!' = output failed the loose check against fp32 SDPA; 'fusion cost' = how much faster the "
+                 "same kernels run with fp contraction on (the price of the safe build).")
+    return "\n".join(lines)
+
+
+
+def write_csv(path: Path, results: list[H.Result], ceiling: float, meta: dict) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["direction", "dtype", "B", "H", "S", "D", "causal", "precision", "impl", "role",
+                    "status", "ms_median", "ms_p20", "ms_p80", "tflops", "pct_of_matmul", "matmul_tflops",
+                    "note", "gpu", "torch", "triton", "cuda", "date"])
+        for r in results:
+            b, h, s, d, causal, prec = r.case.shape
+            w.writerow([r.case.direction, H.DTYPE_NAMES[r.case.dtype], b, h, s, d, causal,
+                        PRECISION_NAMES[prec], r.impl, r.role, r.status, f"{r.ms:.6f}", f"{r.ms_p20:.6f}",
+                        f"{r.ms_p80:.6f}", f"{r.value:.2f}", f"{100 * r.value / ceiling:.1f}",
+                        f"{ceiling:.1f}", r.note,
+                        *(meta.get(n) for n in ("gpu", "torch", "triton", "cuda", "date"))])
+
+
+def write_png(path: Path, results: list[H.Result], ceiling: float) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        print(f"no plot: {e}")
+        return
+    groups = sorted({(r.case.direction, H.DTYPE_NAMES[r.case.dtype]) for r in results})
+    fig, axes = plt.subplots(1, len(groups), figsize=(7 * len(groups), 5), squeeze=False)
+    for ax, (direction, dtype) in zip(axes[0], groups, strict=True):
+        rs = [r for r in results if r.case.direction == direction and H.DTYPE_NAMES[r.case.dtype] == dtype]
+        cases = list(dict.fromkeys(r.case for r in rs))
+        impls = list(dict.fromkeys(r.impl for r in rs))
+        width = 0.8 / max(len(impls), 1)
+        for i, impl in enumerate(impls):
+            vals = [next((r.value for r in rs if r.case == c and r.impl == impl and r.status == "ok"), 0.0)
+                    for c in cases]
+            ax.bar([j + i * width for j in range(len(cases))], vals, width, label=impl)
+        ax.axhline(ceiling, color="gray", linestyle=":", label=f"matmul {ceiling:.0f}")
+        ax.set_xticks([j + 0.4 for j in range(len(cases))], [_label(c) for c in cases], rotation=60,
+                      fontsize=7, ha="right")
+        ax.set_title(f"attention {direction} {dtype} (TFLOP/s)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Config sweep
+# ------------------------------------------------------------------------------------------------------
+
+# (block_m, block_n, num_warps, num_stages[, warp_specialize, tma]). Run 4 (H200, Triton 3.6, B=4 H=16 S=4K)
+# measured the first lists; the best of each went into the launcher. TMA and warp_specialize gave no gain on
+# the forward (within 1%). ptxas crashes on TMA with D=128 128x128; warp_specialize with 4 warps fails to
+# compile: both show up as "error" rows.
+FWD_CANDIDATES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 8, 3, True),
+                  (128, 64, 8, 3, False, True), (128, 128, 8, 3, False, True), (64, 64, 4, 4, False, True)]
+# dk/dv: block_m queries per step, block_n keys per program. Run 4: D=128 (32, 64, 4, 3) 270 TFLOP/s whole
+# backward, (32, 128, 8, 2) 249, (64, 64, 4, 2) 247, 4 warps with 128 keys ~135; D=64 (32, 128, 4, 2) 213.
+# Offline D=128 (Triton 3.6 ptxas -v): all below 0-8 B spill; (64, 64, 4, 3) spills 348 B (left out).
+DKDV_CANDIDATES = [(32, 64, 4, 3), (32, 64, 4, 4), (16, 64, 4, 4), (16, 64, 4, 3), (16, 128, 8, 3),
+                   (32, 128, 8, 3), (32, 64, 8, 3), (32, 64, 4, 3, False, True)]
+# dq: block_m queries per program, block_n keys per step. Run 4: D=64 (64, 64, 4, 2) 195 / causal 165 (TMA
+# 168); D=128 not measured (default (128, 64, 8, 2): 1 CTA/SM at 131072 B smem; 4-warp tiles allow 2).
+# Offline D=128: no spills below; (64, 128, 4, 2) spills 356 B (left out).
+DQ_CANDIDATES = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3),
+                 (64, 32, 4, 3), (64, 32, 4, 2), (128, 64, 8, 2, False, True)]
+SWEEP_KERNELS = {"fwd": FWD_CANDIDATES, "dkdv": DKDV_CANDIDATES, "dq": DQ_CANDIDATES}
+
+
+def precompile(case: H.Case, kind: str, candidates) -> None:
+    """Compiles every candidate's kernels for this case at once on all CPU cores (a process pool, see
+    ``attention_launch.compile_launches``) into Triton's on-disk cache, so the timing loop does not compile
+    them one by one. The launches are planned by the launcher itself on meta tensors of the case's shapes."""
+    import json
+
+    from safeops.ops import attention_launch as L
+
+    b, h, s, d, causal, code = case.shape
+    q, k, v, g = (torch.empty(b, h, s, d, dtype=case.dtype, device="meta") for _ in range(4))
+    options = (None, 0, None, None, s, s, bool(causal), 1.0 / math.sqrt(d), None, -1, 0 if causal else -1,
+               code if case.dtype == torch.float32 else 0)
+    with L.recording() as launches:
+        for cand in candidates:
+            with L.config_override(**{kind: L.AttnConfig(*cand)}):
+                out, m, l = L.forward(q, k, v, *options)
+                if case.direction == "bwd":
+                    L.backward(g, q, k, v, out, m, l, *options)
+    unique = list({json.dumps(x, sort_keys=True): x for x in launches}.values())
+    start = time.time()
+    try:
+        results = L.compile_launches(unique, timeout=300)["results"]
+        failed = sum(not r["ok"] for r in results)
+        print(f"sweep: precompiled {len(unique)} kernels in {time.time() - start:.1f} s ({failed} failed)",
+              flush=True)
+    except Exception as e:  # only a warm-up: the timing loop compiles what is missing
+        print(f"sweep: precompile failed ({str(e).splitlines()[0][:200]}); compiling one by one", flush=True)
+
+
+def sweep(out_dir: Path, deadline: float, kernels=("fwd", "dkdv", "dq"), dims=(64, 128),
+          causals=(0, 1), warm: bool = True) -> None:
+    """Times each candidate of each kernel (the others at their defaults) on bf16 B=4 H=16 S=4K. The dk/dv
+    and dq rows time the whole backward (delta + dk/dv + dq kernels), so only differences between rows of
+    one kernel mean something."""
+    import safeops  # noqa: F401
+    from safeops.ops import attention_launch as L
+
+    rows = []
+    best: dict[tuple, tuple] = {}
+    shapes = [(4, HEADS, 2**12, d, causal) for d in dims for causal in causals]
+    for b, h, s, d, causal in shapes:
+        for kind in kernels:
+            candidates = SWEEP_KERNELS[kind]
+            direction = "fwd" if kind == "fwd" else "bwd"
+            case = H.Case(direction, torch.bfloat16, (b, h, s, d, causal, 3))
+            if warm:
+                precompile(case, kind, candidates)
+            t = make_inputs(case)
+            ref = reference(case, t) if kind != "dkdv" else None
+            for cand in candidates:
+                if time.time() > deadline:
+                    print("sweep: time budget used up")
+                    break
+                cfg = L.AttnConfig(*cand)
+                status, ms = "ok", math.nan
+                try:
+                    with L.config_override(**{kind: cfg}):
+                        fn = build_safeops(case, t)
+                        out = fn()
+                        torch.cuda.synchronize()
+                        if ref is not None and check(case, out, ref):
+                            status = "wrong"
+                        ms = H.bench_ms(fn, 25, 100)[0]
+                except Exception as e:  # out of resources (shared memory, registers): record and go on
+                    status = f"error: {str(e).splitlines()[0][:100]}"
+                tf = flops(case) / (ms * 1e-3) * 1e-12 if not math.isnan(ms) else math.nan
+                rows.append([kind, d, causal, *cand[:4], len(cand) > 4 and cand[4], len(cand) > 5 and cand[5],
+                             status, f"{ms:.4f}", f"{tf:.1f}"])
+                print(f"sweep {kind:5s} D={d} causal={causal} {cand}: {status} {ms:.4f} ms  {tf:.1f} TFLOP/s "
+                      f"({'whole backward' if kind != 'fwd' else 'forward'})", flush=True)
+                key = (kind, d, causal)
+                if status == "ok" and (key not in best or ms < best[key][1]):
+                    best[key] = (cand, ms)
+            del t
+            torch.cuda.empty_cache()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "attention_sweep.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["kernel", "D", "causal", "block_m", "block_n", "num_warps", "num_stages",
+                    "warp_specialize", "tma", "status", "ms", "tflops"])
+        w.writerows(rows)
+    print("\nbest (kernel, D, causal) -> (block_m, block_n, num_warps, num_stages):")
+    for key, (cand, ms) in sorted(best.items()):
+        print(f"  {key}: {cand}  {ms:.4f} ms")
+    print(f"wrote {out_dir / 'attention_sweep.csv'}")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(HERE / "out"))
+    p.add_argument("--budget-s", type=float, default=0, help="stop timing new cases after this many seconds")
+    p.add_argument("--quick", action="store_true",
+                   help="bf16 S=4K only; unless --impl: safeops (+ fusion on), cuDNN, SDPA flash, flex")
+    p.add_argument("--sweep", action="store_true", help="tune safeops' kernel configurations instead")
+    p.add_argument("--kernels", default="fwd,dkdv,dq", help="--sweep: which kernels' candidates to time")
+    p.add_argument("--no-precompile", action="store_true",
+                   help="--sweep: do not compile the candidates in parallel first")
+    p.add_argument("--d", default="64,128", help="head dims (sweep and benchmark)")
+    p.add_argument("--causal", default="0,1", help="0 and/or 1 (sweep and benchmark)")
+    p.add_argument("--directions", default="fwd,bwd", help="benchmark: fwd and/or bwd")
+    p.add_argument("--impl", default="", help="comma list of implementation names (default: all)")
+    p.add_argument("--warmup", type=float, default=25)
+    p.add_argument("--rep", type=float, default=100)
+    args = p.parse_args(argv)
+    H.require_cuda("bench/attention.py")
+    import safeops  # noqa: F401
+
+    out_dir = Path(args.out)
+    deadline = time.time() + args.budget_s if args.budget_s else None
+    dims, causals = _ints(args.d), _ints(args.causal)
+    if args.sweep:
+        kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
+        unknown = set(kernels) - set(SWEEP_KERNELS)
+        if unknown:
+            p.error(f"--kernels: unknown {sorted(unknown)}; choose from {sorted(SWEEP_KERNELS)}")
+        sweep(out_dir, deadline or math.inf, kernels, dims, causals, warm=not args.no_precompile)
+        return 0
+    ceiling = matmul_tflops()
+    print(f"{MATMUL_LABEL}: {ceiling:.0f} TFLOP/s")
+    only = {s.strip() for s in args.impl.split(",") if s.strip()} or (QUICK_IMPLS if args.quick else None)
+    directions = tuple(x.strip() for x in args.directions.split(",") if x.strip())
+    bench = build_benchmark(make_cases(args.quick, dims, causals, directions), only)
+    _skip_slow_peers(bench)
+    results = H.run(bench, warmup_ms=args.warmup, rep_ms=args.rep, deadline=deadline)
+    meta = H.device_meta()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = tables(results, ceiling, meta)
+    print(md)
+    (out_dir / "attention.md").write_text(md + "\n")
+    write_csv(out_dir / "attention.csv", results, ceiling, meta)
+    write_png(out_dir / "attention.png", results, ceiling)
+    print(f"wrote {out_dir / 'attention.md'}, attention.csv, attention.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,310 @@
+"""fp8 cast + transpose bandwidth: safeops.cast_transpose against torch eager and torch.compile (issue 6).
+
+The expression every implementation computes (bf16 x of shape (M, K) to float8_e4m3fn):
+
+    y   = (x.float() * s).clamp(-448, 448).to(torch.float8_e4m3fn)
+    y_t = y.t().contiguous().t()                   # same values, column-major: strides (1, M)
+
+with ``s`` one fp32 scale ("tensorwise") or an (M, 1) fp32 tensor of per-row scales ("rowwise"). Effective
+bandwidth counts the bytes the op must move once each: read x (2 bytes) + write y (1) + write y_t (1) per
+element; the scale is negligible. The "% of copy" column divides by a device-to-device copy measured in the
+same process. Target (issue 6): >= 3.8 TB/s (~90% of copy) at every shape.
+
+Implementations:
+
+- safeops: ``safeops.cast_transpose`` (also computes amax = x.abs().max() in the same pass, for free);
+- safeops, integer rounding: the same kernel with the integer round-to-nearest-even instead of the hardware
+  ``cvt.rn.satfinite`` (a variant of ours, bit-identical);
+- torch.compile + safeops.register(): the hand-written expression compiled while safeops is registered
+  (the pre-grad rewrite turns it into the safeops op; a variant of ours, showing compiled code gets it);
+- torch eager: the expression above, op by op;
+- torch.compile: the same expression compiled by stock Inductor (dynamic=False, one compile per shape).
+
+Every output (y and y_t) is checked bit for bit against eager once per shape before it is timed.
+
+    python3 bench/cast_transpose.py --out DIR [--budget-s S] [--quick] [--shapes 4096x4096,8192x8192]
+                                    [--scaling tensorwise|rowwise|both] [--sweep]
+
+``--sweep`` times safeops alone over tile configurations (tile, warps, pipeline stages, persistent or one
+program per tile, packed or byte transpose, hardware or integer rounding; ``sweep_candidates``) on the same
+shapes and both scalings, checks each bit for bit, measures the CPU time per call, writes
+cast_transpose_sweep.csv and names the best per shape: what ``cast_transpose_launch.CONFIGS`` should hold.
+About 2 minutes on an H200 (``--budget-s`` stops it early).
+
+Needs a CUDA GPU; without one it exits with a message. Writes cast_transpose.{csv,md,png} under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+for path in (str(HERE.parent), str(HERE)):  # the repo root (safeops) and bench/ (_harness)
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import _harness as H  # noqa: E402
+import torch  # noqa: E402
+
+SHAPES = [(4096, 4096), (8192, 8192), (16384, 4096), (3072, 12288)]
+QUICK_SHAPES = [(4096, 4096), (8192, 8192)]
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def cast_bytes(case: H.Case) -> float:
+    return case.numel * (torch.empty((), dtype=case.dtype).element_size() + 1 + 1)
+
+
+def make_cases(shapes, scalings, dtype=torch.bfloat16) -> list[H.Case]:
+    return [H.Case(sc, dtype, shape) for sc in scalings for shape in shapes]
+
+
+def make_inputs(case: H.Case) -> dict:
+    m, k = case.shape
+    x = torch.randn(case.shape, device="cuda", dtype=torch.float32).mul_(300.0).to(case.dtype)
+    if case.direction == "rowwise":
+        s = torch.exp2(torch.rand(m, 1, device="cuda") * 4 - 2)
+    else:
+        s = torch.tensor(0.731, device="cuda")
+    return {"x": x, "s": s}
+
+
+def expression(x, s):
+    y = (x.float() * s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return y, y.t().contiguous().t()
+
+
+def reference(case: H.Case, t: dict):
+    return expression(t["x"], t["s"])
+
+
+def check(case: H.Case, out, ref) -> str | None:
+    y, y_t = out[0], out[1]
+    if y.shape != ref[0].shape or y_t.shape != ref[1].shape:
+        return f"shapes {tuple(y.shape)}, {tuple(y_t.shape)}"
+    if y_t.stride() != ref[1].stride():
+        return f"y_t strides {y_t.stride()} != {ref[1].stride()}"
+    for name, a, b in (("y", y, ref[0]), ("y_t", y_t, ref[1])):
+        diff = a.view(torch.uint8) != b.view(torch.uint8)
+        if diff.any():
+            return f"{name}: {int(diff.sum())} of {a.numel()} codes differ from eager"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Implementations
+# --------------------------------------------------------------------------------------------------
+
+
+def build_safeops(case: H.Case, t: dict, hardware_convert: bool | None = None, config=None):
+    import safeops
+    from safeops.ops import cast_transpose_launch as launch
+
+    x, s, rowwise = t["x"], t["s"], case.direction == "rowwise"
+    if hardware_convert is None and config is None:
+        return lambda: safeops.cast_transpose(x, s, FP8, rowwise=rowwise)
+    return lambda: launch.cast_transpose(x, s, FP8, rowwise, config=config, hardware_convert=hardware_convert)
+
+
+def build_eager(case: H.Case, t: dict):
+    x, s = t["x"], t["s"]
+    return lambda: expression(x, s)
+
+
+_compiled: dict = {}
+
+
+def build_compiled(case: H.Case, t: dict, registered: bool = False):
+    import safeops
+
+    key = (registered, case.direction, case.dtype, case.shape)
+    if key not in _compiled:
+        # One compilation per shape and variant (dynamic=False); drop earlier graphs so that no recompile
+        # limit turns a later shape into a silent eager fallback.
+        torch._dynamo.reset()
+        _compiled.clear()
+
+        def fn(x, s):  # a fresh function object per compile
+            return expression(x, s)
+
+        compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+        if registered:
+            with safeops.registered():
+                compiled(t["x"], t["s"])  # compiles now, with the rewrite in force
+        else:
+            compiled(t["x"], t["s"])
+        _compiled[key] = compiled
+    fn = _compiled[key]
+    x, s = t["x"], t["s"]
+    return lambda: fn(x, s)
+
+
+DIRECTIONS = ("tensorwise", "rowwise")
+
+
+def build_benchmark(cases: list[H.Case], only: set[str] | None = None) -> H.Benchmark:
+    bench = H.Benchmark(name="cast_transpose", metric=H.Metric("GB/s", cast_bytes), cases=cases,
+                        make_inputs=make_inputs, reference=reference, check=check)
+    bench.add("safeops", build_safeops, role="ours", directions=DIRECTIONS)
+    bench.add("safeops int-rne", lambda c, t: build_safeops(c, t, hardware_convert=False), role="variant",
+              directions=DIRECTIONS)
+    bench.add("compile+safeops.register", lambda c, t: build_compiled(c, t, registered=True), role="variant",
+              directions=DIRECTIONS)
+    bench.add("torch eager", build_eager, tag="e", directions=DIRECTIONS)
+    bench.add("torch.compile", build_compiled, tag="c", directions=DIRECTIONS)
+    if only:
+        bench.impls = [i for i in bench.impls if i.name in only]
+    return bench
+
+
+# --------------------------------------------------------------------------------------------------
+# --sweep: tile configurations of safeops' launcher
+# --------------------------------------------------------------------------------------------------
+
+
+def sweep_candidates():
+    """(config, hardware_convert) pairs the sweep times: ``cast_transpose_launch.SWEEP_CANDIDATES`` (the
+    launcher's table first; the GPU tests check every one of them bit for bit)."""
+    from safeops.ops.cast_transpose_launch import SWEEP_CANDIDATES
+
+    return list(SWEEP_CANDIDATES)
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """CPU time per call of back-to-back launches (no synchronisation inside): when this is above the
+    kernel's GPU time, a stream of calls is launch-bound and do_bench's time includes host gaps."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def _cfg_text(cfg, hw) -> str:
+    grid = {None: "persistent", 0: "grid=tiles"}.get(cfg.programs_per_sm, f"{cfg.programs_per_sm}/SM")
+    conv = "hw" if hw is None else ("hw" if hw else "int-rne")
+    return (f"{cfg.block_m}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {grid} "
+            f"{'pack' if cfg.pack else 'bytes'} {conv}")
+
+
+def sweep(cases: list[H.Case], out_dir: Path, deadline: float, copy_gbps: float, warmup: float,
+          rep: float) -> None:
+    import csv
+
+    rows, summary = [], []
+    candidates = sweep_candidates()
+    for case in cases:
+        if time.time() > deadline:
+            summary.append(f"{case}: not swept (time budget used up)")
+            continue
+        t = make_inputs(case)
+        ref = reference(case, t)
+        amount = cast_bytes(case)
+        best = None
+        api = host_us(build_safeops(case, t))  # the public function: validation, custom op, launcher
+        for cfg, hw in candidates:
+            if time.time() > deadline:
+                break
+            try:
+                fn = build_safeops(case, t, config=cfg, hardware_convert=hw)
+                problem = check(case, fn(), ref)
+                ms = H.bench_ms(fn, warmup, rep)[0]
+                host = host_us(fn, 50)
+            except Exception as e:  # a config that does not compile or fit: record and go on
+                problem, ms, host = H._short(e), math.nan, math.nan
+            gbps = amount / (ms * 1e-3) * 1e-9 if not math.isnan(ms) else math.nan
+            rows.append([str(case), cfg.block_m, cfg.block_k, cfg.num_warps, cfg.num_stages,
+                         cfg.programs_per_sm, cfg.pack, "int" if hw is False else "hw", f"{ms:.5f}",
+                         f"{gbps:.1f}", f"{100 * gbps / copy_gbps:.1f}", f"{host:.1f}", problem or ""])
+            print(f"[sweep] {case}: {_cfg_text(cfg, hw):44s} {gbps:8.1f} GB/s  {ms * 1e3:8.1f} us  "
+                  f"host {host:5.1f} us/call  {problem or ''}", flush=True)
+            if not problem and not math.isnan(gbps) and (best is None or gbps > best[0]):
+                best = (gbps, cfg, hw, ms)
+        del t, ref
+        H._free()
+        line = f"{case}: safeops.cast_transpose host {api:.1f} us/call"
+        if best:
+            pct = 100 * best[0] / copy_gbps
+            line += (f"; best {best[0]:.0f} GB/s ({pct:.0f}% of copy, {best[3] * 1e3:.1f} us) "
+                     f"{_cfg_text(best[1], best[2])}  = {best[1]}")
+        summary.append(line)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "cast_transpose_sweep.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["case", "block_m", "block_k", "num_warps", "num_stages", "programs_per_sm", "pack",
+                    "convert", "ms", "gbps", "pct_of_copy", "host_us_per_call", "problem"])
+        w.writerows(rows)
+    print(f"\nsweep summary (copy {copy_gbps:.0f} GB/s; 'host' = CPU time per call, back to back):")
+    for line in summary:
+        print("  " + line)
+    print(f"wrote {out_dir / 'cast_transpose_sweep.csv'}")
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for part in text.split(","):
+        if part.strip():
+            m, k = part.lower().split("x")
+            shapes.append((H.parse_sizes(m)[0], H.parse_sizes(k)[0]))
+    return shapes
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="", help="comma list MxK, e.g. 4096x4096,8192x8192 (default: all 4)")
+    p.add_argument("--scaling", choices=("tensorwise", "rowwise", "both"), default="both")
+    p.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, shorter timing")
+    p.add_argument("--impl", default="", help="comma list of implementation names to run (default: all)")
+    p.add_argument("--out", default=str(HERE / "out"), help="directory for cast_transpose.csv/.png/.md")
+    p.add_argument("--warmup", type=float, default=25, help="do_bench warm-up, ms")
+    p.add_argument("--rep", type=float, default=100, help="do_bench repetitions, ms")
+    p.add_argument("--budget-s", type=float, default=0,
+                   help="stop starting new shapes after this many seconds (0: no limit)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="time safeops' tile configurations instead")
+    args = p.parse_args(argv)
+
+    H.require_cuda("bench/cast_transpose.py")
+    import safeops  # noqa: F401
+
+    t0 = time.time()
+    deadline = t0 + args.budget_s if args.budget_s > 0 else math.inf
+    shapes = parse_shapes(args.shapes) if args.shapes else (QUICK_SHAPES if args.quick else SHAPES)
+    scalings = DIRECTIONS if args.scaling == "both" else (args.scaling,)
+    warmup, rep = (10, 40) if args.quick else (args.warmup, args.rep)
+    meta = H.device_meta()
+    copy_gbps = H.copy_bandwidth_gbps()
+    print(f"{meta['gpu']} ({meta['sms']} SMs, L2 {meta['l2_mb']} MB), torch {meta['torch']}, triton "
+          f"{meta['triton']}, CUDA {meta['cuda']}: device-to-device copy {copy_gbps:.0f} GB/s", flush=True)
+    out_dir = Path(args.out)
+    cases = make_cases(shapes, scalings)
+    if args.sweep:
+        # Shorter timing per config than the main bench (many configs in ~2 minutes); every config is
+        # still checked bit for bit against eager first.
+        sweep(cases, out_dir, deadline, copy_gbps, min(warmup, 10), min(rep, 40))
+        return 0
+    only = {s.strip() for s in args.impl.split(",") if s.strip()} or None
+    bench = build_benchmark(cases, only)
+    results = H.run(bench, warmup_ms=warmup, rep_ms=rep, deadline=deadline,
+                    log=lambda s: print(s, flush=True))
+    H.report(results, meta, copy_gbps, out_dir, "cast_transpose", plot=not args.no_plot)
+    print("note: columns are labelled by K; M per column is in the header of each table "
+          "(4K = 4096x4096 and 16384x4096).")
+    print(f"total {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,580 @@
+"""Triton kernels for attention, forward and backward (FlashAttention-2 structure).
+
+Only ``@triton.jit`` code lives here; ``safeops.ops.attention_launch`` picks blocks, grids and options.
+
+Numerics (CONTRACT.md, attention column). Every score is ONE materialized fp32 value, in base 2:
+
+    s  = dot(q, k)                                  fp32 accumulation
+    z2 = s * C1                                     C1 = fp32(scale * log2(e))
+    z2 = (1 - 2 / (exp2(s * C1) + 1)) * C2          softcap: C1 = fp32(2 log2(e) scale / softcap),
+                                                    C2 = fp32(softcap * log2(e)); the bracket is tanh
+    z2 = z2 + mask * log2(e)                        additive mask (an additive -inf excludes, see below)
+    z2 = -inf where the key is excluded             bool mask False, causal, window, out of bounds
+
+The same z2 bits feed the running max ``m`` and ``z2 - m`` (the launcher compiles with
+``enable_fp_fusion=False``, and a PTX test checks no multiply-add contraction appears). Exclusion is a
+select, never an add, so a NaN score at an excluded key never reaches the row. Every online rescale
+``exp2(m_old - m_new)`` subtracts a guarded ``m_new`` (0 while the row has seen nothing), so an all-excluded
+block never makes NaN, and an empty row ends with ``m = -inf``, ``l = 0``, output 0.
+
+The forward writes ``m`` (max of z2) and ``l`` (sum of exp2(z2 - m)) per query row, kept apart. The
+backward recomputes ``p = exp2(min(z2 - m, 0)) * (1 / l)`` from the same z2 formula; the clamp makes
+``p <= 1`` hold even where the transposed dot of the dk/dv kernel rounds ``s`` differently from the
+forward. ``dv = p^T dO``, ``dp = dO v^T``, ``ds = p * (dp - delta)`` with ``delta = rowsum(dO * O)``, then
+the chain rule through the scale (and ``1 - tanh^2`` for softcap). dk/dv are computed per key block,
+looping over the query heads of the group and the query blocks; dq per query block, looping over key
+blocks: no atomics, so the backward is deterministic.
+
+Probabilities and ds enter the second matmul of each pair in the input dtype (bf16/fp16), as in every
+flash kernel; the row sum ``l`` is accumulated from the fp32 probabilities.
+"""
+
+import triton
+import triton.language as tl
+
+NEG_INF = tl.constexpr(float("-inf"))
+LOG2E = tl.constexpr(1.4426950408889634)
+# Values that change with the problem size are not specialised: one compiled kernel per configuration.
+SIZE_ARGS = ["seqlen_q", "seqlen_k", "n_heads", "n_m_blocks", "window_left", "window_right"]
+
+
+@triton.jit
+def _round_tf32(x):
+    """fp32 -> nearest TF32 (ties to even) with integer operations; inf and NaN pass unchanged.
+
+    Triton's own TF32 path truncates the low 13 mantissa bits, which is 15-125x less accurate than
+    cuBLAS's rounding (contract section 7); after this the truncation drops only zeros.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    lsb = (bits >> 13) & 1
+    rounded = (bits + 0xFFF + lsb) & 0xFFFFE000
+    finite = (bits & 0x7F800000) != 0x7F800000
+    return tl.where(finite, rounded, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _prep(x, PRECISION: tl.constexpr):
+    """A dot operand as the dot will see it (rounded to TF32 for precision 1)."""
+    if PRECISION == 1:
+        return _round_tf32(x)
+    else:
+        return x
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b. PRECISION: 0 ieee fp32, 1 TF32 on pre-rounded operands, 2 3xTF32, 3 fp16/bf16 inputs."""
+    if PRECISION == 0:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    elif PRECISION == 1:
+        return tl.dot(a, b, acc, input_precision="tf32")
+    elif PRECISION == 2:
+        return tl.dot(a, b, acc, input_precision="tf32x3")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _scores(s, C1, C2, SOFTCAP: tl.constexpr):
+    """z2 from the fp32 dot s: the one materialized score. Every kernel computes it here."""
+    if SOFTCAP:
+        e = tl.exp2(s * C1)
+        return (1.0 - 2.0 / (e + 1.0)) * C2
+    else:
+        return s * C1
+
+
+@triton.jit
+def _dscale(ds, s, C1, scale_ds, SOFTCAP: tl.constexpr):
+    """d loss / d s from d loss / d z: times scale, and 1 - tanh^2 for softcap (the tanh of _scores)."""
+    if SOFTCAP:
+        e = tl.exp2(s * C1)
+        t = 1.0 - 2.0 / (e + 1.0)
+        return ds * (1.0 - t * t) * scale_ds
+    else:
+        return ds * scale_ds
+
+
+@triton.jit
+def _apply_masks(z, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, mask_ptr, smi, smj,
+                 MASKED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_WL: tl.constexpr,
+                 HAS_WR: tl.constexpr):
+    """Additive mask, then select excluded keys to -inf. ``offs_m``/``offs_n`` are row/column vectors
+    already broadcast to z's orientation (queries x keys or keys x queries)."""
+    if MASK_KIND != 0:
+        in_bounds = (offs_m < seqlen_q) & (offs_n < seqlen_k)
+        ptrs = mask_ptr + offs_m.to(tl.int64) * smi + offs_n.to(tl.int64) * smj
+        if MASK_KIND == 1:
+            keep = tl.load(ptrs, mask=in_bounds, other=0) != 0
+            z = tl.where(keep, z, NEG_INF)
+        else:
+            add = tl.load(ptrs, mask=in_bounds, other=0.0).to(tl.float32)
+            # An additive -inf excludes the key (select): a NaN score there must not reach the row.
+            z = tl.where(add == NEG_INF, NEG_INF, z + add * LOG2E)
+    if MASKED:
+        keep = offs_n < seqlen_k
+        if HAS_WR:
+            keep = keep & (offs_n <= offs_m + window_right)
+        if HAS_WL:
+            keep = keep & (offs_n >= offs_m - window_left)
+        z = tl.where(keep, z, NEG_INF)
+    return z
+
+
+@triton.jit
+def _block_ranges(o0, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, n_inner, before, after,
+                  HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr):
+    """Inner blocks for the outer block [o0, o0 + BLOCK_O), where inner j is visible from outer i iff
+    ``i - before <= j <= i + after`` (and ``j < n_inner``).
+
+    Returns (lo, a, b, hi): [lo, a) and [b, hi) need masking, [a, b) is fully visible and in bounds (whole
+    blocks); blocks outside [lo, hi) are skipped entirely. lo, a and b are multiples of BLOCK_I.
+    """
+    lo = 0
+    hi = n_inner
+    full_lo = 0
+    full_hi = (n_inner // BLOCK_I) * BLOCK_I
+    if HAS_BEFORE:
+        lo = (tl.maximum(o0 - before, 0) // BLOCK_I) * BLOCK_I
+        full_lo = tl.cdiv(tl.maximum(o0 + BLOCK_O - 1 - before, 0), BLOCK_I) * BLOCK_I
+    if HAS_AFTER:
+        hi = tl.minimum(hi, o0 + BLOCK_O + after)
+        full_hi = tl.minimum(full_hi, ((o0 + after + 1) // BLOCK_I) * BLOCK_I)
+    hi = tl.maximum(hi, lo)
+    a = tl.minimum(tl.maximum(full_lo, lo), hi)
+    b = tl.minimum(tl.maximum(full_hi, a), hi)
+    return lo, a, b, hi
+
+
+@triton.jit
+def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, mask_ptr, offs_m, offs_n0, offs_d, offs_dv,
+               lo, hi,
+               seqlen_q, seqlen_k, sks, svs, smi, smj, window_left, window_right, C1, C2,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               MASKED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+               SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+               WARP_SPECIALIZE: tl.constexpr, USE_TMA: tl.constexpr):
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
+        offs_n = start_n + offs_n0
+        kv_ok = offs_n < seqlen_k
+        k_mask = offs_d[None, :] < HEAD_DIM
+        v_mask = offs_dv[None, :] < HEAD_DIM_V
+        if MASKED:
+            k_mask = k_mask & kv_ok[:, None]
+            v_mask = v_mask & kv_ok[:, None]
+        if USE_TMA:
+            # The descriptor's shape is this sequence's (keys, head dim): out-of-range rows and the padded
+            # head dim read as zeros.
+            k = k_desc.load([start_n, 0])
+        elif BLOCK_D == HEAD_DIM and not MASKED:
+            k = tl.load(k_ptrs + start_n * sks)
+        else:
+            k = tl.load(k_ptrs + start_n * sks, mask=k_mask, other=0.0)
+        s = _dot(q, _prep(tl.trans(k), PRECISION), tl.zeros([q.shape[0], BLOCK_N], tl.float32), PRECISION)
+        z = _scores(s, C1, C2, SOFTCAP)
+        z = _apply_masks(z, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                         mask_ptr, smi, smj, MASKED, MASK_KIND, HAS_WL, HAS_WR)
+        m_new = tl.maximum(m_i, tl.max(z, 1))
+        # Guarded rescale: while a row has seen only excluded keys, m_new = -inf and the base is 0, so
+        # neither exp2(m_i - base) nor exp2(z - base) is -inf - -inf.
+        base = tl.where(m_new == NEG_INF, 0.0, m_new)
+        alpha = tl.exp2(m_i - base)
+        p = tl.exp2(z - base[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if USE_TMA:
+            v = v_desc.load([start_n, 0])
+        elif BLOCK_DV == HEAD_DIM_V and not MASKED:
+            v = tl.load(v_ptrs + start_n * svs)
+        else:
+            v = tl.load(v_ptrs + start_n * svs, mask=v_mask, other=0.0)
+        acc = _dot(_prep(p.to(v.dtype), PRECISION), _prep(v, PRECISION), acc, PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _sequence(pid_b, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+    """(first query row, query count, first key row, key count) of batch entry pid_b."""
+    if VARLEN:
+        q_start = tl.load(cu_q_ptr + pid_b)
+        q_len = tl.load(cu_q_ptr + pid_b + 1) - q_start
+        k_start = tl.load(cu_k_ptr + pid_b)
+        k_len = tl.load(cu_k_ptr + pid_b + 1) - k_start
+        return q_start, q_len, k_start, k_len
+    else:
+        zero = tl.full([], 0, tl.int32)
+        return zero, seqlen_q, zero, seqlen_k
+
+
+@triton.jit(do_not_specialize=SIZE_ARGS)
+def attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, mask_ptr, cu_q_ptr, cu_k_ptr,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, stb, sth, sts, smb, smh, smi, smj,
+    n_heads, seqlen_q, seqlen_k, n_m_blocks, window_left, window_right, C1, C2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, SOFTCAP: tl.constexpr,
+    VARLEN: tl.constexpr, PRECISION: tl.constexpr, REVERSE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False, USE_TMA: tl.constexpr = False,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    if REVERSE:
+        # Causal: the longest query blocks (most keys) start first, the short ones fill the tail.
+        pid_m = n_m_blocks - 1 - pid_m
+    pid_b = pid_bh // n_heads
+    pid_h = pid_bh % n_heads
+    q_start, q_len, k_start, k_len = _sequence(pid_b, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= q_len:
+        return
+    kv_h = pid_h // GROUP
+    q_base = q_ptr + pid_b.to(tl.int64) * sqb + pid_h.to(tl.int64) * sqh + q_start.to(tl.int64) * sqs
+    k_base = k_ptr + pid_b.to(tl.int64) * skb + kv_h.to(tl.int64) * skh + k_start.to(tl.int64) * sks
+    v_base = v_ptr + pid_b.to(tl.int64) * svb + kv_h.to(tl.int64) * svh + k_start.to(tl.int64) * svs
+    mask_base = mask_ptr + pid_b.to(tl.int64) * smb + pid_h.to(tl.int64) * smh
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ok = offs_m < q_len
+    q = tl.load(q_base + offs_m[:, None] * sqs + offs_d[None, :],
+                mask=q_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    q = _prep(q, PRECISION)
+    k_ptrs = k_base + offs_n0[:, None] * sks + offs_d[None, :]
+    v_ptrs = v_base + offs_n0[:, None] * svs + offs_dv[None, :]
+    if USE_TMA:
+        # TMA loads (Hopper): needs 16-byte aligned bases and row strides (the launcher checks) and a
+        # global scratch allocator for the descriptors (triton.set_allocator).
+        rows = tl.maximum(k_len, 1)  # a sequence with no keys loads nothing, but a TMA dim must be >= 1
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[rows, HEAD_DIM], strides=[sks, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[rows, HEAD_DIM_V], strides=[svs, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        k_desc = k_ptrs
+        v_desc = v_ptrs
+
+    m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    lo, a, b, hi = _block_ranges(m0, BLOCK_M, BLOCK_N, k_len, window_left, window_right, HAS_WL, HAS_WR)
+    # Masked blocks before the fully visible ones (window start), the fully visible ones, then masked
+    # blocks after them (causal diagonal, window end, the partial last block).
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, mask_base, offs_m, offs_n0,
+                               offs_d, offs_dv,
+                               lo, a, q_len, k_len, sks, svs, smi, smj, window_left, window_right, C1, C2,
+                               HEAD_DIM, HEAD_DIM_V, True, MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION,
+                               BLOCK_D, BLOCK_DV, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE, USE_TMA)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, mask_base, offs_m, offs_n0,
+                               offs_d, offs_dv,
+                               a, b, q_len, k_len, sks, svs, smi, smj, window_left, window_right, C1, C2,
+                               HEAD_DIM, HEAD_DIM_V, False, MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION,
+                               BLOCK_D, BLOCK_DV, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE, USE_TMA)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, mask_base, offs_m, offs_n0,
+                               offs_d, offs_dv,
+                               b, hi, q_len, k_len, sks, svs, smi, smj, window_left, window_right, C1, C2,
+                               HEAD_DIM, HEAD_DIM_V, True, MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION,
+                               BLOCK_D, BLOCK_DV, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE, USE_TMA)
+    # Empty rows (l = 0) give 0, not 0/0.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_base = o_ptr + pid_b.to(tl.int64) * sob + pid_h.to(tl.int64) * soh + q_start.to(tl.int64) * sos
+    tl.store(o_base + offs_m[:, None] * sos + offs_dv[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=q_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    st = pid_b.to(tl.int64) * stb + pid_h.to(tl.int64) * sth + (q_start + offs_m).to(tl.int64) * sts
+    tl.store(m_ptr + st, m_i, mask=q_ok)
+    tl.store(l_ptr + st, l_i, mask=q_ok)
+
+
+@triton.jit(do_not_specialize=SIZE_ARGS)
+def attn_bwd_delta_kernel(
+    o_ptr, do_ptr, delta_ptr, cu_q_ptr, cu_k_ptr,
+    sob, soh, sos, sdb, sdh, sds, stb, sth, sts,
+    n_heads, seqlen_q, seqlen_k,
+    HEAD_DIM_V: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """delta = rowsum(dO * O) in fp32, per query row."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_b = pid_bh // n_heads
+    pid_h = pid_bh % n_heads
+    q_start, q_len, k_start, k_len = _sequence(pid_b, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= q_len:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    ok = (offs_m < q_len)[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    o_base = o_ptr + pid_b.to(tl.int64) * sob + pid_h.to(tl.int64) * soh + q_start.to(tl.int64) * sos
+    d_base = do_ptr + pid_b.to(tl.int64) * sdb + pid_h.to(tl.int64) * sdh + q_start.to(tl.int64) * sds
+    o = tl.load(o_base + offs_m[:, None] * sos + offs_dv[None, :], mask=ok, other=0.0).to(tl.float32)
+    do = tl.load(d_base + offs_m[:, None] * sds + offs_dv[None, :], mask=ok, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    st = pid_b.to(tl.int64) * stb + pid_h.to(tl.int64) * sth + (q_start + offs_m).to(tl.int64) * sts
+    tl.store(delta_ptr + st, delta, mask=offs_m < q_len)
+
+
+@triton.jit
+def _row_stats(m_ptr, l_ptr, delta_ptr, st, ok):
+    """(base, 1 / l, delta) of query rows; empty and out-of-range rows get base 0 and 1 / l = 0, so p = 0."""
+    m = tl.load(m_ptr + st, mask=ok, other=NEG_INF)
+    l = tl.load(l_ptr + st, mask=ok, other=0.0)
+    delta = tl.load(delta_ptr + st, mask=ok, other=0.0)
+    base = tl.where(m == NEG_INF, 0.0, m)
+    inv_l = tl.where(l == 0.0, 0.0, 1.0 / tl.where(l == 0.0, 1.0, l))
+    return base, inv_l, delta
+
+
+@triton.jit
+def _probs(z, base, inv_l):
+    # min(., 0): p <= 1 whatever rounding differences the recomputed dot has (contract section 3).
+    return tl.exp2(tl.minimum(z - base, 0.0, propagate_nan=tl.PropagateNan.ALL)) * inv_l
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, m_ptr, l_ptr, delta_ptr, st_base, sts,
+                mask_ptr,
+                offs_n, offs_m0, offs_d, offs_dv, lo, hi, seqlen_q, seqlen_k, sqs, sds, smi, smj,
+                window_left, window_right, C1, C2, scale_ds,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                MASKED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+                SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_STAGES: tl.constexpr,
+                USE_TMA: tl.constexpr):
+    """Transposed orientation: sT = k q^T is (keys x queries)."""
+    for start_m in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
+        offs_m = start_m + offs_m0
+        q_ok = offs_m < seqlen_q
+        q_mask = offs_d[None, :] < HEAD_DIM
+        do_mask = offs_dv[None, :] < HEAD_DIM_V
+        if MASKED:
+            q_mask = q_mask & q_ok[:, None]
+            do_mask = do_mask & q_ok[:, None]
+        if USE_TMA:
+            q = q_desc.load([start_m, 0])
+            do = do_desc.load([start_m, 0])
+        else:
+            if BLOCK_D == HEAD_DIM and not MASKED:
+                q = tl.load(q_ptrs + start_m * sqs)
+            else:
+                q = tl.load(q_ptrs + start_m * sqs, mask=q_mask, other=0.0)
+            if BLOCK_DV == HEAD_DIM_V and not MASKED:
+                do = tl.load(do_ptrs + start_m * sds)
+            else:
+                do = tl.load(do_ptrs + start_m * sds, mask=do_mask, other=0.0)
+        q = _prep(q, PRECISION)
+        sT = _dot(k, tl.trans(q), tl.zeros([k.shape[0], BLOCK_M], tl.float32), PRECISION)
+        zT = _scores(sT, C1, C2, SOFTCAP)
+        zT = _apply_masks(zT, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left, window_right,
+                          mask_ptr, smi, smj, MASKED, MASK_KIND, HAS_WL, HAS_WR)
+        base, inv_l, delta = _row_stats(m_ptr, l_ptr, delta_ptr, st_base + offs_m.to(tl.int64) * sts, q_ok)
+        pT = _probs(zT, base[None, :], inv_l[None, :])
+        do = _prep(do, PRECISION)
+        dv = _dot(_prep(pT.to(do.dtype), PRECISION), do, dv, PRECISION)
+        dpT = _dot(v, tl.trans(do), tl.zeros([k.shape[0], BLOCK_M], tl.float32), PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        dsT = _dscale(dsT, sT, C1, scale_ds, SOFTCAP)
+        dk = _dot(_prep(dsT.to(q.dtype), PRECISION), q, dk, PRECISION)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=SIZE_ARGS)
+def attn_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, m_ptr, l_ptr, delta_ptr, mask_ptr, cu_q_ptr, cu_k_ptr,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
+    sdkb, sdkh, sdks, sdvb, sdvh, sdvs, stb, sth, sts, smb, smh, smi, smj,
+    n_heads, seqlen_q, seqlen_k, window_left, window_right, C1, C2, scale_ds,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, SOFTCAP: tl.constexpr,
+    VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr = False,
+):
+    """dk, dv of one key block of one kv head: loops over the group's query heads and their query blocks."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    n_kv_heads = n_heads // GROUP
+    pid_b = pid_bh // n_kv_heads
+    kv_h = pid_bh % n_kv_heads
+    q_start, q_len, k_start, k_len = _sequence(pid_b, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 >= k_len:
+        return
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k_ok = offs_n < k_len
+    k_base = k_ptr + pid_b.to(tl.int64) * skb + kv_h.to(tl.int64) * skh + k_start.to(tl.int64) * sks
+    v_base = v_ptr + pid_b.to(tl.int64) * svb + kv_h.to(tl.int64) * svh + k_start.to(tl.int64) * svs
+    k = tl.load(k_base + offs_n[:, None] * sks + offs_d[None, :],
+                mask=k_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * svs + offs_dv[None, :],
+                mask=k_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    k = _prep(k, PRECISION)
+    v = _prep(v, PRECISION)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    # Query i sees key j iff j - right <= i <= j + left: the roles of left and right swap.
+    lo, a, b, hi = _block_ranges(n0, BLOCK_N, BLOCK_M, q_len, window_right, window_left, HAS_WR, HAS_WL)
+    for g in range(GROUP):
+        pid_h = kv_h * GROUP + g
+        q_base = q_ptr + pid_b.to(tl.int64) * sqb + pid_h.to(tl.int64) * sqh + q_start.to(tl.int64) * sqs
+        do_base = do_ptr + pid_b.to(tl.int64) * sdb + pid_h.to(tl.int64) * sdh + q_start.to(tl.int64) * sds
+        q_ptrs = q_base + offs_m0[:, None] * sqs + offs_d[None, :]
+        do_ptrs = do_base + offs_m0[:, None] * sds + offs_dv[None, :]
+        if USE_TMA:
+            rows = tl.maximum(q_len, 1)
+            q_desc = tl.make_tensor_descriptor(q_base, shape=[rows, HEAD_DIM], strides=[sqs, 1],
+                                               block_shape=[BLOCK_M, BLOCK_D])
+            do_desc = tl.make_tensor_descriptor(do_base, shape=[rows, HEAD_DIM_V], strides=[sds, 1],
+                                                block_shape=[BLOCK_M, BLOCK_DV])
+        else:
+            q_desc = q_ptrs
+            do_desc = do_ptrs
+        st_base = pid_b.to(tl.int64) * stb + pid_h.to(tl.int64) * sth + q_start.to(tl.int64) * sts
+        mask_base = mask_ptr + pid_b.to(tl.int64) * smb + pid_h.to(tl.int64) * smh
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, m_ptr, l_ptr, delta_ptr, st_base,
+                             sts, mask_base,
+                             offs_n, offs_m0, offs_d, offs_dv, lo, a, q_len, k_len, sqs, sds, smi, smj,
+                             window_left, window_right, C1, C2, scale_ds, HEAD_DIM, HEAD_DIM_V, True,
+                             MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION, BLOCK_M, BLOCK_D, BLOCK_DV,
+                             NUM_STAGES, USE_TMA)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, m_ptr, l_ptr, delta_ptr, st_base,
+                             sts, mask_base,
+                             offs_n, offs_m0, offs_d, offs_dv, a, b, q_len, k_len, sqs, sds, smi, smj,
+                             window_left, window_right, C1, C2, scale_ds, HEAD_DIM, HEAD_DIM_V, False,
+                             MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION, BLOCK_M, BLOCK_D, BLOCK_DV,
+                             NUM_STAGES, USE_TMA)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, m_ptr, l_ptr, delta_ptr, st_base,
+                             sts, mask_base,
+                             offs_n, offs_m0, offs_d, offs_dv, b, hi, q_len, k_len, sqs, sds, smi, smj,
+                             window_left, window_right, C1, C2, scale_ds, HEAD_DIM, HEAD_DIM_V, True,
+                             MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION, BLOCK_M, BLOCK_D, BLOCK_DV,
+                             NUM_STAGES, USE_TMA)
+    dk_base = dk_ptr + pid_b.to(tl.int64) * sdkb + kv_h.to(tl.int64) * sdkh + k_start.to(tl.int64) * sdks
+    dv_base = dv_ptr + pid_b.to(tl.int64) * sdvb + kv_h.to(tl.int64) * sdvh + k_start.to(tl.int64) * sdvs
+    tl.store(dk_base + offs_n[:, None] * sdks + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty),
+             mask=k_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    tl.store(dv_base + offs_n[:, None] * sdvs + offs_dv[None, :], dv.to(dv_ptr.dtype.element_ty),
+             mask=k_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+
+
+@triton.jit
+def _dq_inner(dq, q, do, base, inv_l, delta, k_ptrs, v_ptrs, k_desc, v_desc, mask_ptr, offs_m, offs_n0,
+              offs_d, offs_dv, lo, hi, seqlen_q, seqlen_k, sks, svs, smi, smj, window_left, window_right,
+              C1, C2, scale_ds,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              MASKED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
+              SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_DV: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr):
+    """Forward orientation: s = q k^T is (queries x keys), as in the forward kernel."""
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        offs_n = start_n + offs_n0
+        kv_ok = offs_n < seqlen_k
+        k_mask = offs_d[None, :] < HEAD_DIM
+        v_mask = offs_dv[None, :] < HEAD_DIM_V
+        if MASKED:
+            k_mask = k_mask & kv_ok[:, None]
+            v_mask = v_mask & kv_ok[:, None]
+        if USE_TMA:
+            k = k_desc.load([start_n, 0])
+            v = v_desc.load([start_n, 0])
+        else:
+            if BLOCK_D == HEAD_DIM and not MASKED:
+                k = tl.load(k_ptrs + start_n * sks)
+            else:
+                k = tl.load(k_ptrs + start_n * sks, mask=k_mask, other=0.0)
+            if BLOCK_DV == HEAD_DIM_V and not MASKED:
+                v = tl.load(v_ptrs + start_n * svs)
+            else:
+                v = tl.load(v_ptrs + start_n * svs, mask=v_mask, other=0.0)
+        k = _prep(k, PRECISION)
+        s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), PRECISION)
+        z = _scores(s, C1, C2, SOFTCAP)
+        z = _apply_masks(z, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
+                         mask_ptr, smi, smj, MASKED, MASK_KIND, HAS_WL, HAS_WR)
+        p = _probs(z, base[:, None], inv_l[:, None])
+        dp = _dot(do, tl.trans(_prep(v, PRECISION)), tl.zeros([q.shape[0], BLOCK_N], tl.float32), PRECISION)
+        ds = p * (dp - delta[:, None])
+        ds = _dscale(ds, s, C1, scale_ds, SOFTCAP)
+        dq = _dot(_prep(ds.to(k.dtype), PRECISION), k, dq, PRECISION)
+    return dq
+
+
+@triton.jit(do_not_specialize=SIZE_ARGS)
+def attn_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, m_ptr, l_ptr, delta_ptr, mask_ptr, cu_q_ptr, cu_k_ptr,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sdqb, sdqh, sdqs,
+    stb, sth, sts, smb, smh, smi, smj,
+    n_heads, seqlen_q, seqlen_k, n_m_blocks, window_left, window_right, C1, C2, scale_ds,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, SOFTCAP: tl.constexpr,
+    VARLEN: tl.constexpr, PRECISION: tl.constexpr, REVERSE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr = False,
+):
+    """dq of one query block, looping over the visible key blocks."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    if REVERSE:
+        pid_m = n_m_blocks - 1 - pid_m
+    pid_b = pid_bh // n_heads
+    pid_h = pid_bh % n_heads
+    q_start, q_len, k_start, k_len = _sequence(pid_b, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= q_len:
+        return
+    kv_h = pid_h // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ok = offs_m < q_len
+    q_base = q_ptr + pid_b.to(tl.int64) * sqb + pid_h.to(tl.int64) * sqh + q_start.to(tl.int64) * sqs
+    do_base = do_ptr + pid_b.to(tl.int64) * sdb + pid_h.to(tl.int64) * sdh + q_start.to(tl.int64) * sds
+    k_base = k_ptr + pid_b.to(tl.int64) * skb + kv_h.to(tl.int64) * skh + k_start.to(tl.int64) * sks
+    v_base = v_ptr + pid_b.to(tl.int64) * svb + kv_h.to(tl.int64) * svh + k_start.to(tl.int64) * svs
+    mask_base = mask_ptr + pid_b.to(tl.int64) * smb + pid_h.to(tl.int64) * smh
+    q = tl.load(q_base + offs_m[:, None] * sqs + offs_d[None, :],
+                mask=q_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    do = tl.load(do_base + offs_m[:, None] * sds + offs_dv[None, :],
+                 mask=q_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    q = _prep(q, PRECISION)
+    do = _prep(do, PRECISION)
+    st = pid_b.to(tl.int64) * stb + pid_h.to(tl.int64) * sth + (q_start + offs_m).to(tl.int64) * sts
+    base, inv_l, delta = _row_stats(m_ptr, l_ptr, delta_ptr, st, q_ok)
+    k_ptrs = k_base + offs_n0[:, None] * sks + offs_d[None, :]
+    v_ptrs = v_base + offs_n0[:, None] * svs + offs_dv[None, :]
+    if USE_TMA:
+        rows = tl.maximum(k_len, 1)
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[rows, HEAD_DIM], strides=[sks, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[rows, HEAD_DIM_V], strides=[svs, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        k_desc = k_ptrs
+        v_desc = v_ptrs
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo, a, b, hi = _block_ranges(m0, BLOCK_M, BLOCK_N, k_len, window_left, window_right, HAS_WL, HAS_WR)
+    dq = _dq_inner(dq, q, do, base, inv_l, delta, k_ptrs, v_ptrs, k_desc, v_desc, mask_base, offs_m, offs_n0,
+                   offs_d, offs_dv,
+                   lo, a, q_len, k_len, sks, svs, smi, smj, window_left, window_right, C1, C2, scale_ds,
+                   HEAD_DIM, HEAD_DIM_V, True, MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION, BLOCK_N,
+                   BLOCK_D, BLOCK_DV, NUM_STAGES, USE_TMA)
+    dq = _dq_inner(dq, q, do, base, inv_l, delta, k_ptrs, v_ptrs, k_desc, v_desc, mask_base, offs_m, offs_n0,
+                   offs_d, offs_dv,
+                   a, b, q_len, k_len, sks, svs, smi, smj, window_left, window_right, C1, C2, scale_ds,
+                   HEAD_DIM, HEAD_DIM_V, False, MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION, BLOCK_N,
+                   BLOCK_D, BLOCK_DV, NUM_STAGES, USE_TMA)
+    dq = _dq_inner(dq, q, do, base, inv_l, delta, k_ptrs, v_ptrs, k_desc, v_desc, mask_base, offs_m, offs_n0,
+                   offs_d, offs_dv,
+                   b, hi, q_len, k_len, sks, svs, smi, smj, window_left, window_right, C1, C2, scale_ds,
+                   HEAD_DIM, HEAD_DIM_V, True, MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION, BLOCK_N,
+                   BLOCK_D, BLOCK_DV, NUM_STAGES, USE_TMA)
+    dq_base = dq_ptr + pid_b.to(tl.int64) * sdqb + pid_h.to(tl.int64) * sdqh + q_start.to(tl.int64) * sdqs
+    tl.store(dq_base + offs_m[:, None] * sdqs + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty),
+             mask=q_ok[:, None] & (offs_d[None, :] < HEAD_DIM))

@@ -1,0 +1,483 @@
+"""Launchers for the attention Triton kernels: configurations, grids, constants.
+
+Configurations are keyed by the head-dim block, the dtype and whether a causal/window mask is present,
+never by the batch, head count or sequence length: a sequence then gets the same bits whatever else is in
+the batch, packed (varlen) or padded (contract section 6). The block sizes below are first guesses from the
+FlashAttention-2 / Triton tutorial literature for Hopper; they are to be tuned on the H200 with
+``python3 bench/attention.py --sweep`` (see scratch/notes_attention.md for what to tune first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+
+from .. import _config, reference
+
+_kernels = None
+
+
+def kernels():
+    """The kernel module, imported on first use (importing safeops must not compile anything)."""
+    global _kernels
+    if _kernels is None:
+        from ..kernels import attention as module
+
+        _kernels = module
+    return _kernels
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    block_m: int  # query rows per block
+    block_n: int  # keys per block
+    num_warps: int
+    num_stages: int
+    warp_specialize: bool = False  # forward K/V loop only (tl.range warp_specialize); a tuning knob
+    tma: bool = False  # loads of the looped-over tiles through TMA descriptors (if the layout allows); a knob
+
+
+# (head-dim block, element size, masked by causal/window) -> config, bf16 / fp16.
+# D=64 / D=128: the best of the H200 sweep (run 4: Triton 3.6, B=4 H=16 S=4K; see scratch/notes_attention.md):
+# fwd (128, 64, 8, 3) 405 / 482 TFLOP/s (the old (128, 128, 8, 3/2) 325 / 402); dk/dv D=64 (32, 128, 4, 2),
+# D=128 (32, 64, 4, 3); dq D=64 (64, 64, 4, 2); dq D=128 not measured yet (first guess). Causal entries equal
+# the dense ones (the causal sweep agreed at D=64). D=16/32 and D=256 are offline picks (no spills, fit).
+# Every entry (and its mask variants below) is compiled for sm_90 by tests/test_attention_configs.py.
+def _both(cfg: AttnConfig) -> dict[bool, AttnConfig]:
+    return {False: cfg, True: cfg}
+
+
+def _table(by_d: dict[int, AttnConfig]) -> dict[tuple[int, int, bool], AttnConfig]:
+    return {(d, 2, masked): cfg for d, c in by_d.items() for masked, cfg in _both(c).items()}
+
+
+FWD_CONFIGS = _table({32: AttnConfig(128, 64, 4, 3), 64: AttnConfig(128, 64, 8, 3),
+                      128: AttnConfig(128, 64, 8, 3), 256: AttnConfig(128, 64, 8, 2)})
+# dk/dv kernel: block_n keys per program, block_m queries per step.
+DKDV_CONFIGS = _table({32: AttnConfig(32, 128, 4, 2), 64: AttnConfig(32, 128, 4, 2),
+                       128: AttnConfig(32, 64, 4, 3), 256: AttnConfig(32, 64, 8, 1)})
+# dq kernel: block_m queries per program, block_n keys per step. (128, 32, 4, 2) at D=16 crashed ptxas
+# (SIGSEGV, Triton 3.6's ptxas 12.8) on the H200: not used.
+DQ_CONFIGS = _table({32: AttnConfig(64, 64, 4, 2), 64: AttnConfig(64, 64, 4, 2),
+                     128: AttnConfig(128, 64, 8, 2), 256: AttnConfig(64, 32, 8, 1)})
+# A dense attn_mask is loaded tile by tile beside K/V, and the pipeliner stages its tiles through shared
+# memory too: (kind, head-dim block, smallest mask element size) -> the config to use instead; kind is
+# "fwd" / "dkdv" / "dq" for bf16 / fp16 and "fp32-fwd" / "fp32-dkdv" / "fp32-dq" for fp32 inputs. Run 4 hit
+# 245760 B (limit 232448) with the fwd D=64 (128, 128, 8, 3) and an fp32 mask.
+# Offline (Triton 3.6, sm_90) with causal + window + softcap + GQA: fwd D=128 (128, 64, 8, 3) takes 196608 B
+# with an fp32 mask but 262144 with fp64; D=256 (128, 64, 8, 2) 229376 with fp32, 262144 with fp64.
+MASK_CONFIGS: dict[tuple[str, int, int], AttnConfig] = {
+    ("fwd", 128, 8): AttnConfig(128, 64, 8, 2),
+    ("fwd", 256, 4): AttnConfig(128, 32, 8, 2),
+}
+# fp32 inputs, by (head-dim block, ieee): smaller tiles. "ieee" dots are FMA loops (no tensor cores) and
+# spill with larger tiles (offline sm_90 compile, Triton 3.6); tf32 / tf32x3 use the tensor cores.
+FP32_FWD = {(32, False): AttnConfig(64, 32, 8, 2), (64, False): AttnConfig(64, 32, 8, 2),
+            (128, False): AttnConfig(64, 32, 4, 2), (256, False): AttnConfig(32, 32, 4, 1),
+            (32, True): AttnConfig(64, 32, 8, 2), (64, True): AttnConfig(64, 32, 8, 2),
+            (128, True): AttnConfig(32, 32, 4, 2), (256, True): AttnConfig(16, 32, 4, 1)}
+FP32_BWD = {(32, False): AttnConfig(32, 32, 4, 1), (64, False): AttnConfig(32, 32, 4, 1),
+            (128, False): AttnConfig(16, 32, 4, 1), (256, False): AttnConfig(16, 16, 4, 1),
+            (32, True): AttnConfig(16, 32, 4, 1), (64, True): AttnConfig(16, 32, 4, 1),
+            (128, True): AttnConfig(16, 32, 4, 1), (256, True): AttnConfig(16, 16, 4, 1)}
+# Under Triton's interpreter (CPU tensors): small blocks, so short test sequences span several blocks.
+INTERPRETER_CONFIG = AttnConfig(16, 16, 1, 1)
+DELTA_BLOCK_M = 64
+
+_override: dict[str, AttnConfig] = {}
+
+
+@contextlib.contextmanager
+def config_override(**configs: AttnConfig):
+    """Force configs (keys ``fwd``, ``dkdv``, ``dq``) for every launch inside the block (benchmark sweeps)."""
+    saved = dict(_override)
+    _override.update(configs)
+    try:
+        yield
+    finally:
+        _override.clear()
+        _override.update(saved)
+
+
+def block_dim(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _gpu(device: torch.device) -> bool:
+    """CUDA, or "meta": a meta tensor plans the GPU launch without running it (the launch arguments are
+    recorded by tests/test_attention_configs.py, which compiles every configuration offline for sm_90)."""
+    return device.type in ("cuda", "meta")
+
+
+def config(kind: str, block_d: int, dtype: torch.dtype, masked: bool, device: torch.device,
+           precision: int = 0, mask_bytes: int = 0) -> AttnConfig:
+    """The configuration of kernel ``kind`` ("fwd", "dkdv", "dq"): a function of the head-dim block, the
+    dtype / precision, causal-or-window and the dense mask's element size (0: no mask) only, never of the
+    batch, head count or sequence lengths (batch invariance, varlen == dense bits)."""
+    if kind in _override:
+        return _override[kind]
+    if not _gpu(device):
+        return INTERPRETER_CONFIG
+    key_d = max(32, block_d)
+    if dtype == torch.float32:
+        kind = "fp32-" + kind
+        cfg = (FP32_FWD if kind == "fp32-fwd" else FP32_BWD)[(key_d, precision == 0)]
+    else:
+        cfg = {"fwd": FWD_CONFIGS, "dkdv": DKDV_CONFIGS, "dq": DQ_CONFIGS}[kind][(key_d, 2, masked)]
+    if mask_bytes:  # the entry for the largest listed mask element size <= this mask's
+        for size in sorted((k[2] for k in MASK_CONFIGS if k[:2] == (kind, key_d)), reverse=True):
+            if mask_bytes >= size:
+                return MASK_CONFIGS[(kind, key_d, size)]
+    return cfg
+
+
+def _launch_options(cfg: AttnConfig) -> dict:
+    # Fusion off: z2 = s * C1 must be rounded before it feeds both the max and z2 - m (contract section 1).
+    return {"num_warps": cfg.num_warps, "enable_fp_fusion": _config.fp_fusion}
+
+
+def _check_device(q: torch.Tensor) -> None:
+    if _gpu(q.device):
+        return
+    if q.device.type != "cpu":
+        raise ValueError(f"q: Triton kernels need a CUDA tensor (or, interpreted, a CPU one), not {q.device}")
+    if not isinstance(kernels().attn_fwd_kernel, InterpretedFunction):
+        raise ValueError(
+            "q: SAFEOPS_BACKEND=triton with a CPU tensor needs Triton's interpreter; set TRITON_INTERPRET=1 "
+            "before importing triton, or use SAFEOPS_BACKEND=auto to run CPU tensors on the reference")
+
+
+def _f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def constants(scale: float, softcap: float | None) -> tuple[float, float, float]:
+    """(C1, C2, scale) for the kernels' z2 formula (see safeops.kernels.attention), each fp32-rounded once."""
+    if softcap is None:
+        return _f32(scale * reference.LOG2E), 1.0, _f32(scale)
+    return _f32(2.0 * reference.LOG2E * scale / softcap), _f32(softcap * reference.LOG2E), _f32(scale)
+
+
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for device-side TMA descriptors (Triton asks for it at each launch that needs it)."""
+    return torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+
+
+def _ensure_allocator() -> None:
+    """Triton keeps its allocator in a ContextVar, so it is per thread: setting it once is not enough (the
+    autograd engine runs the backward on its own thread). Set ours wherever none is set; a user's wins."""
+    try:
+        from triton.runtime import _allocation
+
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):  # private API moved: set ours every time
+        pass
+    triton.set_allocator(_tma_scratch)
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned bases and 16-byte multiples for every stride but the last."""
+    for t in tensors:
+        per16 = 16 // t.element_size()
+        if t.data_ptr() % 16 or any(st % per16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _use_tma(cfg: AttnConfig, *tensors: torch.Tensor) -> bool:
+    if not cfg.tma or not _tma_ok(*tensors):
+        return False
+    if tensors[0].device.type == "cuda":
+        _ensure_allocator()  # device-side descriptors live in a small global scratch buffer per launch
+    return True
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    """The kernels address the head dim with stride 1."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def _scratch(result: torch.Tensor) -> torch.Tensor:
+    return result if result.stride(-1) == 1 or result.shape[-1] <= 1 else torch.empty(
+        result.shape, dtype=result.dtype, device=result.device)
+
+
+def _bhs(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, head, sequence) strides: dense (B, H, S, D), packed (T, H, D) with no batch stride."""
+    if varlen:
+        return 0, t.stride(1), t.stride(0)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _stat_strides(stat: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    if varlen:  # (H, T)
+        return 0, stat.stride(0), stat.stride(1)
+    return stat.stride(0), stat.stride(1), stat.stride(2)
+
+
+@dataclass
+class _Problem:
+    varlen: bool
+    batch: int
+    hq: int
+    hkv: int
+    max_q: int
+    max_k: int
+    d: int
+    dv: int
+    precision: int
+    masked: bool
+    has_wl: bool
+    has_wr: bool
+    window_left: int
+    window_right: int
+    mask_arg: torch.Tensor
+    mask_strides: tuple[int, int, int, int]
+    mask_bytes: int  # the dense mask's element size, 0 without one
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+
+
+def _problem(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, wl, wr, precision) -> _Problem:
+    varlen = cu_q is not None
+    if varlen:
+        batch, hq, hkv = cu_q.numel() - 1, q.shape[1], k.shape[1]
+    else:
+        batch, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
+    if batch * hq > 65535:
+        raise ValueError(f"q: batch x heads = {batch * hq} is more than the 65535 the launch grid allows")
+    wr = 0 if is_causal else wr
+    if mask is not None:
+        mask_arg = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+        mask_strides = tuple(mask_arg.stride())
+    else:
+        mask_arg, mask_strides = q, (0, 0, 0, 0)
+    return _Problem(
+        varlen=varlen, batch=batch, hq=hq, hkv=hkv, max_q=max_q, max_k=max_k, d=q.shape[-1], dv=v.shape[-1],
+        precision=precision if q.dtype == torch.float32 else 3, masked=wl >= 0 or wr >= 0,
+        has_wl=wl >= 0, has_wr=wr >= 0, window_left=max(wl, 0), window_right=max(wr, 0),
+        mask_arg=mask_arg, mask_strides=mask_strides,
+        mask_bytes=mask_arg.element_size() if mask is not None else 0,
+        cu_q=cu_q if varlen else q, cu_k=cu_k if varlen else q,
+    )
+
+
+def _common_constexprs(p: _Problem, mask_kind: int, softcap) -> dict:
+    return dict(GROUP=p.hq // p.hkv, HEAD_DIM=p.d, HEAD_DIM_V=p.dv, MASK_KIND=mask_kind, HAS_WL=p.has_wl,
+                HAS_WR=p.has_wr, SOFTCAP=softcap is not None, VARLEN=p.varlen, PRECISION=p.precision,
+                BLOCK_D=block_dim(p.d), BLOCK_DV=block_dim(p.dv))
+
+
+def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale, softcap, wl, wr, precision):
+    from .attention import _fake_forward
+
+    _check_device(q)
+    out, row_max, row_sum = _fake_forward(q, v, cu_q is not None)
+    if out.numel() == 0 and row_max.numel() == 0:
+        return out, row_max, row_sum
+    if k.numel() == 0 or max_k == 0:
+        out.zero_()
+        row_max.fill_(float("-inf"))
+        row_sum.zero_()
+        return out, row_max, row_sum
+    p = _problem(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, wl, wr, precision)
+    q_, k_, v_ = _unit_last(q), _unit_last(k), _unit_last(v)
+    out_ = _scratch(out)
+    cfg = config("fwd", max(block_dim(p.d), block_dim(p.dv)), q.dtype, p.masked, q.device, p.precision,
+                 p.mask_bytes)
+    c1, c2, _ = constants(scale, softcap)
+    n_m_blocks = triton.cdiv(p.max_q, cfg.block_m)
+    grid = (n_m_blocks, p.batch * p.hq)
+    kernels().attn_fwd_kernel[grid](
+        q_, k_, v_, out_, row_max, row_sum, p.mask_arg, p.cu_q, p.cu_k,
+        *_bhs(q_, p.varlen), *_bhs(k_, p.varlen), *_bhs(v_, p.varlen), *_bhs(out_, p.varlen),
+        *_stat_strides(row_max, p.varlen), *p.mask_strides,
+        p.hq, p.max_q, p.max_k, n_m_blocks, p.window_left, p.window_right, c1, c2,
+        **_common_constexprs(p, mask_kind, softcap), REVERSE=p.has_wr,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+        WARP_SPECIALIZE=cfg.warp_specialize and _gpu(q.device), USE_TMA=_use_tma(cfg, k_, v_),
+        **_launch_options(cfg),
+    )
+    if out_ is not out:
+        out.copy_(out_)
+    return out, row_max, row_sum
+
+
+def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal,
+             scale, softcap, wl, wr, precision):
+    _check_device(q)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.numel() == 0 or k.numel() == 0 or max_q == 0 or max_k == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    p = _problem(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, wl, wr, precision)
+    q_, k_, v_, o_, g_ = (_unit_last(t) for t in (q, k, v, out, grad))
+    dq_, dk_, dv_ = _scratch(dq), _scratch(dk), _scratch(dv)
+    row_max, row_sum = row_max.contiguous(), row_sum.contiguous()
+    delta = torch.empty_like(row_max)
+    st = _stat_strides(row_max, p.varlen)
+    k_mod = kernels()
+    common = _common_constexprs(p, mask_kind, softcap)
+    c1, c2, scale_ds = constants(scale, softcap)
+    block_d = max(block_dim(p.d), block_dim(p.dv))
+
+    on_gpu = _gpu(q.device)
+    dcfg = AttnConfig(DELTA_BLOCK_M if on_gpu else 16, 0, 4 if on_gpu else 1, 1)
+    k_mod.attn_bwd_delta_kernel[(triton.cdiv(p.max_q, dcfg.block_m), p.batch * p.hq)](
+        o_, g_, delta, p.cu_q, p.cu_k, *_bhs(o_, p.varlen), *_bhs(g_, p.varlen), *st,
+        p.hq, p.max_q, p.max_k,
+        HEAD_DIM_V=p.dv, VARLEN=p.varlen, BLOCK_M=dcfg.block_m, BLOCK_DV=common["BLOCK_DV"],
+        **_launch_options(dcfg),
+    )
+    kv = config("dkdv", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
+    k_mod.attn_bwd_dkdv_kernel[(triton.cdiv(p.max_k, kv.block_n), p.batch * p.hkv)](
+        q_, k_, v_, g_, dk_, dv_, row_max, row_sum, delta, p.mask_arg, p.cu_q, p.cu_k,
+        *_bhs(q_, p.varlen), *_bhs(k_, p.varlen), *_bhs(v_, p.varlen), *_bhs(g_, p.varlen),
+        *_bhs(dk_, p.varlen), *_bhs(dv_, p.varlen), *st, *p.mask_strides,
+        p.hq, p.max_q, p.max_k, p.window_left, p.window_right, c1, c2, scale_ds,
+        **common, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, NUM_STAGES=kv.num_stages,
+        USE_TMA=_use_tma(kv, q_, g_), **_launch_options(kv),
+    )
+    qc = config("dq", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
+    n_m_blocks = triton.cdiv(p.max_q, qc.block_m)
+    k_mod.attn_bwd_dq_kernel[(n_m_blocks, p.batch * p.hq)](
+        q_, k_, v_, g_, dq_, row_max, row_sum, delta, p.mask_arg, p.cu_q, p.cu_k,
+        *_bhs(q_, p.varlen), *_bhs(k_, p.varlen), *_bhs(v_, p.varlen), *_bhs(g_, p.varlen),
+        *_bhs(dq_, p.varlen), *st, *p.mask_strides,
+        p.hq, p.max_q, p.max_k, n_m_blocks, p.window_left, p.window_right, c1, c2, scale_ds,
+        **common, REVERSE=p.has_wr,
+        BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, NUM_STAGES=qc.num_stages, USE_TMA=_use_tma(qc, k_, v_),
+        **_launch_options(qc),
+    )
+    for result, written in ((dq, dq_), (dk, dk_), (dv, dv_)):
+        if written is not result:
+            result.copy_(written)
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------------------------
+# Ahead-of-time compilation without a GPU (or in parallel on one): tests/test_attention_configs.py compiles
+# every configuration for sm_90 offline; bench/attention.py --sweep warms Triton's cache in parallel.
+# ------------------------------------------------------------------------------------------------------
+
+KERNEL_NAMES = ("attn_fwd_kernel", "attn_bwd_delta_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
+KERNEL_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels",
+                           "attention.py")
+
+
+def _describe(x):
+    if isinstance(x, torch.Tensor):
+        return {"tensor": str(x.dtype).removeprefix("torch.")}
+    if isinstance(x, (bool, int, float)) or x is None:
+        return x
+    raise TypeError(f"unexpected launch argument {type(x).__name__}")
+
+
+class _Recorder:
+    def __init__(self, name: str, launches: list):
+        self.name, self.launches = name, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append({"kernel": self.name, "args": [_describe(a) for a in args],
+                                  "kwargs": {k: _describe(v) for k, v in kwargs.items()}})
+        return launch
+
+
+@contextlib.contextmanager
+def recording():
+    """Inside the block the kernels are recorded, not launched: yields the list of launches (kernel name,
+    argument dtypes / values, constexprs and options). Call ``forward`` / ``backward`` with META tensors of
+    the real shapes and strides: meta plans exactly the launch CUDA would make."""
+    global _kernels
+    launches: list[dict] = []
+    saved = _kernels
+    _kernels = SimpleNamespace(**{name: _Recorder(name, launches) for name in KERNEL_NAMES})
+    try:
+        yield launches
+    finally:
+        _kernels = saved
+
+
+_COMPILE_WORKER = textwrap.dedent(
+    r"""
+    import importlib.util, json, multiprocessing, os, sys
+    from concurrent.futures import ProcessPoolExecutor
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import MockTensor, create_function_from_signature
+
+    DTYPES = {"bfloat16": tl.bfloat16, "float16": tl.float16, "float32": tl.float32, "float64": tl.float64,
+              "uint8": tl.uint8, "int32": tl.int32, "int64": tl.int64}
+    _module = None
+
+    def kernels(path):
+        global _module
+        if _module is None:  # the package's module name: it is part of Triton's cache key
+            spec = importlib.util.spec_from_file_location("safeops.kernels.attention", path)
+            _module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(_module)
+        return _module
+
+    def value(x):
+        return MockTensor(DTYPES[x["tensor"]]) if isinstance(x, dict) else x
+
+    def compile_one(job):
+        path, arch, launch = job
+        try:
+            target = GPUTarget("cuda", arch, 32)
+            fn = getattr(kernels(path), launch["kernel"])
+            backend = make_backend(target)
+            args = [value(a) for a in launch["args"]]
+            kwargs = {k: value(v) for k, v in launch["kwargs"].items()}
+            kwargs.setdefault("debug", False)  # as JITFunction.run sets them
+            kwargs.setdefault("instrumentation_mode", "")
+            # Triton's own binder: the same specialization (ints equal to 1, multiples of 16) as a launch.
+            binder = create_function_from_signature(fn.signature, fn.params, backend)
+            bound, specialization, options = binder(*args, **kwargs)
+            options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization,
+                                                                  options)
+            c = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                               options=options.__dict__)
+            return {"ok": True, "shared": c.metadata.shared}
+        except Exception as e:
+            return {"ok": False, "error": f"{type(e).__name__}: {str(e)[-1500:]}"}
+
+    if __name__ == "__main__":
+        request = json.load(sys.stdin)
+        jobs = [(request["kernel_file"], request["arch"], launch) for launch in request["launches"]]
+        workers = max(1, min(len(jobs), request.get("workers") or os.cpu_count() or 1))
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            results = list(pool.map(compile_one, jobs, chunksize=1))
+        print(json.dumps({"triton": triton.__version__, "results": results}))
+    """
+)
+
+
+def compile_launches(launches: list[dict], python: str | None = None, arch: int = 90,
+                     workers: int | None = None, timeout: float = 1800) -> dict:
+    """Compiles recorded launches for ``cuda:arch`` (ptxas included) in a subprocess pool, without a GPU and
+    without Triton's interpreter; results land in Triton's on-disk cache, so the real launches later find
+    them. Returns ``{"triton": version, "results": [{"ok", "shared" | "error"}, ...]}`` in launch order."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if "TRITON_INTERPRET" in env:  # off in the worker; left unset when unset (env is part of cache keys)
+        env["TRITON_INTERPRET"] = "0"
+    request = json.dumps({"kernel_file": KERNEL_FILE, "arch": arch, "launches": launches, "workers": workers})
+    proc = subprocess.run([python or sys.executable, "-c", _COMPILE_WORKER], input=request,
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"offline compile worker failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,0 +1,40 @@
+"""torch.library op for the fused fp8 cast + transpose: op, fake, backend choice.
+
+    safeops::cast_transpose(x, scale, dtype, rowwise) -> (y, y_t, amax)
+
+``x`` is 2-D fp16/bf16/fp32 with any strides; ``scale`` has one element, or is ``(M, 1)`` when ``rowwise``
+(fp16/bf16/fp32); ``dtype`` is ``float8_e4m3fn`` or ``float8_e5m2``. The public function
+(:func:`safeops.cast_transpose`) checks all that; this op trusts it.
+
+Outputs: ``y`` row-major ``(M, K)``; ``y_t`` the same values with strides ``(1, M)`` (the layout of
+``y.t().contiguous().t()``); ``amax`` a 0-d fp32 tensor. Bit for bit ``y == (x.float() * scale).clamp(-max,
+max).to(dtype)`` on every backend.
+
+Like the softmax ops, this is a ``custom_op`` (not a ``triton_op``) so that compiled code runs exactly the
+eager launcher. No autograd is registered: the op is a cast to fp8, which has no useful gradient; the
+public function detaches its inputs, so its outputs never require grad.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _config, reference
+from . import cast_transpose_launch
+
+
+@torch.library.custom_op("safeops::cast_transpose", mutates_args=())
+def cast_transpose_op(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _config.use_triton(x):
+        return cast_transpose_launch.cast_transpose(x, scale, dtype, rowwise)
+    y, y_t, amax = reference.cast_transpose(x, scale, dtype, rowwise)
+    # Same layouts as the fake and the kernel path.
+    out = cast_transpose_launch.empty_outputs(x, dtype)
+    return out[0].copy_(y), out[1].copy_(y_t), out[2].copy_(amax)
+
+
+@cast_transpose_op.register_fake
+def _(x, scale, dtype, rowwise):
+    return cast_transpose_launch.empty_outputs(x, dtype)

@@ -1,0 +1,251 @@
+"""Launcher for the fused fp8 cast + transpose kernel: tile table, grid, amax workspace.
+
+The choice of tile depends on the shape and the input element size only; it cannot change a result (every
+output byte is computed from its own input element, and amax is a maximum, which no order changes).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+
+from .. import _config, reference
+
+_kernels = None
+
+
+def kernels():
+    """The kernel module, imported on first use (importing safeops must not compile anything)."""
+    global _kernels
+    if _kernels is None:
+        from ..kernels import cast_transpose as module
+
+        _kernels = module
+    return _kernels
+
+
+# The hardware fp32 -> fp8 conversion on a GPU (cvt.rn.satfinite, round to nearest even); False runs the
+# integer rounding instead (same bits, more instructions). The interpreter always runs the integer one:
+# its own fp8 casts round wrongly (no carry into the exponent, ties not to even, subnormals lost).
+HARDWARE_CONVERT = True
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 1  # > 1: the tile loop prefetches x with cp.async (useful with a persistent grid)
+    # Programs per SM: None = as many as fit on the GPU at once (a persistent grid, one wave, from the
+    # compiled kernel's registers and shared memory); 0 = one program per tile; k > 0 = at most k per SM.
+    programs_per_sm: int | None = 0
+    # y_t written as int32 words of 4 codes (the kernel's PACK; used when M % 4 == 0, else bytes).
+    pack: bool = True
+
+
+# Chosen for the H200 from the compiled sm_90 code (scratch/fp8_sass2.py, SASS per thread); the
+# measurements come from ``bench/cast_transpose.py --sweep``.
+# - PACK (y_t as 4-code words): the byte kernel moved y_t's bytes through shared memory one byte at a time
+#   (128x64 w8: 12 STS + 4 LDS + 32 LDS.U8 per 32 codes; 64x64 w4: 32 STS.U8 + 16 LDS.U16). With PACK and
+#   64 codes per thread (128x64 w4, 256x64 w8, 64x64 w2) Triton uses stmatrix: per thread 8 LDG.128,
+#   4 STSM.16.M88.4 + 4 LDS.128, 8 STG.128 (both outputs 16-byte stores), 64 registers.
+# - 128 x 64 tiles, 4 warps: 64 registers -> 8 programs (32 warps) per SM; 16 KB of x in flight per
+#   program. One wave of programs (persistent), each looping over tiles, so the amax hand-off (one atomic
+#   max and one release/acquire count per program, each with a MEMBAR) happens ~1000 times, not per tile.
+# - Small inputs (under 4M elements): 64 x 64 tiles, 2 warps (64 codes per thread), one per program.
+LARGE_NUMEL = 1 << 22
+CONFIGS = {
+    "large": TileConfig(128, 64, 4, num_stages=1, programs_per_sm=None),
+    "small": TileConfig(64, 64, 2, num_stages=1, programs_per_sm=0),
+}
+# What ``bench/cast_transpose.py --sweep`` times (and tests/test_cast_transpose_gpu.py checks bit for bit):
+# (config, hardware_convert) pairs, None = the module default. Configs with 64 codes per thread and PACK
+# (clean SASS, see above), a few others, the previous byte-transpose default as a baseline, and the integer
+# rounding on two tiles (same bits, more ALU). Any of them may go into CONFIGS.
+_T = TileConfig
+SWEEP_CANDIDATES = tuple(dict.fromkeys([
+    *((cfg, None) for cfg in CONFIGS.values()),
+    (_T(128, 64, 4, programs_per_sm=None), None), (_T(128, 64, 4, programs_per_sm=0), None),
+    (_T(256, 64, 8, programs_per_sm=None), None), (_T(256, 64, 8, programs_per_sm=0), None),
+    (_T(64, 64, 2, programs_per_sm=0), None), (_T(64, 64, 2, programs_per_sm=None), None),
+    (_T(128, 128, 4, programs_per_sm=None), None), (_T(128, 128, 4, programs_per_sm=0), None),
+    (_T(128, 64, 4, num_stages=2, programs_per_sm=None), None),
+    (_T(256, 64, 8, num_stages=2, programs_per_sm=None), None),
+    (_T(128, 64, 8, programs_per_sm=None), None), (_T(128, 64, 4, programs_per_sm=4), None),
+    (_T(128, 64, 8, num_stages=2, programs_per_sm=None, pack=False), None),  # the previous default
+    (_T(128, 64, 4, programs_per_sm=0, pack=False), None),
+    (_T(128, 64, 4, programs_per_sm=None), False), (_T(256, 64, 8, programs_per_sm=0), False),
+]))
+del _T
+# The interpreter runs programs one after another in numpy: one 64 x 64 tile per program.
+INTERPRETER_CONFIG = TileConfig(64, 64, 4)
+
+
+def tile_config(m: int, k: int, elem_size: int) -> TileConfig:
+    """The table above; the element size is part of the key so that fp32 can be tuned apart."""
+    del elem_size  # the same tiles serve 2- and 4-byte inputs until measurements say otherwise
+    return CONFIGS["large" if m * k >= LARGE_NUMEL else "small"]
+
+
+def _interpreted() -> bool:
+    return isinstance(kernels().cast_transpose_kernel, InterpretedFunction)
+
+
+def _check_device(x: torch.Tensor) -> None:
+    if x.device.type == "cuda":
+        return
+    if x.device.type != "cpu":
+        raise ValueError(f"x: Triton kernels need a CUDA tensor (or, interpreted, a CPU one), not {x.device}")
+    if not _interpreted():
+        raise ValueError(
+            "x: SAFEOPS_BACKEND=triton with a CPU tensor needs Triton's interpreter; set TRITON_INTERPRET=1 "
+            "before importing triton, or use SAFEOPS_BACKEND=auto to run CPU tensors on the reference"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# The amax workspace: two int32 words, zero between launches (the kernel's last program re-zeroes them).
+# One per (device, stream), so launches on different streams never share one. While a CUDA graph is
+# being captured a fresh zeroed one is used (its zeroing is captured with it), never the cached one.
+# ---------------------------------------------------------------------------------------------------
+
+_workspaces: dict = {}
+_lock = threading.Lock()
+
+
+def _workspace(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(2, dtype=torch.int32, device=device)
+        key = (device.type, device.index, torch.cuda.current_stream(device).cuda_stream)
+    else:
+        key = (device.type, None, threading.get_ident())
+    ws = _workspaces.get(key)
+    if ws is None:
+        with _lock:
+            ws = _workspaces.setdefault(key, torch.zeros(2, dtype=torch.int32, device=device))
+    return ws
+
+
+_sm_counts: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: a persistent grid of programs_per_sm programs (tests use it)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _sm_counts[index]
+
+
+def empty_outputs(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, y_t, amax) with the layouts the op promises (the fake implementation uses this too)."""
+    m, k = x.shape
+    y = torch.empty((m, k), dtype=dtype, device=x.device)
+    # The strides of ``torch.empty((K, M)).t()``: (1, M) (1 for a size that is 0 or 1).
+    y_t = torch.empty_strided((m, k), (1, torch.sym_max(m, 1)), dtype=dtype, device=x.device)
+    amax = torch.empty((), dtype=torch.float32, device=x.device)
+    return y, y_t, amax
+
+
+def _wide(m: int, k: int, sxm: int, sxk: int, cfg: TileConfig) -> bool:
+    """Whether offsets inside one tile can pass 2**31 (then the kernel computes them in 64 bits)."""
+    span = max(cfg.block_m * (abs(sxm) + 1) + cfg.block_k * (abs(sxk) + 1), cfg.block_m * k + cfg.block_k,
+               cfg.block_k * m + cfg.block_m)
+    return span >= 2**31
+
+
+# Launch plans: everything about a launch that depends only on shapes, strides, dtypes, the device and
+# the config, computed once per key (host time per call is suspected to dominate a 4096 x 4096 call;
+# bench/cast_transpose.py --sweep prints it).
+_plans: dict = {}
+
+
+def _plan(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool, config: TileConfig,
+          hardware_convert: bool, pack: bool, tensors: list) -> tuple:
+    """(scalar arguments, launch options, number of programs) of one launch."""
+    m, k = x.shape
+    fmt = reference.FP8_FORMATS[dtype]
+    n_tiles_k = triton.cdiv(k, config.block_k)
+    n_tiles = triton.cdiv(m, config.block_m) * n_tiles_k
+    if n_tiles >= 2**31:
+        raise ValueError(f"x: too many tiles for shape {tuple(x.shape)}")
+    sxm, sxk = x.stride()
+    scalars = (m, k, sxm, sxk, scale.stride(0) if rowwise else 0, n_tiles_k, n_tiles, m // 4)
+    options = dict(
+        FP8=fmt.code, MAX_BITS=fmt.max_bits, MAN=fmt.mantissa_bits, BIAS=fmt.exponent_bias,
+        ROWWISE=bool(rowwise), HW_CVT=bool(hardware_convert), X_BF16_BITS=x.dtype == torch.bfloat16,
+        WIDE=_wide(m, k, sxm, sxk, config), EVEN=(m % config.block_m == 0 and k % config.block_k == 0),
+        NUM_STAGES=config.num_stages, BLOCK_M=config.block_m, BLOCK_K=config.block_k, PACK=pack,
+        num_warps=config.num_warps, enable_fp_fusion=_config.fp_fusion,
+    )
+    kernel = kernels().cast_transpose_kernel
+    programs = min(n_tiles, _programs(kernel, [*tensors, *scalars], options, config, x.device))
+    return scalars, options, programs
+
+
+def _yt_arg(y_t: torch.Tensor, pack: bool) -> torch.Tensor:
+    """y_t's storage, ``(K, M)`` bytes, or with ``pack`` ``(K, M // 4)`` int32 words (little-endian: the
+    word's low byte is the smallest row)."""
+    storage = y_t.t().view(torch.uint8)
+    return storage.view(torch.int32) if pack else storage
+
+
+def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool,
+                   config: TileConfig | None = None, hardware_convert: bool | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Runs the kernel. ``config`` / ``hardware_convert`` override the table and the module default."""
+    _check_device(x)
+    y, y_t, amax = empty_outputs(x, dtype)
+    m, k = x.shape
+    if x.numel() == 0:
+        amax.zero_()  # the maximum of no magnitudes (documented in safeops.cast_transpose)
+        return y, y_t, amax
+    if m >= 2**31 or k >= 2**31:
+        raise ValueError(f"x: dimensions of 2**31 or more are not supported, got {tuple(x.shape)}")
+    interpreted = _interpreted()
+    if config is None:
+        config = INTERPRETER_CONFIG if interpreted else tile_config(m, k, x.element_size())
+    if hardware_convert is None:
+        hardware_convert = HARDWARE_CONVERT and not interpreted
+    pack = config.pack and m % 4 == 0
+    tensors = [x.view(torch.int16) if x.dtype == torch.bfloat16 else x, scale, y.view(torch.uint8),
+               _yt_arg(y_t, pack), _workspace(x.device), amax.view(torch.int32)]
+    # Everything else depends only on what this key holds: computed once per key, not per call.
+    key = (x.shape, x.stride(), x.dtype, x.device, scale.dtype, scale.stride(0) if rowwise else 0, dtype,
+           rowwise, config, hardware_convert, _config.fp_fusion, _wide)  # _wide: tests patch it
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan(x, scale, dtype, rowwise, config, hardware_convert, pack, tensors)
+        if len(_plans) >= 4096:
+            _plans.clear()
+        _plans[key] = plan
+    scalars, options, programs = plan
+    kernels().cast_transpose_kernel[(programs,)](*tensors, *scalars, **options)
+    return y, y_t, amax
+
+
+_capacity: dict = {}
+
+
+def _programs(kernel, args: list, options: dict, config: TileConfig, device: torch.device) -> int:
+    """How many programs to launch (before capping at the number of tiles)."""
+    if config.programs_per_sm == 0:
+        return 2**31 - 1
+    if config.programs_per_sm is not None:
+        return config.programs_per_sm * _sm_count(device)
+    if device.type != "cuda":
+        return 2  # the interpreter: a small persistent grid, so tests cover programs with several tiles
+    key = (device.index, tuple(sorted(options.items())), tuple(
+        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (a % 16 == 0, a == 1)
+        for a in args))
+    if key not in _capacity:
+        from .softmax_launch import _resident_programs
+
+        _capacity[key] = max(_sm_count(device), _resident_programs(kernel, args, options, device))
+    return _capacity[key]
