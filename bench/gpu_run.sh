@@ -10,6 +10,7 @@
 #   alltests  python3 -m pytest tests                 (the whole suite, on the CUDA machine)
 #   sanitize  compute-sanitizer --tool memcheck over a small representative subset of the GPU tests
 #             (SAFEOPS_GPU_SMALL=1 shrinks their shapes; SANITIZE_K picks the tests)
+#   sanitize2 the same for the attention and fp8 cast+transpose GPU tests (SANITIZE2_ARGS adds -k etc.)
 #   bench     python3 bench/softmax.py --out $OUT     (softmax.csv, softmax.md, softmax.png)
 #   compile   python3 bench/compile.py                (a transformer block compiled stock vs safeops.register())
 #   sweep     python3 bench/softmax.py --sweep        (safeops launcher knobs per N; softmax_sweep.csv)
@@ -154,6 +155,13 @@ for s in "${STEPS[@]}"; do
             python3 -m pytest tests/test_softmax_gpu.py -q -rfEs -p no:cacheprovider --maxfail=10 \
             -k "${SANITIZE_K:-$DEFAULT_SANITIZE_K}"
         ;;
+    sanitize2)
+        # shellcheck disable=SC2086
+        step sanitize2 "$(limit_for "${T_SANITIZE2:-420}")" env SAFEOPS_GPU_SMALL=1 \
+            compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+            python3 -m pytest tests/test_attention_gpu.py tests/test_cast_transpose_gpu.py -q -rfEs \
+            -p no:cacheprovider --maxfail=10 ${SANITIZE2_ARGS:-}
+        ;;
     bench)
         lim=$(limit_for "${T_BENCH:-520}")
         # shellcheck disable=SC2086
@@ -198,7 +206,7 @@ for s in "${STEPS[@]}"; do
         fi
         ;;
     *)
-        log "unknown step '$s' (steps: info tests alltests sanitize bench compile sweep attention cast model ncu)"
+        log "unknown step '$s' (steps: info tests alltests sanitize sanitize2 bench compile sweep attention cast model ncu)"
         SUMMARY+=("$s: unknown step")
         FAILED=1
         ;;
