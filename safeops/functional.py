@@ -238,6 +238,11 @@ def _attention_mask(attn_mask, q: torch.Tensor, sk: int):
                         f"got {attn_mask.dtype}")
     if attn_mask.device != q.device:
         raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {q.device}")
+    if kind == 2 and attn_mask.requires_grad and torch.is_grad_enabled():
+        # The kernels treat an additive mask as a constant; silently dropping its gradient would stop a
+        # learned bias (relative positions, ALiBi slopes) from training.
+        raise ValueError("attn_mask requires grad, but safeops.attention gives an additive mask no gradient; "
+                         "pass attn_mask.detach() if it is a constant, or add the bias to the scores outside")
     target = (q.shape[0], q.shape[1], q.shape[2], sk)
     try:
         ok = torch.broadcast_shapes(attn_mask.shape, target) == torch.Size(target)

@@ -293,7 +293,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             attn_mask = None
         mask = self._merge_masks(attn_mask, key_padding_mask, n, tgt_len, src_len, q.dtype)
 
-        if need_weights or dropout_p > 0.0:
+        mask_needs_grad = mask is not None and mask.requires_grad and torch.is_grad_enabled()
+        if need_weights or dropout_p > 0.0 or mask_needs_grad:
             out, p = materialized_attention(q, k, v, attn_mask=mask, is_causal=causal_flag,
                                             dropout_p=dropout_p)
         else:

@@ -146,3 +146,37 @@ def test_sdpa_is_not_rewritten_when_unregistered(reference_backend, seed):
     out = compiled(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), "stock")(q, k, v)
     assert not stats, dict(stats)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+
+
+def test_sdpa_with_a_mask_that_requires_grad_stays_stock(reference_backend, seed):
+    # safeops gives an additive mask no gradient; a learned bias passed as attn_mask must keep training.
+    q, k, v = inputs(seed, torch.float32)
+    bias = seed.randn(1, 1, q.shape[2], k.shape[2]).requires_grad_(True)
+
+    def f(q, k, v, b):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=b)
+
+    with safeops.registered():
+        out = compiled(f, "registered")(q, k, v, bias)
+    assert stats["attention_call"] == 0, dict(stats)
+    (db,) = torch.autograd.grad(out.sum(), bias)
+    b2 = bias.detach().clone().requires_grad_(True)
+    (db_eager,) = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=b2).sum(), b2)
+    torch.testing.assert_close(db, db_eager)
+
+
+def test_attention_refuses_a_float_mask_that_requires_grad(reference_backend, seed):
+    q, k, v = inputs(seed, torch.float32)
+    bias = seed.randn(q.shape[2], k.shape[2]).requires_grad_(True)
+    with pytest.raises(ValueError, match="attn_mask requires grad"):
+        safeops.attention(q, k, v, attn_mask=bias)
+    with torch.no_grad():  # no gradient wanted: fine
+        safeops.attention(q, k, v, attn_mask=bias)
+    safeops.attention(q, k, v, attn_mask=bias.detach())
+
+
+def test_attention_double_backward_raises(reference_backend, seed):
+    q, k, v = inputs(seed, torch.float32)
+    with pytest.raises(RuntimeError, match="double backward|autograd formula"):
+        (dq,) = torch.autograd.grad((safeops.attention(q, k, v) ** 2).sum(), q, create_graph=True)
+        dq.sum().backward()

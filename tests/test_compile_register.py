@@ -1346,3 +1346,23 @@ def test_cross_entropy_fp64_gradient_stays_fp64(seed):
         got = torch.autograd.grad(compiled(lambda t: F.cross_entropy(t, target), "registered")(x), x)[0]
     torch._dynamo.reset()
     assert (got - want).abs().max().item() < 1e-14
+
+
+def test_division_by_a_tiny_power_of_two_is_not_folded(reference_backend, seed):
+    # 1 / 2**-130 overflows fp32: the division must stay the user's (eager gives a finite softmax).
+    s = seed.randn(3, 8, std=1e-37)
+    f = lambda t: F.softmax(t / 2.0**-130, dim=-1)  # noqa: E731
+    with safeops.registered():
+        got = compiled(f, "registered")(s)
+    assert torch.isfinite(got).all()
+    assert_same_bits(got, safeops.softmax(s / 2.0**-130, -1), "tiny divisor", seed)
+
+
+def test_cast_to_fp64_after_an_fp32_core_is_not_folded(reference_backend, seed):
+    # softmax computed in fp32 then widened: the fold would compute it in fp64 instead.
+    x = seed.randn(4, 9, std=3.0)
+    f = lambda t: softmax_amax(t, -1).to(torch.float64)  # noqa: E731
+    with safeops.registered():
+        got = compiled(f, "registered")(x)
+    assert got.dtype == torch.float64
+    assert_same_bits(got, safeops.softmax(x, -1).to(torch.float64), "fp32 core, fp64 cast", seed)

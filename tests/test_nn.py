@@ -376,3 +376,18 @@ def test_mha_low_precision_against_float64(dtype, need_weights, seed, reference_
     if need_weights:
         assert w.dtype == dtype
         torch.testing.assert_close(w.double(), w_ref, rtol=tol, atol=tol)
+
+
+def test_mha_learned_float_mask_gets_its_gradient(seed, reference_backend):
+    # A float attn_mask that requires grad (a learned bias) gets the same gradient as in torch, also with
+    # need_weights=False (the fused kernel gives a mask no gradient, so that case takes the other path).
+    stock, safe = make_pair()
+    q, k, v = inputs(seed, {})
+    bias = seed.randn(L, S, dtype=F64)
+    grads = []
+    for module in (stock, safe):
+        b = bias.clone().requires_grad_(True)
+        out, _ = module(q, k, v, attn_mask=b, need_weights=False)
+        (db,) = torch.autograd.grad(out.sum(), b)
+        grads.append(db)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-9, atol=1e-12)

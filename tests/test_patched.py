@@ -266,3 +266,14 @@ def test_stock_mha_inside_patched_is_finite(seed, originals, reference_backend):
     with safeops.patched():
         out, w = mha(x, x, x, key_padding_mask=kpm)
     assert out.isfinite().all() and (w[1] == 0).all()
+
+
+def test_sdpa_with_a_learned_float_mask_falls_back_and_keeps_its_gradient(reference_backend):
+    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(5, 5, dtype=torch.float64, requires_grad=True)
+    with safeops.patched():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    (db,) = torch.autograd.grad(out.sum(), bias)
+    b2 = bias.detach().clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=b2).sum(), b2)
+    torch.testing.assert_close(db, want)

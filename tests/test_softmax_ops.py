@@ -224,3 +224,29 @@ def test_export(reference_backend, seed):
         mask = seed.mask(rows, 9)
         for name, a, b in zip(NAMES, ep.module()(x, mask), module(x, mask), strict=False):
             assert_same_bits(a, b.detach(), f"exported vs eager {name}, {rows} rows; {seed}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The eager fast path (plain autograd.Function over the op implementations) behaves like the op
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [safeops.softmax, safeops.log_softmax, safeops.logsumexp],
+                         ids=["softmax", "log_softmax", "logsumexp"])
+def test_double_backward_raises_like_the_registered_op(reference_backend, fn, seed):
+    # A gradient penalty through a safeops op must fail loudly, not lose its second-order term.
+    x = seed.randn(3, 7).requires_grad_(True)
+    (g,) = torch.autograd.grad((fn(x, -1) ** 2).sum(), x)  # first order: fine
+    assert torch.isfinite(g).all() and not g.requires_grad
+    with pytest.raises(RuntimeError, match="double backward|derivative|autograd"):
+        (g2,) = torch.autograd.grad((fn(x, -1) ** 2).sum(), x, create_graph=True)
+        g2.sum().backward()
+
+
+def test_jit_trace_records_the_registered_op(reference_backend, tmp_path, seed):
+    x = seed.randn(2, 5)
+    traced = torch.jit.trace(lambda t: safeops.softmax(t, -1), (x,))
+    assert "safeops::softmax" in str(traced.graph)
+    path = tmp_path / "traced.pt"
+    torch.jit.save(traced, str(path))
+    assert torch.equal(torch.jit.load(str(path))(x), safeops.softmax(x, -1))

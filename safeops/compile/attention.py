@@ -8,8 +8,9 @@ same function SDPA would, argument for argument:
   ``value`` with as many heads as ``query``, or fewer with ``enable_gqa=True`` (``Hq % Hkv == 0``);
   ``D`` of query and key equal, ``D`` and ``Dv`` at most safeops' largest head dim;
 - ``dropout_p`` the constant 0 (safeops has no dropout; a call with dropout keeps torch's own kernel);
-- ``attn_mask`` None, bool (True = attend) or floating (added to the scores), not together with
-  ``is_causal`` (SDPA refuses that pair itself); ``is_causal`` top-left aligned in both;
+- ``attn_mask`` None, bool (True = attend) or floating (added to the scores) that does not require grad
+  (safeops gives the mask no gradient), not together with ``is_causal`` (SDPA refuses that pair itself);
+  ``is_causal`` top-left aligned in both;
 - ``scale`` None (``1/sqrt(D)`` in both) or a python number.
 
 What safeops changes, by design: a query row with no visible key gives 0 (contract section 4), and an
@@ -83,6 +84,8 @@ def _supported(args: dict) -> bool:
         m = _value(mask)
         if m is None or m.device != q.device or m.dim() > 4:
             return False
+        if m.requires_grad:
+            return False  # safeops gives an additive mask no gradient; torch's SDPA does
         if not (m.dtype == torch.bool or m.dtype in _FLOATING):
             return False
         target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])

@@ -356,8 +356,12 @@ def _neg_inf_fill(node: fx.Node):
     return source, mask, keep_when_true
 
 
+_FP32_NORMAL_MIN = torch.finfo(torch.float32).tiny
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
 def _constant_scale(node: fx.Node):
-    """(source, scale, sign_safe) for ``source * c``, ``c * source`` and ``source / c`` with a python number
+    """(source, scale) for ``source * c``, ``c * source`` and ``source / c`` with a python number
     ``c``, when one fp32 multiply by ``scale`` reproduces it: always for a multiply (torch multiplies by
     fp32(c) too); for a division when 1/c is exact (a power of two), or when the source is fp16/bf16 (there
     eager rounds the quotient to 16 bits, and one fp32 multiply by 1/c is the more accurate of the two)."""
@@ -381,6 +385,8 @@ def _constant_scale(node: fx.Node):
         if abs(math.frexp(c)[0]) != 0.5 and src.dtype not in (torch.float16, torch.bfloat16):
             return None
         c = 1.0 / c
+    if not _FP32_NORMAL_MIN <= abs(c) <= _FP32_MAX or not _FP32_NORMAL_MIN <= abs(float(b)) <= _FP32_MAX:
+        return None  # the fp32 scale (or 1/c) would overflow, or lose bits as a subnormal
     return a, c
 
 
@@ -449,7 +455,9 @@ def _fold_casts(graph: fx.Graph, z: fx.Node, z_users, out: fx.Node):
     if len(out.users) == 1:
         (cast,) = out.users
         cast_value = _value(cast)
-        if (_kind(cast) == "to" and len(cast.args) == 2 and not cast.kwargs and cast.args[1] in _FLOATING
+        # A cast to a narrower or equal float only: a cast to fp64 would move the op to the fp64 path.
+        if (_kind(cast) == "to" and len(cast.args) == 2 and not cast.kwargs
+                and cast.args[1] in (torch.float16, torch.bfloat16, torch.float32)
                 and cast_value is not None and cast_value.dtype == cast.args[1]):
             target, dtype = cast, cast.args[1]
             after = [out]

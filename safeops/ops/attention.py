@@ -213,9 +213,11 @@ class _EagerAttention(torch.autograd.Function):
         return out, row_max, row_sum
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_max, grad_sum):
         q, k, v, out, row_max, row_sum, mask, cu_q, cu_k = ctx.saved_tensors
+        from .softmax import no_double_backward
+
+        no_double_backward(ctx, (q, k, v, grad_out))
         mask_kind, _, _, max_q, max_k, is_causal, scale, softcap, wl, wr, precision = ctx.options
         dq, dk, dv = _backward_impl(grad_out.contiguous(), q, k, v, out, row_max, row_sum, mask, mask_kind,
                                     cu_q, cu_k, max_q, max_k, is_causal, scale, softcap, wl, wr, precision)

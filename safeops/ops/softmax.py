@@ -157,6 +157,8 @@ logsumexp_op = _make_forward_op(LOGSUMEXP)
 def eager_fast_path(*tensors) -> bool:
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False
+    if torch.jit.is_tracing() or torch.jit.is_scripting():
+        return False
     if torch._C._is_torch_function_mode_enabled():
         return False
     if torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.Python):
@@ -166,6 +168,14 @@ def eager_fast_path(*tensors) -> bool:
     if _get_current_dispatch_mode() is not None:
         return False
     return all(t is None or type(t) is torch.Tensor for t in tensors)
+
+
+def no_double_backward(ctx, saved) -> None:
+    """The registered ops have no derivative of their backward and raise under ``create_graph=True``; the
+    fast path must raise too, not return a gradient that silently lacks its second-order part."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in saved):
+        raise RuntimeError("safeops ops are differentiable once: double backward (create_graph=True through "
+                           "a safeops op) is not supported")
 
 
 class _EagerSoftmax(torch.autograd.Function):
@@ -179,9 +189,9 @@ class _EagerSoftmax(torch.autograd.Function):
         return out, row_max, row_sum
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_max, grad_sum):
         x, row_max, row_sum, scale_tensor, mask = ctx.saved_tensors
+        no_double_backward(ctx, (x, scale_tensor, grad_out))
         need_dscale = ctx.has_scale_tensor and ctx.needs_input_grad[4]
         grad_x, grad_scale = _backward_impl(
             grad_out, x, row_max, row_sum, ctx.dim, ctx.kind, ctx.scale, scale_tensor, mask, need_dscale
