@@ -36,7 +36,8 @@ def _split_scale(scale, x: torch.Tensor) -> tuple[float | None, torch.Tensor | N
         return None, None
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1 or scale.dim() > 1:
-            raise ValueError(f"scale must be a python float or a 0-d tensor, got shape {tuple(scale.shape)}")
+            raise ValueError(f"scale must be a python float or a one-element tensor (0-d or shape (1,)), got "
+                             f"shape {tuple(scale.shape)}")
         if not scale.dtype.is_floating_point:
             raise TypeError(f"scale tensor must be floating point, got {scale.dtype}")
         if scale.device != x.device:

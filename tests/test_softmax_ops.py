@@ -250,3 +250,16 @@ def test_jit_trace_records_the_registered_op(reference_backend, tmp_path, seed):
     path = tmp_path / "traced.pt"
     torch.jit.save(traced, str(path))
     assert torch.equal(torch.jit.load(str(path))(x), safeops.softmax(x, -1))
+
+
+def test_parameter_inputs_take_the_fast_path(reference_backend, seed):
+    from safeops.ops import softmax as softmax_ops
+
+    p = torch.nn.Parameter(seed.randn(3, 5))
+    assert softmax_ops.eager_fast_path(p)
+    out = safeops.log_softmax(p, -1)
+    g = seed.randn(3, 5)
+    out.backward(g)
+    x = p.detach().clone().requires_grad_(True)
+    torch.ops.safeops.log_softmax.default(x, 1, None, None, None, None)[0].backward(g)
+    assert torch.equal(p.grad, x.grad)

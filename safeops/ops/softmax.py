@@ -167,7 +167,7 @@ def eager_fast_path(*tensors) -> bool:
 
     if _get_current_dispatch_mode() is not None:
         return False
-    return all(t is None or type(t) is torch.Tensor for t in tensors)
+    return all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
 
 
 def no_double_backward(ctx, saved) -> None:
