@@ -34,6 +34,11 @@
 # .whl/ is git-ignored; fetch it on the development machine (the GPU machine has no network) with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform any -d .whl liger-kernel==0.8.5
+# and, for the Hugging Face tests and bench/model.py, transformers with its dependencies (then delete the numpy
+# wheel from .whl: the GPU machine's own numpy must stay):
+#   python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+#       --platform any -d .whl transformers==5.24.0
 
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 2
