@@ -21,14 +21,11 @@ for e4m3fn), so here that variant is run only on values that need no rounding (f
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+import sm90
 import torch
 
 import safeops
@@ -474,17 +471,7 @@ _PTX_SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def ptx_counts():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=600)
-    if proc.returncode != 0:
-        if "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-            pytest.skip("Triton's bundled ptxas is missing: cannot compile for sm_90 here")
-        raise AssertionError(f"compiling cast_transpose_kernel for sm_90 failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return sm90.run_script(_PTX_SCRIPT, what="cast_transpose_kernel")
 
 
 def test_compiled_kernel_for_sm90(ptx_counts):

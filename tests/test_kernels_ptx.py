@@ -11,13 +11,10 @@ is known to be able to fail.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+import sm90
 
 _SCRIPT = textwrap.dedent(
     r"""
@@ -91,18 +88,7 @@ _SCRIPT = textwrap.dedent(
 
 
 def _fma_counts(fusion: str) -> dict[str, int]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_INTERPRET"] = "0"
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, fusion], capture_output=True, text=True, env=env,
-                          timeout=600)
-    if proc.returncode != 0:
-        if "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-            pytest.skip("Triton's bundled ptxas is missing: cannot compile for sm_90 here")
-        raise AssertionError(f"compiling the kernels for sm_90 failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return sm90.run_script(_SCRIPT, fusion, what="the kernels")
 
 
 @pytest.fixture(scope="module")

@@ -438,18 +438,11 @@ def _prologue_kwargs(graph: fx.Graph, before: fx.Node, mask: fx.Node | None, neg
     return kwargs
 
 
-def _fold_casts(graph: fx.Graph, z: fx.Node, z_users, out: fx.Node):
-    """Returns (input, out_dtype, node_to_replace, dead_after, dead_before): folds an upcast before z and a
-    cast after out. ``dead_after`` must be erased before the core's nodes, ``dead_before`` after them."""
-    inp, before, after = z, [], []
-    if _kind(z) in ("float", "to") and _only_users(z, z_users):
-        source = z.args[0] if z.args else None
-        src_value, z_value = _value(source), _value(z)
-        is_plain_cast = (_kind(z) == "float" and len(z.args) == 1 and not z.kwargs) or (
-            _kind(z) == "to" and len(z.args) == 2 and not z.kwargs and z.args[1] == torch.float32)
-        if (is_plain_cast and _supported(src_value) and z_value is not None
-                and src_value.dtype in (torch.float16, torch.bfloat16) and z_value.dtype == torch.float32):
-            inp, before = source, [z]
+def _fold_cast_after(out: fx.Node):
+    """Returns (out_dtype, node_to_replace, dead_after): folds a cast right after the core's output.
+    ``dead_after`` must be erased before the core's nodes. (An upcast before the input is folded by
+    ``_prologue``.)"""
+    after = []
     out_value = _value(out)
     target, dtype = out, (out_value.dtype if out_value is not None else None)
     if len(out.users) == 1:
@@ -461,7 +454,7 @@ def _fold_casts(graph: fx.Graph, z: fx.Node, z_users, out: fx.Node):
                 and cast_value is not None and cast_value.dtype == cast.args[1]):
             target, dtype = cast, cast.args[1]
             after = [out]
-    return inp, dtype, target, after, before
+    return dtype, target, after
 
 
 def _position(graph: fx.Graph):
@@ -475,12 +468,12 @@ def _replace_core(graph: fx.Graph, fn, z: fx.Node, dim: int, out: fx.Node, core:
 
     Leaves the graph unchanged, returning False, when something writes in place inside the core.
     """
-    inp, dtype, target, after, before = _fold_casts(graph, z, z_users, out)
-    inp, mask, negate, scale, _, folded = _prologue(graph, inp, tuple(before) or z_users)
-    first = min([*max_nodes, *core, *before, *folded], key=_position(graph))
+    dtype, target, after = _fold_cast_after(out)
+    inp, mask, negate, scale, _, folded = _prologue(graph, z, z_users)
+    first = min([*max_nodes, *core, *folded], key=_position(graph))
     if not _no_mutation_between(first, target):
         return False
-    dead = [*after, *core, *max_nodes, *before, *folded]
+    dead = [*after, *core, *max_nodes, *folded]
     kwargs = {"dtype": dtype, **_prologue_kwargs(graph, target, mask, negate, scale)}
     _replace(graph, target, fn, (inp, dim), kwargs, [n for n in dead if n is not target])
     return True

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .. import _config, reference
+from .softmax import eager_fast_path, no_double_backward
 
 PRECISIONS = {"ieee": 0, "tf32": 1, "tf32x3": 2}
 
@@ -215,8 +216,6 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_max, grad_sum):
         q, k, v, out, row_max, row_sum, mask, cu_q, cu_k = ctx.saved_tensors
-        from .softmax import no_double_backward
-
         no_double_backward(ctx, (q, k, v, grad_out))
         mask_kind, _, _, max_q, max_k, is_causal, scale, softcap, wl, wr, precision = ctx.options
         dq, dk, dv = _backward_impl(grad_out.contiguous(), q, k, v, out, row_max, row_sum, mask, mask_kind,
@@ -226,8 +225,6 @@ class _EagerAttention(torch.autograd.Function):
 
 def forward(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, *options):
     """``(out, row_max, row_sum)``: the eager fast path when it applies, else the registered op."""
-    from .softmax import eager_fast_path
-
     if eager_fast_path(q, k, v, mask, cu_seqlens_q, cu_seqlens_k):
         return _EagerAttention.apply(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, *options)
     return attention_op(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, *options)

@@ -20,6 +20,7 @@ gets the same bits (contract section 6); Inductor's re-emission of user kernels 
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import _config, reference
 from . import softmax_launch
@@ -58,6 +59,11 @@ def _forward_impl(kind, x, dim, scale, scale_tensor, mask, out_dtype):
     return softmax_launch.forward(kind, x, dim, scale, scale_tensor, mask, out_dtype or x.dtype)
 
 
+def _scale_grad(grad_scale, scale_tensor, need_dscale):
+    """The backward's fp32 scale gradient in the scale tensor's dtype and shape (None when not wanted)."""
+    return grad_scale.to(scale_tensor.dtype).reshape(scale_tensor.shape) if need_dscale else None
+
+
 def _make_forward_op(kind: int):
     name = KIND_NAMES[kind]
 
@@ -92,11 +98,7 @@ def _make_forward_op(kind: int):
         grad_x, grad_scale = torch.ops.safeops.softmax_backward(
             grad_out, x, row_max, row_sum, ctx.dim, kind, ctx.scale, scale_tensor, mask, need_dscale
         )
-        if need_dscale:
-            grad_scale = grad_scale.to(scale_tensor.dtype).reshape(scale_tensor.shape)
-        else:
-            grad_scale = None
-        return grad_x, None, None, grad_scale, None, None
+        return grad_x, None, None, _scale_grad(grad_scale, scale_tensor, need_dscale), None, None
 
     custom.register_autograd(backward, setup_context=setup_context)
     return custom
@@ -163,8 +165,6 @@ def eager_fast_path(*tensors) -> bool:
         return False
     if torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.Python):
         return False
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     if _get_current_dispatch_mode() is not None:
         return False
     return all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
@@ -196,11 +196,7 @@ class _EagerSoftmax(torch.autograd.Function):
         grad_x, grad_scale = _backward_impl(
             grad_out, x, row_max, row_sum, ctx.dim, ctx.kind, ctx.scale, scale_tensor, mask, need_dscale
         )
-        if need_dscale:
-            grad_scale = grad_scale.to(scale_tensor.dtype).reshape(scale_tensor.shape)
-        else:
-            grad_scale = None
-        return None, grad_x, None, None, grad_scale, None, None
+        return None, grad_x, None, None, _scale_grad(grad_scale, scale_tensor, need_dscale), None, None
 
 
 _OPS = {}
