@@ -291,6 +291,22 @@ def test_deterministic(backend, seed):
         assert torch.equal(a, b), f"{seed}"
 
 
+@pytest.mark.parametrize("cap_elements", [None, 2, 1], ids=["split4", "split2", "nosplit"])
+def test_gqa_dkdv_split(triton_backend, seed, monkeypatch, cap_elements):
+    """The dk/dv kernel splits a kv head's query group over several programs (fp32 partials summed in a
+    fixed order); the memory cap shrinks the split down to the unsplit kernel. Every split matches the
+    oracle, and the splits agree closely with each other."""
+    from safeops.ops import attention_launch
+
+    q, k, v = qkv(seed, b=2, hq=8, hkv=2, sq=23, sk=37, d=16)
+    kv = k.numel() + v.numel()
+    assert attention_launch.dkdv_split(4, kv) == 4
+    if cap_elements is not None:  # room for fp32 partials of `cap_elements` x the k/v elements
+        monkeypatch.setattr(attention_launch, "DKDV_SPLIT_MAX_BYTES", kv * cap_elements * 4)
+        assert attention_launch.dkdv_split(4, kv) == cap_elements
+    check_against_oracle(q, k, v, seed, is_causal=True, window=(15, None))
+
+
 def test_batch_invariant(triton_backend, seed):
     q, k, v = qkv(seed, b=3, hq=2, hkv=1, sq=20, sk=21)
     out, lse, *_ = _run(q, k, v, is_causal=True)

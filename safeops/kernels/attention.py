@@ -391,14 +391,20 @@ def attn_bwd_dkdv_kernel(
     MASK_KIND: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, SOFTCAP: tl.constexpr,
     VARLEN: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr = False,
+    NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr = False, SPLIT: tl.constexpr = 1,
 ):
-    """dk, dv of one key block of one kv head: loops over the group's query heads and their query blocks."""
+    """dk, dv of one key block of one kv head: loops over the group's query heads and their query blocks.
+
+    With ``SPLIT > 1`` (GQA with few kv heads) the group's query heads are split over SPLIT programs, each
+    writing an fp32 partial to output head ``kv_h * SPLIT + part``; the launcher sums the partials in a
+    fixed order (deterministic), so a model with 4 kv heads still fills the GPU."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     n_kv_heads = n_heads // GROUP
-    pid_b = pid_bh // n_kv_heads
-    kv_h = pid_bh % n_kv_heads
+    pid_b = pid_bh // (n_kv_heads * SPLIT)
+    out_h = pid_bh % (n_kv_heads * SPLIT)
+    kv_h = out_h // SPLIT
+    part = out_h % SPLIT
     q_start, q_len, k_start, k_len = _sequence(pid_b, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 >= k_len:
@@ -420,8 +426,8 @@ def attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     # Query i sees key j iff j - right <= i <= j + left: the roles of left and right swap.
     lo, a, b, hi = _block_ranges(n0, BLOCK_N, BLOCK_M, q_len, window_right, window_left, HAS_WR, HAS_WL)
-    for g in range(GROUP):
-        pid_h = kv_h * GROUP + g
+    for g in range(GROUP // SPLIT):
+        pid_h = kv_h * GROUP + part * (GROUP // SPLIT) + g
         q_base = q_ptr + pid_b.to(tl.int64) * sqb + pid_h.to(tl.int64) * sqh + q_start.to(tl.int64) * sqs
         do_base = do_ptr + pid_b.to(tl.int64) * sdb + pid_h.to(tl.int64) * sdh + q_start.to(tl.int64) * sds
         q_ptrs = q_base + offs_m0[:, None] * sqs + offs_d[None, :]
@@ -455,8 +461,8 @@ def attn_bwd_dkdv_kernel(
                              window_left, window_right, C1, C2, scale_ds, HEAD_DIM, HEAD_DIM_V, True,
                              MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION, BLOCK_M, BLOCK_D, BLOCK_DV,
                              NUM_STAGES, USE_TMA)
-    dk_base = dk_ptr + pid_b.to(tl.int64) * sdkb + kv_h.to(tl.int64) * sdkh + k_start.to(tl.int64) * sdks
-    dv_base = dv_ptr + pid_b.to(tl.int64) * sdvb + kv_h.to(tl.int64) * sdvh + k_start.to(tl.int64) * sdvs
+    dk_base = dk_ptr + pid_b.to(tl.int64) * sdkb + out_h.to(tl.int64) * sdkh + k_start.to(tl.int64) * sdks
+    dv_base = dv_ptr + pid_b.to(tl.int64) * sdvb + out_h.to(tl.int64) * sdvh + k_start.to(tl.int64) * sdvs
     tl.store(dk_base + offs_n[:, None] * sdks + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty),
              mask=k_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
     tl.store(dv_base + offs_n[:, None] * sdvs + offs_dv[None, :], dv.to(dv_ptr.dtype.element_ty),
