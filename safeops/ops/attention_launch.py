@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -109,8 +110,12 @@ def config_override(**configs: AttnConfig):
         _override.update(saved)
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv without its per-call wrapper (a constexpr_function in newer Triton)
+
+
 def block_dim(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(16, 1 << (d - 1).bit_length())  # triton.next_power_of_2, without its per-call wrapper cost
 
 
 def _gpu(device: torch.device) -> bool:
@@ -158,7 +163,11 @@ def _check_device(q: torch.Tensor) -> None:
 
 
 def _f32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32))
+    """``x`` rounded to fp32 (nearest even), as a Python float."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # beyond fp32's range: inf, as the conversion gives
+        return float(torch.tensor(x, dtype=torch.float32))
 
 
 def constants(scale: float, softcap: float | None) -> tuple[float, float, float]:
@@ -323,7 +332,7 @@ def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale
     cfg = config("fwd", max(block_dim(p.d), block_dim(p.dv)), q.dtype, p.masked, q.device, p.precision,
                  p.mask_bytes)
     c1, c2, _ = constants(scale, softcap)
-    n_m_blocks = triton.cdiv(p.max_q, cfg.block_m)
+    n_m_blocks = _cdiv(p.max_q, cfg.block_m)
     grid = (n_m_blocks, p.batch * p.hq)
     kernels().attn_fwd_kernel[grid](
         q_, k_, v_, out_, row_max, row_sum, p.mask_arg, p.cu_q, p.cu_k,
@@ -359,7 +368,7 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
 
     on_gpu = _gpu(q.device)
     dcfg = AttnConfig(DELTA_BLOCK_M if on_gpu else 16, 0, 4 if on_gpu else 1, 1)
-    k_mod.attn_bwd_delta_kernel[(triton.cdiv(p.max_q, dcfg.block_m), p.batch * p.hq)](
+    k_mod.attn_bwd_delta_kernel[(_cdiv(p.max_q, dcfg.block_m), p.batch * p.hq)](
         o_, g_, delta, p.cu_q, p.cu_k, *_bhs(o_, p.varlen), *_bhs(g_, p.varlen), *st,
         p.hq, p.max_q, p.max_k,
         HEAD_DIM_V=p.dv, VARLEN=p.varlen, BLOCK_M=dcfg.block_m, BLOCK_DV=common["BLOCK_DV"],
@@ -372,7 +381,7 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
                                 device=t.device) if p.varlen else
                     torch.empty(t.shape[0], t.shape[1] * split, *t.shape[2:], dtype=torch.float32,
                                 device=t.device) for t in (dk, dv))
-    k_mod.attn_bwd_dkdv_kernel[(triton.cdiv(p.max_k, kv.block_n), p.batch * p.hkv * split)](
+    k_mod.attn_bwd_dkdv_kernel[(_cdiv(p.max_k, kv.block_n), p.batch * p.hkv * split)](
         q_, k_, v_, g_, dk_, dv_, row_max, row_sum, delta, p.mask_arg, p.cu_q, p.cu_k,
         *_bhs(q_, p.varlen), *_bhs(k_, p.varlen), *_bhs(v_, p.varlen), *_bhs(g_, p.varlen),
         *_bhs(dk_, p.varlen), *_bhs(dv_, p.varlen), *st, *p.mask_strides,
@@ -383,7 +392,7 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
     if split > 1:
         dk_, dv_ = (_sum_split(t, split, p.varlen) for t in (dk_, dv_))
     qc = config("dq", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
-    n_m_blocks = triton.cdiv(p.max_q, qc.block_m)
+    n_m_blocks = _cdiv(p.max_q, qc.block_m)
     k_mod.attn_bwd_dq_kernel[(n_m_blocks, p.batch * p.hq)](
         q_, k_, v_, g_, dq_, row_max, row_sum, delta, p.mask_arg, p.cu_q, p.cu_k,
         *_bhs(q_, p.varlen), *_bhs(k_, p.varlen), *_bhs(v_, p.varlen), *_bhs(g_, p.varlen),
