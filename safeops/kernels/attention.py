@@ -85,14 +85,15 @@ def _scores(s, C1, C2, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _dscale(ds, s, C1, scale_ds, SOFTCAP: tl.constexpr):
-    """d loss / d s from d loss / d z: times scale, and 1 - tanh^2 for softcap (the tanh of _scores)."""
+def _dsoftcap(ds, s, C1, SOFTCAP: tl.constexpr):
+    """d loss / d (s * scale) from d loss / d z: 1 - tanh^2 for softcap (the tanh of _scores). The constant
+    factor ``scale`` is applied once to the dk / dq accumulators at the end, not per score."""
     if SOFTCAP:
         e = tl.exp2(s * C1)
         t = 1.0 - 2.0 / (e + 1.0)
-        return ds * (1.0 - t * t) * scale_ds
+        return ds * (1.0 - t * t)
     else:
-        return ds * scale_ds
+        return ds
 
 
 @triton.jit
@@ -376,7 +377,7 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, m_ptr, l_ptr, de
         dv = _dot(_prep(pT.to(do.dtype), PRECISION), do, dv, PRECISION)
         dpT = _dot(v, tl.trans(do), tl.zeros([k.shape[0], BLOCK_M], tl.float32), PRECISION)
         dsT = pT * (dpT - delta[None, :])
-        dsT = _dscale(dsT, sT, C1, scale_ds, SOFTCAP)
+        dsT = _dsoftcap(dsT, sT, C1, SOFTCAP)
         dk = _dot(_prep(dsT.to(q.dtype), PRECISION), q, dk, PRECISION)
     return dk, dv
 
@@ -461,6 +462,7 @@ def attn_bwd_dkdv_kernel(
                              window_left, window_right, C1, C2, scale_ds, HEAD_DIM, HEAD_DIM_V, True,
                              MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION, BLOCK_M, BLOCK_D, BLOCK_DV,
                              NUM_STAGES, USE_TMA)
+    dk = dk * scale_ds
     dk_base = dk_ptr + pid_b.to(tl.int64) * sdkb + out_h.to(tl.int64) * sdkh + k_start.to(tl.int64) * sdks
     dv_base = dv_ptr + pid_b.to(tl.int64) * sdvb + out_h.to(tl.int64) * sdvh + k_start.to(tl.int64) * sdvs
     tl.store(dk_base + offs_n[:, None] * sdks + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty),
@@ -503,10 +505,11 @@ def _dq_inner(dq, q, do, base, inv_l, delta, k_ptrs, v_ptrs, k_desc, v_desc, mas
         z = _scores(s, C1, C2, SOFTCAP)
         z = _apply_masks(z, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
                          mask_ptr, smi, smj, MASKED, MASK_KIND, HAS_WL, HAS_WR)
-        p = _probs(z, base[:, None], inv_l[:, None])
+        # Unnormalised: the row factor 1 / l is applied to the dq accumulator at the end (one row per query).
+        e = tl.exp2(tl.minimum(z - base[:, None], 0.0, propagate_nan=tl.PropagateNan.ALL))
         dp = _dot(do, tl.trans(_prep(v, PRECISION)), tl.zeros([q.shape[0], BLOCK_N], tl.float32), PRECISION)
-        ds = p * (dp - delta[:, None])
-        ds = _dscale(ds, s, C1, scale_ds, SOFTCAP)
+        ds = e * (dp - delta[:, None])
+        ds = _dsoftcap(ds, s, C1, SOFTCAP)
         dq = _dot(_prep(ds.to(k.dtype), PRECISION), k, dq, PRECISION)
     return dq
 
@@ -581,6 +584,7 @@ def attn_bwd_dq_kernel(
                    b, hi, q_len, k_len, sks, svs, smi, smj, window_left, window_right, C1, C2, scale_ds,
                    HEAD_DIM, HEAD_DIM_V, True, MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION, BLOCK_N,
                    BLOCK_D, BLOCK_DV, NUM_STAGES, USE_TMA)
+    dq = dq * (inv_l * scale_ds)[:, None]
     dq_base = dq_ptr + pid_b.to(tl.int64) * sdqb + pid_h.to(tl.int64) * sdqh + q_start.to(tl.int64) * sdqs
     tl.store(dq_base + offs_m[:, None] * sdqs + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty),
              mask=q_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
