@@ -18,6 +18,7 @@ from .functional import (  # noqa: E402
     cast_transpose,
     log_softmax,
     logsumexp,
+    merge_attention,
     softmax,
 )
 from .patching import patched  # noqa: E402
@@ -25,8 +26,12 @@ from .replace import replace_modules, restore_modules  # noqa: E402
 
 __all__ = [
     "softmax", "log_softmax", "logsumexp", "attention", "attention_varlen",
-    "cast_transpose",
+    "cast_transpose", "merge_attention",
     "register", "unregister", "registered", "is_registered",
     "nn", "replace_modules", "restore_modules", "patched",
     "__version__",
 ]
+
+from . import dtensor as _dtensor  # noqa: E402
+
+_dtensor.register_if_loaded()  # DTensor sharding rules, now if DTensor is already imported (safeops.dtensor)

@@ -7,8 +7,10 @@ import numbers
 
 import torch
 
+from . import dtensor as _dtensor
 from .ops import attention as _ops_attention
 from .ops import cast_transpose as _ops_cast
+from .ops import merge as _ops_merge
 from .ops import softmax as _ops
 
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -83,6 +85,8 @@ def _prepare(x, dim, scale, mask, dtype):
     _check_dtype(dtype)
     scale_value, scale_tensor = _split_scale(scale, x)
     mask = _prepare_mask(mask, x)
+    if _dtensor.any_dtensor(x, scale_tensor, mask):  # run locally on each shard, or a clear error
+        scale_tensor, mask = _dtensor.prepare_rows(x, dim, scale_tensor, mask)
     return dim, scale_value, scale_tensor, mask
 
 
@@ -294,6 +298,8 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, softcap=N
     scale, softcap, left, right, code = _attention_options(q, scale, softcap, window, is_causal,
                                                            return_lse, precision)
     mask, mask_kind = _attention_mask(attn_mask, q, k.shape[2])
+    if _dtensor.any_dtensor(q, k, v, mask):  # run locally on each shard, or a clear error
+        mask = _dtensor.prepare_attention(q, k, v, mask)
     out, row_max, row_sum = _ops_attention.forward(
         q, k, v, mask, mask_kind, None, None, q.shape[2], k.shape[2], is_causal, scale, softcap, left, right,
         code)
@@ -341,6 +347,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     document boundaries (and ``is_causal=True``). The lse is ``(Hq, Tq)``. Other arguments and the contract
     are those of :func:`attention`.
     """
+    _dtensor.reject_varlen((("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q)))
     _check_qkv(q, k, v, 3, "(total, H, D)")
     sq, nb = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, max_seqlen_q,
                                "max_seqlen_q")
@@ -353,6 +360,79 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     out, row_max, row_sum = _ops_attention.forward(
         q, k, v, None, 0, cu_seqlens_q, cu_seqlens_k, sq, sk, is_causal, scale, softcap, left, right, code)
     return _finish(out, row_max, row_sum, return_lse)
+
+
+# --------------------------------------------------------------------------------------------------
+# Merging partial attention results
+# --------------------------------------------------------------------------------------------------
+
+
+def _stack_partials(name: str, parts, min_dim: int) -> torch.Tensor:
+    if isinstance(parts, torch.Tensor):
+        if parts.dim() < min_dim + 1:
+            raise ValueError(f"{name} as one stacked tensor must have a leading partials dim and at least "
+                             f"{min_dim} more, got shape {tuple(parts.shape)}")
+        if parts.shape[0] == 0:
+            raise ValueError(f"{name} must hold at least one partial, got an empty stack")
+        return parts
+    if not isinstance(parts, (list, tuple)):
+        raise TypeError(f"{name} must be a list or tuple of tensors (or one stacked tensor), "
+                        f"got {type(parts).__name__}")
+    if not parts:
+        raise ValueError(f"{name} must hold at least one partial, got an empty {type(parts).__name__}")
+    for i, t in enumerate(parts):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < min_dim:
+            raise ValueError(f"{name}[{i}] must have at least {min_dim} dims, got shape {tuple(t.shape)}")
+        for what, a, b in (("shape", t.shape, parts[0].shape), ("dtype", t.dtype, parts[0].dtype),
+                           ("device", t.device, parts[0].device)):
+            if a != b:
+                error = TypeError if what == "dtype" else ValueError
+                raise error(f"{name}[{i}] has {what} {a} but {name}[0] has {b}: all partials must match")
+    return torch.stack(list(parts)) if len(parts) > 1 else parts[0].unsqueeze(0)
+
+
+def merge_attention(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merges attention results computed over disjoint key sets into attention over their union.
+
+    For each query row, with ``lse = logsumexp_i(lse_i)``: ``out = sum_i exp(lse_i - lse) * out_i``, computed
+    in fp32 (fp64 for fp64 outputs) after subtracting the largest ``lse_i``, rounded once to the outputs'
+    dtype (contract section 2). A partial with ``lse_i = -inf`` (it saw no key) contributes exactly nothing,
+    whatever its output holds; a row where every partial is empty gives out 0 and lse -inf, with zero
+    gradients (section 4); no NaN comes out of finite or -inf inputs, however large the lses.
+    Differentiable with respect to every partial's output and lse.
+
+    Args:
+        outs: a list/tuple of P tensors ``(..., Sq, D)`` of one shape, dtype (float16, bfloat16, float32 or
+            float64) and device, or one stacked tensor ``(P, ..., Sq, D)`` (read without a copy).
+        lses: the matching natural-log logsumexps ``(..., Sq)``, float32 (float64 with float64 outputs),
+            as ``safeops.attention(..., return_lse=True)`` returns them; a list or a stacked tensor.
+
+    Returns:
+        ``(out, lse)``: ``(..., Sq, D)`` in the outputs' dtype and ``(..., Sq)`` in the lses' dtype.
+    """
+    stacked = isinstance(outs, torch.Tensor)
+    if stacked != isinstance(lses, torch.Tensor):
+        raise TypeError("outs and lses must both be lists/tuples of tensors or both stacked tensors, got "
+                        f"{type(outs).__name__} and {type(lses).__name__}")
+    if not stacked and isinstance(outs, (list, tuple)) and isinstance(lses, (list, tuple)) \
+            and len(outs) != len(lses):
+        raise ValueError(f"outs has {len(outs)} partials but lses has {len(lses)}: one lse per output")
+    o = _stack_partials("outs", outs, 1)
+    lse = _stack_partials("lses", lses, 0)
+    if o.dtype not in _FLOATING:
+        raise TypeError(f"outs must be float16, bfloat16, float32 or float64, got {o.dtype}")
+    allowed = (torch.float32, torch.float64) if o.dtype == torch.float64 else (torch.float32,)
+    if lse.dtype not in allowed:
+        raise TypeError(f"lses must be float32 (natural-log logsumexps, as attention(return_lse=True) "
+                        f"gives), got {lse.dtype}")
+    if lse.shape != o.shape[:-1]:
+        raise ValueError(f"lses must have the outputs' shape without the head dim, {tuple(o.shape[:-1])} "
+                         f"(partials first), got {tuple(lse.shape)}")
+    if lse.device != o.device:
+        raise ValueError(f"lses are on {lse.device} but outs are on {o.device}")
+    return _ops_merge.forward(o, lse)
 
 
 # --------------------------------------------------------------------------------------------------

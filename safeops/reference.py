@@ -279,6 +279,50 @@ def attention_backward(grad, q, k, v, out, m, l, mask, mask_kind, is_causal, sca
 
 
 # --------------------------------------------------------------------------------------------------
+# Merging partial attention results (stacked partials: outs (P, ..., D), natural-log lses (P, ...))
+# --------------------------------------------------------------------------------------------------
+
+
+def merge_weights(lses: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a, m, s): softmax weights ``a_i = exp(lse_i - m) / s`` of the partials (0 for an empty partial and in
+    rows where every partial is empty), the max lse ``m`` and ``s = sum_i exp(lse_i - m)``."""
+    lses = lses.to(acc)
+    m = torch.amax(lses, 0)
+    excluded = lses == NEG_INF
+    w = torch.where(excluded, torch.zeros_like(lses), torch.exp(lses - _safe_max(m)))
+    s = w.sum(0)
+    a = torch.where(excluded | (s == 0), torch.zeros_like(w), w / torch.where(s == 0, torch.ones_like(s), s))
+    return a, m, s
+
+
+def merge_attention_forward(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of attention over the union of the partials' key sets, computed in fp32 (fp64 for
+    fp64 outputs); an empty partial (lse -inf) is selected away, an all-empty row gives 0 and -inf."""
+    acc = compute_dtype(outs.dtype)
+    a, m, s = merge_weights(lses, acc)
+    excluded = (lses == NEG_INF).unsqueeze(-1)
+    out = torch.where(excluded, torch.zeros((), dtype=acc), a.unsqueeze(-1) * outs.to(acc)).sum(0)
+    log_s = torch.log(torch.where(s == 0, torch.ones_like(s), s))
+    lse = torch.where(s == 0, torch.full_like(m, NEG_INF), m + log_s)
+    return out.to(outs.dtype), lse.to(lses.dtype)
+
+
+def merge_attention_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor | None, outs: torch.Tensor,
+                             lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``d out_i = a_i g`` and ``d lse_i = a_i (g_lse + g . (out_i - out))``, ``out`` the unrounded merge."""
+    acc = compute_dtype(outs.dtype)
+    a, _, _ = merge_weights(lses, acc)
+    excluded = lses == NEG_INF
+    g = grad_out.to(acc)
+    dots = (g.unsqueeze(0) * outs.to(acc)).sum(-1)
+    g_dot_out = torch.where(excluded, torch.zeros_like(dots), a * dots).sum(0)
+    glse = torch.zeros_like(g_dot_out) if grad_lse is None else grad_lse.to(acc)
+    d_lse = torch.where(excluded, torch.zeros_like(dots), a * (glse + (dots - g_dot_out)))
+    d_outs = torch.where(excluded.unsqueeze(-1), torch.zeros((), dtype=acc), a.unsqueeze(-1) * g)
+    return d_outs.to(outs.dtype), d_lse.to(lses.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
 # fp8 cast + transpose
 # --------------------------------------------------------------------------------------------------
 

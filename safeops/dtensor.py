@@ -1,0 +1,410 @@
+"""DTensor support: the public functions accept ``torch.distributed.tensor.DTensor`` inputs and run locally.
+
+Each rank runs the op on its own shard, with no communication, when the sharding allows it:
+
+- ``softmax`` / ``log_softmax`` / ``logsumexp``: ``x`` replicated or sharded (``Shard(d)``) on any dimension
+  except the reduced one, on every mesh dimension. ``mask`` is placed like ``x`` or replicated; a tensor
+  ``scale`` is a replicated scalar (a plain 0-d tensor counts as one) and its gradient comes back ``Partial``
+  (each rank holds the sum over its rows) to a DTensor scale, reduced for a plain one.
+- ``attention``: ``q``, ``k``, ``v`` placed alike, each mesh dimension ``Replicate``, ``Shard(0)`` (batch) or
+  ``Shard(1)`` (heads). Sharding the heads of grouped-query attention keeps each group of q heads with its
+  kv head, which needs ``Hkv`` divisible by the number of head shards (then ``Hq`` is too). ``attn_mask``
+  (bool or additive) is placed like ``q`` after broadcasting to ``(B, Hq, Sq, Sk)``, or replicated.
+
+Anything else (a ``Partial`` input, sharding on the reduced dimension or on the sequence of attention,
+mismatched placements, a plain tensor mixed with DTensors, packed varlen attention) raises a ``ValueError``
+that names the argument and the redistribute that would make it work. safeops never redistributes a
+forward input on its own: a hidden all-gather of an activation is a performance bug the user should see.
+(The backward ops are different: there the incoming gradient's placement is not the user's choice, so
+DTensor may redistribute it to match the saved input, e.g. a replicated gradient sliced to a shard.)
+
+The sharding strategies are registered with ``torch.distributed.tensor.experimental.register_sharding``
+for ``torch.ops.safeops.{softmax, log_softmax, logsumexp, softmax_backward, attention,
+attention_backward}``: at the end of ``import safeops`` when ``torch.distributed.tensor`` is already
+imported (with torch 2.13, importing safeops has loaded it through torch._dynamo; registering then costs
+~20 ms), else by the first DTensor a public function sees. ``import safeops`` never imports
+``torch.distributed.tensor`` itself and never fails over it. Code calling the ``torch.ops.safeops`` ops
+directly on DTensors may call :func:`register` first to be sure; there an unsupported placement raises
+DTensor's ``RuntimeError`` carrying the same message.
+
+Results are the same bits as the op on the whole tensor: every supported sharding splits independent rows
+(batch, heads, non-reduced dims) and the kernels are batch-invariant (contract section 6).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+_registered = False
+
+
+def is_dtensor(t) -> bool:
+    """True for a DTensor. Never imports ``torch.distributed``: a DTensor exists only once it is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def any_dtensor(*tensors) -> bool:
+    """Whether any argument is a DTensor (checked on every public call: kept to a few hundred ns)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
+        return False
+    dtensor = module.DTensor
+    for t in tensors:
+        if t is not None and type(t) is not torch.Tensor and isinstance(t, dtensor):
+            return True
+    return False
+
+
+# --------------------------------------------------------------------------------------------------
+# Placement checks (shared by the public functions, which raise ValueError, and the strategies)
+# --------------------------------------------------------------------------------------------------
+
+
+def _kinds():
+    from torch.distributed.tensor import Replicate, Shard
+
+    return Replicate, Shard
+
+
+def _describe(placements) -> str:
+    return "(" + ", ".join(str(p) for p in placements) + ")"
+
+
+def _plain_placement(p) -> bool:
+    replicate, shard = _kinds()
+    return type(p) is replicate or type(p) is shard
+
+
+def _redistribute_hint(name: str, placements, ok: str) -> str:
+    return (f"redistribute {name} first (e.g. {name}.redistribute(mesh, placements) with {ok}), or call "
+            f"{name}.full_tensor() to gather it")
+
+
+def _shards(mesh, placements, dim: int) -> int:
+    """How many pieces ``dim`` is cut into (a product when several mesh dimensions shard it)."""
+    _, shard = _kinds()
+    n = 1
+    for i, p in enumerate(placements):  # a plain loop: torch.compile traces this (no generator arguments)
+        if type(p) is shard and p.dim == dim:
+            n *= mesh.size(i)
+    return n
+
+
+def _too_few_error(name: str, shape, mesh, placements) -> str | None:
+    # DTensor offers no sharded strategy for a dim shorter than its number of pieces; it would gather instead.
+    for d, size in enumerate(shape):
+        n = _shards(mesh, placements, d)
+        if size < n:
+            return (f"{name} has size {size} on dim {d}, sharded into {n} pieces {_describe(placements)}: "
+                    f"some ranks would hold nothing, and DTensor would gather {name} instead of running "
+                    f"locally; shard a longer dimension or replicate {name}")
+    return None
+
+
+def rows_error(name: str, placements, mesh, shape, dim: int, op: str) -> str | None:
+    """Why ``x``'s placements cannot run the row op ``op`` (reducing ``dim``) locally, or None."""
+    replicate, shard = _kinds()
+    ndim = len(shape)
+    ok = f"Replicate() or Shard(d) for any d != {dim}"
+    for p in placements:
+        if p.is_partial():
+            return (f"{name} has a Partial placement {_describe(placements)}: safeops.{op} is not linear, so "
+                    f"it needs the reduced values; " + _redistribute_hint(name, placements, ok))
+        if not _plain_placement(p):
+            return (f"{name} has placement {p} in {_describe(placements)}; safeops.{op} supports {ok} on "
+                    f"each mesh dimension; " + _redistribute_hint(name, placements, ok))
+        if type(p) is shard and p.dim % max(ndim, 1) == dim:
+            return (f"{name} is sharded on dim {dim} {_describe(placements)}, the dimension safeops.{op} "
+                    f"reduces over: each rank would hold part of every row, and combining them needs "
+                    f"communication; " + _redistribute_hint(name, placements, ok))
+    return _too_few_error(name, shape, mesh, placements)
+
+
+def attention_error(names, placements_list, mesh_list, shapes) -> str | None:
+    """Why q, k, v's placements cannot run attention locally, or None. ``names`` etc. are for q, k, v."""
+    replicate, shard = _kinds()
+    ok = "Replicate(), Shard(0) (batch) or Shard(1) (heads)"
+    qp, qm = placements_list[0], mesh_list[0]
+    for name, placements, mesh in zip(names, placements_list, mesh_list, strict=True):
+        if mesh != qm:
+            return f"{name} is on device mesh {mesh} but q is on {qm}: q, k and v must share one mesh"
+        for p in placements:
+            if p.is_partial():
+                return (f"{name} has a Partial placement {_describe(placements)}: attention needs its "
+                        f"values reduced; " + _redistribute_hint(name, placements, ok))
+            if not _plain_placement(p) or type(p) is shard and p.dim % 4 not in (0, 1):
+                seq = (" Sharding the sequence needs communication between ranks (ring / context-parallel "
+                       "attention)." if type(p) is shard and p.dim % 4 == 2 else "")
+                return (f"{name} has placement {p} in {_describe(placements)}; safeops.attention runs "
+                        f"locally only with {ok} on each mesh dimension.{seq} " +
+                        _redistribute_hint(name, placements, ok))
+        if tuple(placements) != tuple(qp):
+            return (f"{name} is placed {_describe(placements)} but q is placed {_describe(qp)}: q, k and v "
+                    f"must be sharded alike (the same batch entries and head groups on each rank); "
+                    + _redistribute_hint(name, placements, f"q's placements {_describe(qp)}"))
+    hq, hkv = shapes[0][1], shapes[1][1]
+    n = _shards(qm, qp, 1)
+    if n > 1 and hq != hkv and hkv % n:
+        return (f"q has {hq} heads and k/v {hkv}: sharding the heads over {n} ranks must keep each group of "
+                f"{hq // max(hkv, 1)} q heads with its kv head, which needs Hkv divisible by {n}; shard the "
+                f"batch (Shard(0)) instead, or use a mesh whose size divides {hkv}")
+    for name, shape in zip(names, shapes, strict=True):
+        message = _too_few_error(name, shape, qm, qp)
+        if message:
+            return message
+    return None
+
+
+def _replicated(placements) -> bool:
+    replicate, _ = _kinds()
+    for p in placements:  # a plain loop: torch.compile traces this
+        if type(p) is not replicate:
+            return False
+    return True
+
+
+def _follower_error(name: str, t, lead: str, lead_placements, lead_mesh) -> str | None:
+    """A mask-like argument must be placed like the lead argument or replicated."""
+    replicate, _ = _kinds()
+    if t.device_mesh != lead_mesh:
+        return (f"{name} is on device mesh {t.device_mesh} but {lead} is on {lead_mesh}: they must share one "
+                "mesh")
+    placements = tuple(t.placements)
+    if placements == tuple(lead_placements) or _replicated(placements):
+        return None
+    return (f"{name} is placed {_describe(placements)} but {lead} {_describe(lead_placements)}: {name} must "
+            f"be placed like {lead} (after broadcasting to its shape) or replicated; "
+            + _redistribute_hint(name, placements, f"{lead}'s placements {_describe(lead_placements)}"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Preparing the public functions' arguments
+# --------------------------------------------------------------------------------------------------
+
+
+def _local_view(t: torch.Tensor, mesh, placements) -> torch.Tensor:
+    """This rank's shard of the whole tensor ``t`` under ``placements``, as a view (torch.chunk's split,
+    which is DTensor's). A broadcast mask stays a zero-stride view instead of being materialized."""
+    _, shard = _kinds()
+    coordinate = mesh.get_coordinate()
+    for i, p in enumerate(placements):
+        if type(p) is shard:
+            pieces = torch.chunk(t, mesh.size(i), dim=p.dim)
+            c = coordinate[i]
+            t = pieces[c] if c < len(pieces) else t.narrow(p.dim, t.size(p.dim), 0)
+    return t
+
+
+def _like(t, lead):
+    """A replicated DTensor ``t`` re-wrapped with ``lead``'s placements, each rank keeping a view of its part
+    (DTensor's own Replicate -> Shard would copy the part, materializing a broadcast mask)."""
+    from torch.distributed.tensor import DTensor
+
+    if tuple(t.placements) == tuple(lead.placements):
+        return t
+    local = _local_view(t.to_local(), lead.device_mesh, lead.placements)
+    return DTensor.from_local(local, lead.device_mesh, lead.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())
+
+
+def _replicated_scalar(t, lead):
+    """A plain 0-d tensor as a replicated DTensor on ``lead``'s mesh (gradient flows back to ``t``)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = lead.device_mesh
+    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def _ensure_registered() -> None:
+    if not _registered:
+        # Outside any torch.compile trace. Wrapped here rather than decorated: torch.compiler.disable imports
+        # torch._dynamo, which imports triton, and `import safeops` must not (safeops._config first decides
+        # whether Triton runs under its interpreter).
+        torch.compiler.disable(register)()
+
+
+def _plain_error(name: str, lead: str) -> ValueError:
+    return ValueError(
+        f"{name} is a plain torch.Tensor but {lead} is a DTensor: pass {name} as a DTensor too (e.g. "
+        f"DTensor.from_local({name}, mesh, [Replicate()]) when every rank holds all of it)")
+
+
+def prepare_rows(x, dim: int, scale_tensor, mask):
+    """Checks a softmax-family call with DTensor arguments; returns ``(scale_tensor, mask)`` for the op."""
+    if not is_dtensor(x):
+        other = "scale" if is_dtensor(scale_tensor) else "mask"
+        raise ValueError(f"{other} is a DTensor but x is a plain torch.Tensor: pass x as a DTensor too")
+    _ensure_registered()
+    message = rows_error("x", x.placements, x.device_mesh, x.shape, dim, "softmax / log_softmax / logsumexp")
+    if message:
+        raise ValueError(message)
+    if scale_tensor is not None:
+        if not is_dtensor(scale_tensor):
+            scale_tensor = _replicated_scalar(scale_tensor, x)
+        elif scale_tensor.device_mesh != x.device_mesh or not _replicated(scale_tensor.placements):
+            raise ValueError(f"scale must be a replicated DTensor on x's mesh, got placements "
+                             f"{_describe(scale_tensor.placements)}; redistribute it to Replicate() first")
+    if mask is not None:
+        if not is_dtensor(mask):
+            raise _plain_error("mask", "x")
+        message = _follower_error("mask", mask, "x", x.placements, x.device_mesh)
+        if message:
+            raise ValueError(message)
+        mask = _like(mask, x)
+    return scale_tensor, mask
+
+
+def prepare_attention(q, k, v, mask):
+    """Checks an attention call with DTensor arguments; returns the mask ready for the op."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not is_dtensor(t):
+            raise _plain_error(name, "q" if name != "q" else "attn_mask")
+    _ensure_registered()
+    message = attention_error(("q", "k", "v"), (q.placements, k.placements, v.placements),
+                              (q.device_mesh, k.device_mesh, v.device_mesh), (q.shape, k.shape, v.shape))
+    if message:
+        raise ValueError(message)
+    if mask is not None:
+        if not is_dtensor(mask):
+            raise _plain_error("attn_mask", "q")
+        message = _follower_error("attn_mask", mask, "q", q.placements, q.device_mesh)
+        if message:
+            raise ValueError(message)
+        mask = _like(mask, q)
+    return mask
+
+
+def reject_varlen(names_and_tensors) -> None:
+    for name, t in names_and_tensors:
+        if is_dtensor(t):
+            raise ValueError(
+                f"{name} is a DTensor, but safeops.attention_varlen does not take DTensors (a packed batch "
+                "has no fixed dimension to shard); call it on each rank's local tensors (to_local()), or use "
+                "safeops.attention with q, k, v sharded on batch or heads")
+
+
+# --------------------------------------------------------------------------------------------------
+# Sharding strategies
+# --------------------------------------------------------------------------------------------------
+# Each strategy function receives the op's arguments with DTensorSpecs in place of tensors and returns the
+# acceptable (output placements, input placements) pairs for ONE mesh dimension; DTensor expands them over
+# the mesh and picks the cheapest. We offer only Replicate and the shardings the inputs actually use, so the
+# cheapest is always the no-communication one (an offered Shard(1) of attention was checked for GQA).
+
+
+def _used_shard_dims(placements) -> list[int]:
+    _, shard = _kinds()
+    return sorted({p.dim for p in placements if type(p) is shard})
+
+
+def _rows_forward(kind: int):
+    from .ops.softmax import KIND_NAMES, LOGSUMEXP
+
+    def strategy(x, dim, scale, scale_tensor, mask, out_dtype):
+        replicate, shard = _kinds()
+        message = rows_error("x", x.placements, x.mesh, x.shape, dim, KIND_NAMES[kind])
+        if message:
+            raise ValueError(message)
+        pairs = []
+        for d in [None] + _used_shard_dims(x.placements):
+            here = replicate() if d is None else shard(d)
+            reduced = replicate() if d is None else shard(d if d < dim else d - 1)
+            out = reduced if kind == LOGSUMEXP else here
+            inputs = [here, None, None, None if scale_tensor is None else replicate(),
+                      None if mask is None else here, None]
+            pairs.append(([out, reduced, reduced], inputs))
+        return pairs
+
+    return strategy
+
+
+def _rows_backward(grad, x, row_max, row_sum, dim, kind, scale, scale_tensor, mask, need_dscale):
+    from torch.distributed.tensor import Partial
+
+    from .ops.softmax import LOGSUMEXP
+
+    replicate, shard = _kinds()
+    pairs = []
+    for d in [None] + _used_shard_dims(x.placements):
+        here = replicate() if d is None else shard(d)
+        reduced = replicate() if d is None else shard(d if d < dim else d - 1)
+        # Each rank's scale gradient sums over its own rows only: the partial sums add up to the whole.
+        dscale = replicate() if d is None else Partial()
+        inputs = [reduced if kind == LOGSUMEXP else here, here, reduced, reduced, None, None, None,
+                  None if scale_tensor is None else replicate(), None if mask is None else here, None]
+        pairs.append(([here, dscale], inputs))
+    return pairs
+
+
+def _check_dense(q, k, v, cu_seqlens_q):
+    if cu_seqlens_q is not None:
+        raise ValueError("packed (varlen) attention does not take DTensors; run it on local tensors")
+    message = attention_error(("q", "k", "v"), (q.placements, k.placements, v.placements),
+                              (q.mesh, k.mesh, v.mesh), (q.shape, k.shape, v.shape))
+    if message:
+        raise ValueError(message)
+
+
+def _attention_forward(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, *options):
+    _check_dense(q, k, v, cu_seqlens_q)
+    replicate, shard = _kinds()
+    pairs = []
+    for d in [None] + _used_shard_dims(q.placements):
+        p = replicate() if d is None else shard(d)  # batch or heads: the same dim of every operand
+        pairs.append(([p, p, p], [p, p, p, None if mask is None else p] + [None] * (3 + len(options))))
+    return pairs
+
+
+def _attention_backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seqlens_q, cu_seqlens_k,
+                        *options):
+    _check_dense(q, k, v, cu_seqlens_q)
+    replicate, shard = _kinds()
+    pairs = []
+    for d in [None] + _used_shard_dims(q.placements):
+        p = replicate() if d is None else shard(d)
+        pairs.append(([p, p, p], [p] * 7 + [None if mask is None else p] + [None] * (3 + len(options))))
+    return pairs
+
+
+def register_if_loaded() -> None:
+    """Called at the end of ``import safeops``: registers right away when DTensor is already imported (it
+    then costs ~20 ms, and code compiled with ``torch.compile(fullgraph=True)`` never meets an unregistered
+    op: registering inside a trace would be a graph break). Otherwise the first DTensor a public function
+    sees registers. Never raises: ``import safeops`` must not fail over an optional feature, and a failure
+    here comes back, with its cause, on the first DTensor call."""
+    if "torch.distributed.tensor" not in sys.modules or not torch.distributed.is_available():
+        return
+    try:
+        register()
+    except Exception:  # noqa: BLE001, S110  (retried, and raised, by the first DTensor call)
+        pass
+
+
+def register() -> None:
+    """Registers the DTensor sharding strategies of the safeops ops (idempotent).
+
+    The public functions call this on the first DTensor they see; call it yourself before using
+    ``torch.ops.safeops.*`` directly on DTensors. Raises ``RuntimeError`` where ``torch.distributed`` (or
+    DTensor) is unavailable.
+    """
+    global _registered
+    if _registered:
+        return
+    if not torch.distributed.is_available():
+        raise RuntimeError("safeops.dtensor needs torch.distributed, which this PyTorch build lacks")
+    from torch.distributed.tensor.experimental import register_sharding
+
+    from .ops import attention as _attention_ops  # noqa: F401  (defines torch.ops.safeops.*)
+    from .ops import softmax as _softmax_ops
+
+    ops = torch.ops.safeops
+    for kind, op in ((_softmax_ops.SOFTMAX, ops.softmax), (_softmax_ops.LOG_SOFTMAX, ops.log_softmax),
+                     (_softmax_ops.LOGSUMEXP, ops.logsumexp)):
+        register_sharding(op.default)(_rows_forward(kind))
+    register_sharding(ops.softmax_backward.default)(_rows_backward)
+    register_sharding(ops.attention.default)(_attention_forward)
+    register_sharding(ops.attention_backward.default)(_attention_backward)
+    _registered = True

@@ -1,0 +1,90 @@
+"""Launchers for the attention-merge Triton kernels (``safeops.kernels.merge``).
+
+Block sizes depend on the head dim only, never on the number of rows or partials, so a row's result is
+batch-invariant (contract section 6).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+
+from .. import _config
+
+_kernels = None
+
+
+def kernels():
+    """The kernel module, imported on first use (importing safeops must not compile anything)."""
+    global _kernels
+    if _kernels is None:
+        from ..kernels import merge as module
+
+        _kernels = module
+    return _kernels
+
+
+def _check_device(o: torch.Tensor) -> None:
+    if o.device.type == "cuda":
+        return
+    if o.device.type != "cpu":
+        raise ValueError(f"outs: Triton kernels need a CUDA tensor (or, interpreted, a CPU one), "
+                         f"not {o.device}")
+    if not isinstance(kernels().merge_fwd_kernel, InterpretedFunction):
+        raise ValueError(
+            "outs: SAFEOPS_BACKEND=triton with a CPU tensor needs Triton's interpreter; set "
+            "TRITON_INTERPRET=1 before importing triton, or use SAFEOPS_BACKEND=auto to run CPU tensors on "
+            "the reference")
+
+
+def block_sizes(d: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_D, num_warps) for head dim ``d``. Interpreted (CPU), small tiles so that test shapes
+    cross row blocks and head-dim tiles."""
+    if device.type != "cuda":
+        return 4, min(16, triton.next_power_of_2(max(d, 1))), 1
+    block_d = min(128, triton.next_power_of_2(max(d, 1)))
+    block_r = max(1, min(64, 4096 // block_d))
+    return block_r, block_d, 4
+
+
+def _launch_options(num_warps: int) -> dict:
+    # Fusion off, as for every safeops kernel: w_i * o_i + acc must not become an fma with one rounding less
+    # on some GPUs and not others (contract section 6: the same bits everywhere).
+    return {"num_warps": num_warps, "enable_fp_fusion": _config.fp_fusion}
+
+
+def forward(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``o`` (P, R, D), ``lse`` (P, R) fp32 -> (out (R, D) in o's dtype, lse (R,) fp32)."""
+    _check_device(o)
+    P, R, D = o.shape
+    out = o.new_empty((R, D))
+    lse_out = lse.new_empty((R,))
+    if R == 0:
+        return out, lse_out
+    block_r, block_d, num_warps = block_sizes(D, o.device)
+    kernels().merge_fwd_kernel[(triton.cdiv(R, block_r),)](
+        o, lse, out, lse_out, P, R, D,
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        BLOCK_R=block_r, BLOCK_D=block_d, **_launch_options(num_warps))
+    return out, lse_out
+
+
+def backward(grad_out: torch.Tensor, grad_lse: torch.Tensor | None, o: torch.Tensor, lse: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d o (P, R, D) in o's dtype, d lse (P, R) fp32)`` from ``grad_out`` (R, D) and ``grad_lse`` (R,)."""
+    _check_device(o)
+    P, R, D = o.shape
+    go = o.new_empty((P, R, D))
+    gl = lse.new_empty((P, R))
+    if R == 0:
+        return go, gl
+    block_r, block_d, num_warps = block_sizes(D, o.device)
+    has_glse = grad_lse is not None
+    glse = grad_lse if has_glse else lse
+    kernels().merge_bwd_kernel[(triton.cdiv(R, block_r),)](
+        o, lse, grad_out, glse, go, gl, P, R, D,
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+        grad_out.stride(0), grad_out.stride(1), glse.stride(-1), go.stride(0), go.stride(1), go.stride(2),
+        HAS_GLSE=has_glse, BLOCK_R=block_r, BLOCK_D=block_d, **_launch_options(num_warps))
+    return go, gl

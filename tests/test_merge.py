@@ -1,0 +1,318 @@
+"""safeops.merge_attention on the CPU: the reference and the Triton kernel under the interpreter.
+
+- attention over random disjoint key splits (some empty, some rows fully masked), merged, against float64
+  attention over the union (tests/oracle.py), output and lse (contract sections 2 and 4);
+- empty partials contribute exactly nothing, whatever their output holds (NaN included); all-empty rows
+  give 0 / -inf with zero gradients; lses near 1e11 give the exact weights, never NaN (sections 4, 5);
+- gradients to every partial's output and lse against float64 autograd of the plain formula, and finite
+  (zero) gradients for empty partials (section 3);
+- stacked and list inputs, non-contiguous stacks, opcheck, and bad input (section 8).
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+
+import oracle
+import pytest
+import sm90
+import torch
+from oracle import eps
+
+import safeops
+
+NEG_INF = float("-inf")
+F64 = torch.float64
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _naive64(outs, lses):
+    """float64 merge written from the definition: softmax weights of the lses times the outputs."""
+    lse = torch.logsumexp(torch.stack(lses), 0)
+    out = sum(torch.exp(li - lse).unsqueeze(-1) * oi for oi, li in zip(outs, lses, strict=True))
+    return out, lse
+
+
+def _random_splits(seed, sk: int, parts: int) -> list[torch.Tensor]:
+    """A random partition of range(sk) into ``parts`` index sets, the first one empty."""
+    owner = seed.randint(1, parts, sk) if parts > 1 else torch.zeros(sk, dtype=torch.long)
+    perm = torch.randperm(sk, generator=seed.gen)
+    return [perm[owner[perm] == p] if p else perm[:0] for p in range(parts)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("parts", [1, 3, 5])
+def test_matches_attention_over_the_union(backend, seed, dtype, parts):
+    if backend == "triton" and dtype == torch.bfloat16:
+        # The attention kernel, not the merge: Triton's interpreter has no bf16 dot (the GPU tests cover it;
+        # the merge kernel's bf16 path is tested on direct inputs below).
+        pytest.skip("bf16 attention under Triton's interpreter is not meaningful")
+    b, h, sq, sk, d = 2, 2, 6, 20, 24  # d = 24 crosses the interpreter's 16-wide head-dim tiles
+    q, k, v = seed.randn(b, h, sq, d, dtype=dtype), seed.randn(b, h, sk, d, dtype=dtype), \
+        seed.randn(b, h, sk, d, dtype=dtype)
+    mask = seed.mask(b, h, sq, sk, keep=0.6)
+    mask[:, :, 0] = False  # query 0 sees no key at all: an all-empty row
+    splits = _random_splits(seed, sk, parts + 1)
+    mask[:, :, 1] = False
+    mask[:, :, 1, splits[-1]] = True  # query 1 sees keys of one split only
+    outs, lses = [], []
+    for idx in splits:
+        o, lse = safeops.attention(q, k[:, :, idx], v[:, :, idx], attn_mask=mask[..., idx], return_lse=True)
+        outs.append(o)
+        lses.append(lse)
+    out, lse = safeops.merge_attention(outs, lses)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert out.shape == (b, h, sq, d) and lse.shape == (b, h, sq)
+
+    r = oracle.attention(q, k, v, attn_mask=mask)
+    # Each partial is rounded to `dtype` once by attention, the merge rounds once more: ~2 ulps of the
+    # largest |v| a row mixes, plus the fp32 score error that the attention bounds allow.
+    out_b, lse_b = oracle.attention_bounds(r, q)
+    vmax = v.double().abs().amax(2, keepdim=True).expand_as(out_b)
+    bound = out_b + 2 * eps(dtype) * vmax + 16 * eps(torch.float32) * vmax
+    oracle.assert_close(out.double(), r.out, bound, f"merged out ({dtype}, {parts} splits)", seed)
+    assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
+    assert (lse[:, :, 0] == NEG_INF).all()
+    lse_bound = lse_b + 16 * eps(torch.float32) * (r.lse.abs().nan_to_num(0.0, neginf=0.0) + 1)
+    oracle.assert_close(lse.double(), r.lse, lse_bound, "merged lse", seed)
+
+
+def test_empty_partials_contribute_nothing(backend, seed):
+    outs = [seed.randn(3, 7, 20) for _ in range(3)]
+    lses = [seed.randn(3, 7, std=4.0) for _ in range(3)]
+    base_out, base_lse = safeops.merge_attention(outs, lses)
+    junk = torch.full((3, 7, 20), float("nan"))
+    empty = torch.full((3, 7), NEG_INF)
+    out, lse = safeops.merge_attention([outs[0], junk, outs[1], outs[2], junk.clone()],
+                                       [lses[0], empty, lses[1], lses[2], empty.clone()])
+    assert not out.isnan().any() and not lse.isnan().any(), seed
+    torch.testing.assert_close(out, base_out, rtol=4 * eps(torch.float32), atol=1e-7)
+    torch.testing.assert_close(lse, base_lse, rtol=4 * eps(torch.float32), atol=0.0)
+    # A partial that is empty in some rows only.
+    lses2 = [t.clone() for t in lses]
+    lses2[1][0] = NEG_INF
+    outs2 = [t.clone() for t in outs]
+    outs2[1][0] = float("nan")
+    out2, _ = safeops.merge_attention(outs2, lses2)
+    ref0, _ = safeops.merge_attention([outs[0][0], outs[2][0]], [lses[0][0], lses[2][0]])
+    torch.testing.assert_close(out2[0], ref0, rtol=4 * eps(torch.float32), atol=1e-7)
+    assert not out2.isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_empty_rows(backend, seed, dtype):
+    outs = [seed.randn(2, 5, 16, dtype=dtype).requires_grad_(True) for _ in range(3)]
+    lses = [seed.randn(2, 5).requires_grad_(True) for _ in range(3)]
+    with torch.no_grad():
+        for o, lse in zip(outs, lses, strict=True):
+            lse[:, 2] = NEG_INF  # row 2 of both batches: every partial empty
+            o[:, 2] = float("nan")
+    out, lse = safeops.merge_attention(outs, lses)
+    assert torch.equal(out[:, 2], torch.zeros_like(out[:, 2]))
+    assert (lse[:, 2] == NEG_INF).all()
+    assert not out.isnan().any() and not lse.isnan().any()
+    grads = torch.autograd.grad((out * seed.randn(2, 5, 16)).sum() + (lse.nan_to_num(neginf=0.0) * 3).sum(),
+                                outs + lses)
+    for g in grads:
+        assert torch.isfinite(g).all()
+        assert (g[:, 2] == 0).all()
+
+
+def test_single_partial_is_identity(backend, seed):
+    o, lse = seed.randn(4, 3, 8), seed.randn(4, 3, std=10.0)
+    lse[0, 1] = NEG_INF
+    o[0, 1] = 0.0
+    out, lse_out = safeops.merge_attention([o], [lse])
+    assert torch.equal(out, o) and torch.equal(lse_out, lse)
+
+
+def test_huge_lses(backend, seed):
+    """lses near 1e11 (fp32 spacing 8192 there): the weights are exp of exact differences, no inf/NaN."""
+    base = 1e11
+    steps = seed.randint(-3, 1, 3, 4, 6).to(F64)  # differences of 0, -8192, ... exactly representable
+    lses = [(base + 8192.0 * steps[i]).to(torch.float32) for i in range(3)]
+    lses[2][0] = NEG_INF
+    outs = [seed.randn(4, 6, 8) for _ in range(3)]
+    out, lse = safeops.merge_attention(outs, lses)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    ref_out, ref_lse = _naive64([o.double() for o in outs], [t.double() for t in lses])
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=2 * eps(torch.float32), atol=0.0)
+    # Equal huge lses: exactly the mean of the outputs.
+    same = [torch.full((4, 6), 1.0e11) for _ in range(4)]
+    outs4 = [torch.full((4, 6, 8), float(i)) for i in range(4)]
+    mean, lse4 = safeops.merge_attention(outs4, same)
+    assert torch.equal(mean, torch.full((4, 6, 8), 1.5))
+    assert torch.equal(lse4, torch.full((4, 6), 1.0e11) + torch.tensor(math.log(4.0), dtype=torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_gradients_match_float64(backend, seed, dtype):
+    p, shape, d = 4, (3, 5), 24
+    outs = [seed.randn(*shape, d, dtype=dtype).requires_grad_(True) for _ in range(p)]
+    lses = [seed.randn(*shape, std=3.0, dtype=F64 if dtype == F64 else torch.float32).requires_grad_(True)
+            for _ in range(p)]
+    g_out, g_lse = seed.randn(*shape, d), seed.randn(*shape)
+    out, lse = safeops.merge_attention(outs, lses)
+    loss = (out * g_out.to(dtype)).sum() + (lse * g_lse.to(lse.dtype)).sum()
+    grads = torch.autograd.grad(loss, outs + lses)
+
+    leaves = [t.detach().double().requires_grad_(True) for t in outs + lses]
+    ref_out, ref_lse = _naive64(leaves[:p], leaves[p:])
+    g_out64 = g_out.to(dtype).double()
+    ref = torch.autograd.grad((ref_out * g_out64).sum() + (ref_lse * g_lse.to(lse.dtype).double()).sum(),
+                              leaves)
+    u = eps(torch.float32) if dtype != F64 else eps(F64)
+    omax = max(t.detach().double().abs().max().item() for t in outs)
+    gmax = g_out64.abs().max().item()
+    for i, (g, r) in enumerate(zip(grads, ref, strict=True)):
+        assert g.dtype == (outs + lses)[i].dtype
+        # d out_i = a_i g: one rounding to the output dtype. d lse_i: fp32 dot products of length d.
+        bound = eps(g.dtype) * r.abs() + (4 * d * u) * (omax + 1) * (gmax + g_lse.abs().max().item()) \
+            + 2 * oracle.subnormal_step(g.dtype)
+        what = f"grad of {'out' if i < p else 'lse'} {i % p} ({dtype})"
+        oracle.assert_close(g.double(), r, bound, what, seed)
+
+
+def test_gradients_with_empty_partials(backend, seed):
+    outs = [seed.randn(4, 6, 8).requires_grad_(True) for _ in range(3)]
+    lses = [seed.randn(4, 6).requires_grad_(True) for _ in range(3)]
+    with torch.no_grad():
+        lses[1][:2] = NEG_INF
+        outs[1][:2] = 0.0
+    g_out, g_lse = seed.randn(4, 6, 8), seed.randn(4, 6)
+    out, lse = safeops.merge_attention(outs, lses)
+    grads = torch.autograd.grad((out * g_out).sum() + (lse * g_lse).sum(), outs + lses)
+    for g in grads:
+        assert torch.isfinite(g).all()
+    assert (grads[1][:2] == 0).all() and (grads[4][:2] == 0).all()
+    # The finite partials get the gradients of the merge without the empty one.
+    sub_o = [outs[0][:2], outs[2][:2]]
+    sub_l = [lses[0][:2], lses[2][:2]]
+    leaves = [t.detach().double().requires_grad_(True) for t in sub_o + sub_l]
+    r_out, r_lse = _naive64(leaves[:2], leaves[2:])
+    ref = torch.autograd.grad((r_out * g_out[:2].double()).sum() + (r_lse * g_lse[:2].double()).sum(), leaves)
+    for g, r in zip((grads[0][:2], grads[2][:2], grads[3][:2], grads[5][:2]), ref, strict=True):
+        torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
+
+
+def test_stacked_and_list_agree(backend, seed):
+    outs = seed.randn(3, 2, 4, 5, 16)
+    lses = seed.randn(3, 2, 4, 5)
+    a = safeops.merge_attention(outs, lses)
+    b = safeops.merge_attention(list(outs.unbind(0)), list(lses.unbind(0)))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    # Non-contiguous stacks (partials dim last in memory, transposed rows) read in place.
+    outs_t = outs.permute(1, 2, 3, 4, 0).contiguous().permute(4, 0, 1, 2, 3)
+    lses_t = lses.transpose(1, 3).contiguous().transpose(1, 3)
+    c = safeops.merge_attention(outs_t, lses_t)
+    assert torch.equal(a[0], c[0]) and torch.equal(a[1], c[1])
+
+
+def test_row_alone_matches_row_in_batch(backend, seed):
+    """Batch invariance (contract section 6): a row merged alone gets the same bits as inside a batch."""
+    outs, lses = seed.randn(4, 3, 9, 40), seed.randn(4, 3, 9, std=3.0)
+    lses[1, 2] = NEG_INF
+    out, lse = safeops.merge_attention(outs, lses)
+    for i, j in ((0, 0), (2, 8), (1, 5)):
+        o1, l1 = safeops.merge_attention(outs[:, i, j:j + 1].contiguous(), lses[:, i, j:j + 1].contiguous())
+        assert torch.equal(o1[0], out[i, j]) and torch.equal(l1[0], lse[i, j]), (i, j, seed)
+
+
+def test_empty_tensors(backend):
+    out, lse = safeops.merge_attention([torch.randn(2, 0, 8)] * 3, [torch.randn(2, 0)] * 3)
+    assert out.shape == (2, 0, 8) and lse.shape == (2, 0)
+    lses = [torch.tensor([0.0, NEG_INF]), torch.tensor([0.0, NEG_INF])]
+    out, lse = safeops.merge_attention([torch.randn(2, 0)] * 2, lses)
+    assert out.shape == (2, 0)
+    assert lse[0] == pytest.approx(math.log(2.0)) and lse[1] == NEG_INF
+
+
+def test_opcheck(backend, seed):
+    outs = seed.randn(3, 2, 4, 16).requires_grad_(True)
+    lses = seed.randn(3, 2, 4)
+    lses[1, 0, 0] = NEG_INF
+    lses.requires_grad_(True)
+    torch.library.opcheck(torch.ops.safeops.merge_attention.default, (outs, lses))
+
+
+def test_bad_input():
+    o, lse = torch.randn(2, 3, 8), torch.randn(2, 3)
+    with pytest.raises(ValueError, match="outs must hold at least one"):
+        safeops.merge_attention([], [])
+    with pytest.raises(ValueError, match="outs must hold at least one"):
+        safeops.merge_attention(o[:0].unsqueeze(0)[:0], lse.unsqueeze(0)[:0])
+    with pytest.raises(ValueError, match=r"outs\[1\] has shape"):
+        safeops.merge_attention([o, o[:, :2]], [lse, lse])
+    with pytest.raises(TypeError, match=r"outs\[1\] has dtype"):
+        safeops.merge_attention([o, o.double()], [lse, lse])
+    with pytest.raises(TypeError, match="lses must be float32"):
+        safeops.merge_attention([o, o], [lse.bfloat16(), lse.bfloat16()])
+    with pytest.raises(TypeError, match="lses must be float32"):
+        safeops.merge_attention([o, o], [lse.double(), lse.double()])
+    with pytest.raises(ValueError, match="lses must have the outputs' shape"):
+        safeops.merge_attention([o, o], [lse[:, :2], lse[:, :2]])
+    with pytest.raises(ValueError, match="one lse per output"):
+        safeops.merge_attention([o, o], [lse])
+    with pytest.raises(ValueError, match="lses are on"):
+        safeops.merge_attention([o, o], [lse.to("meta"), lse.to("meta")])
+    with pytest.raises(ValueError, match=r"outs\[1\] has device"):
+        safeops.merge_attention([o, o.to("meta")], [lse, lse])
+    with pytest.raises(TypeError, match="outs must be float16"):
+        safeops.merge_attention([o.int()], [lse])
+    with pytest.raises(TypeError, match="both"):
+        safeops.merge_attention(torch.stack([o, o]), [lse, lse])
+    with pytest.raises(TypeError, match=r"outs\[0\] must be a torch.Tensor"):
+        safeops.merge_attention([o.numpy()], [lse])
+    with pytest.raises(TypeError, match="outs must be a list"):
+        safeops.merge_attention(3, 4)
+    # fp64 outputs may come with fp64 lses (and are computed in fp64).
+    out, lse64 = safeops.merge_attention([o.double()], [lse.double()])
+    assert out.dtype == F64 and lse64.dtype == F64
+
+
+# --------------------------------------------------------------------------------------------------
+# Compiled for sm_90 (no GPU needed): fp contraction stays off (contract sections 1 and 6)
+# --------------------------------------------------------------------------------------------------
+
+_PTX_SCRIPT = textwrap.dedent(
+    r"""
+    import json, re
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from safeops.kernels import merge as k
+    from safeops.ops import merge_launch as L
+
+    block_r, block_d, num_warps = L.block_sizes(128, torch.device("cuda"))
+    results = {}
+    kernels = ((k.merge_fwd_kernel, {}), (k.merge_bwd_kernel, {"HAS_GLSE": True}))
+    # With fusion on, one kernel is enough to show that the check sees contraction.
+    cases = [(False, d, fn, extra) for d in ("bf16", "fp32") for fn, extra in kernels]
+    cases.append((True, "bf16") + kernels[0])
+    for fusion, dtype, fn, extra in cases:
+        constexprs = {"BLOCK_R": block_r, "BLOCK_D": block_d, **extra}
+        sig = {n: "constexpr" if n in constexprs else
+               (f"*{dtype}" if n in ("o_ptr", "out_ptr", "g_ptr", "go_ptr") else "*fp32")
+               if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+        options = L._launch_options(num_warps)
+        if fusion:
+            options["enable_fp_fusion"] = True
+        ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                             target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+        # fma in the PTX, and f32 multiplies/adds without .rn, which ptxas itself may fuse into an fma.
+        name = f"{'on' if fusion else 'off'}/{fn.__name__}/{dtype}"
+        results[name] = (len(re.findall(r"\bfma\.rn(\.ftz)?\.f32\b", ptx))
+                         + len(re.findall(r"\b(mul|add|sub)(\.ftz)?\.f32\b", ptx)))
+    print(json.dumps(results))
+    """
+)
+
+
+def test_no_fma_in_compiled_merge_kernels():
+    counts = sm90.run_script(_PTX_SCRIPT, what="the merge kernels")
+    off = {name: n for name, n in counts.items() if name.startswith("off/")}
+    assert len(off) == 4 and not any(off.values()), f"fused multiply-adds (contract section 1): {off}"
+    assert counts["on/merge_fwd_kernel/bf16"], "with fp fusion on nothing was contracted: the check is blind"

@@ -1,0 +1,197 @@
+"""GPU-only tests of safeops.merge_attention: the compiled Triton merge kernels on CUDA, at real sizes.
+
+- against a float64 merge written here from the definition, fp16/bf16/fp32, head dims 64..256 and one
+  that is not a power of two, 2..8 partials, forward and gradients (contract sections 2 and 3);
+- split-KV attention (safeops.attention on disjoint key blocks, some fully masked for some queries)
+  merged, against safeops.attention over all keys (section 4 at scale);
+- bit-level properties: deterministic, batch-invariant (a row alone = the row in a batch), stacked = list =
+  non-contiguous stack, empty partials change no bit, eager == torch.compile (section 6);
+- all-empty rows, NaN outputs of empty partials, lses near 1e11 (sections 4, 5).
+
+``SAFEOPS_GPU_SMALL=1`` shrinks the shapes. ``SAFEOPS_TEST_SEED=<int>`` replays the random inputs.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import pytest
+import torch
+
+import safeops
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+DEV = "cuda"
+SMALL = os.environ.get("SAFEOPS_GPU_SMALL", "0").strip() not in ("", "0")
+NEG_INF = float("-inf")
+F64 = torch.float64
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# (B, H, S) of the rows; head dims.
+ROWS = (1, 4, 512) if SMALL else (2, 16, 4096)
+HEAD_DIMS = (64, 128) if SMALL else (64, 80, 128, 256)
+U32 = torch.finfo(torch.float32).eps / 2
+
+
+@pytest.fixture(autouse=True)
+def _compiled_kernels_on_cuda(monkeypatch):
+    monkeypatch.setenv("SAFEOPS_BACKEND", "auto")
+
+
+@pytest.fixture
+def gen():
+    value = int(os.environ.get("SAFEOPS_TEST_SEED", secrets.randbits(31)))
+    print(f"SAFEOPS_TEST_SEED={value}")
+    return torch.Generator(device=DEV).manual_seed(value)
+
+
+def _randn(gen, *shape, dtype=torch.float32, std=1.0):
+    return (torch.randn(shape, generator=gen, device=DEV, dtype=torch.float32) * std).to(dtype)
+
+
+def _naive64(outs, lses):
+    lse = torch.logsumexp(lses.to(F64), 0)
+    w = torch.exp(lses.to(F64) - lse)
+    w = torch.where(lses == NEG_INF, torch.zeros_like(w), w)
+    out = (w.unsqueeze(-1) * outs.to(F64)).sum(0)
+    return out, lse
+
+
+def _partials(gen, p, d, dtype, empty_frac=0.1):
+    outs = _randn(gen, p, *ROWS, d, dtype=dtype)
+    lses = _randn(gen, p, *ROWS, std=5.0)
+    drop = torch.rand((p, *ROWS), generator=gen, device=DEV) < empty_frac
+    lses = torch.where(drop, torch.full_like(lses, NEG_INF), lses)
+    lses[:, 0, 0, :3] = NEG_INF  # a few all-empty rows
+    return outs, lses
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("p", [2, 8])
+def test_forward_matches_float64(gen, dtype, d, p):
+    outs, lses = _partials(gen, p, d, dtype)
+    out, lse = safeops.merge_attention(outs, lses)
+    ref_out, ref_lse = _naive64(outs, lses)
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    assert (lse[empty] == NEG_INF).all()
+    assert not out.isnan().any() and not lse.isnan().any()
+    # One rounding to dtype, plus fp32 accumulation of p terms and the fp32 exp/div.
+    omax = outs.abs().to(F64).amax(0)
+    bound = torch.finfo(dtype).eps / 2 * ref_out.abs() + (4 * p + 8) * U32 * omax + 1e-30
+    if dtype != torch.float32:
+        bound = bound + torch.finfo(dtype).eps / 2 * ref_out.abs()
+    err = (out.to(F64) - ref_out).abs()
+    worst = (err / bound).max().item()
+    assert (err <= bound).all(), f"max err {err.max().item():.3e}, worst ratio {worst:.2f}"
+    fin = ~empty
+    lse_err = (lse.to(F64)[fin] - ref_lse[fin]).abs()
+    assert (lse_err <= 8 * U32 * (ref_lse[fin].abs() + 1)).all(), lse_err.max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_gradients_match_float64(gen, dtype, d):
+    p = 4
+    outs, lses = _partials(gen, p, d, dtype)
+    outs.requires_grad_(True)
+    lses.requires_grad_(True)
+    g_out, g_lse = _randn(gen, *ROWS, d, dtype=dtype), _randn(gen, *ROWS)
+    out, lse = safeops.merge_attention(outs, lses)
+    d_outs, d_lses = torch.autograd.grad([out, lse], [outs, lses], [g_out, g_lse])
+    assert torch.isfinite(d_outs).all() and torch.isfinite(d_lses).all()
+
+    o64 = outs.detach().to(F64).requires_grad_(True)
+    l64 = lses.detach().to(F64).requires_grad_(True)
+    r_out, r_lse = _naive64(o64, l64)
+    fin = torch.isfinite(r_lse)
+    r_out = torch.where(fin.unsqueeze(-1), r_out, torch.zeros_like(r_out))
+    r_lse = torch.where(fin, r_lse, torch.zeros_like(r_lse))
+    r_do, r_dl = torch.autograd.grad([r_out, r_lse], [o64, l64], [g_out.to(F64), g_lse.to(F64)])
+    r_do, r_dl = r_do.nan_to_num(0.0), r_dl.nan_to_num(0.0)
+    excluded = lses.detach() == NEG_INF
+    assert (d_outs[excluded] == 0).all() and (d_lses[excluded] == 0).all()
+    finfo = torch.finfo(dtype)
+    bound_o = finfo.eps * r_do.abs() + 8 * U32 * g_out.abs().to(F64) + 2 * finfo.smallest_normal * finfo.eps
+    assert ((d_outs.to(F64) - r_do).abs() <= bound_o).all()
+    scale = outs.detach().abs().to(F64).amax(0).amax(-1) * g_out.abs().to(F64).amax(-1) * d + g_lse.abs()
+    bound_l = 16 * U32 * scale.unsqueeze(0) + 1e-30
+    assert ((d_lses.to(F64) - r_dl).abs() <= bound_l).all()
+
+
+def test_split_kv_attention_matches_full(gen):
+    """Attention over 4 key blocks (some fully masked for some queries), merged = attention over all keys."""
+    b, h, sq, sk, d = (1, 4, 256, 1024, 128) if SMALL else (2, 16, 2048, 8192, 128)
+    q, k, v = (_randn(gen, b, h, s, d, dtype=torch.bfloat16) for s in (sq, sk, sk))
+    mask = torch.rand((b, 1, sq, sk), generator=gen, device=DEV) < 0.9
+    mask[:, :, : sq // 4, : sk // 4] = False  # the first block is empty for the first queries
+    full, full_lse = safeops.attention(q, k, v, attn_mask=mask, return_lse=True)
+    outs, lses = [], []
+    for blk in torch.arange(sk, device=DEV).chunk(4):
+        o, lse = safeops.attention(q, k[:, :, blk], v[:, :, blk], attn_mask=mask[..., blk], return_lse=True)
+        outs.append(o)
+        lses.append(lse)
+    out, lse = safeops.merge_attention(outs, lses)
+    eps = torch.finfo(torch.bfloat16).eps
+    vmax = v.abs().float().amax()
+    assert (out.float() - full.float()).abs().max() <= 3 * eps * vmax
+    assert ((lse - full_lse).abs() <= 64 * U32 * (full_lse.abs() + 1)).all()
+
+
+def test_bits_deterministic_batch_invariant_and_layouts(gen):
+    outs, lses = _partials(gen, 4, 128, torch.bfloat16)
+    a = safeops.merge_attention(outs, lses)
+    b = safeops.merge_attention(outs, lses)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    # One batch row alone and a slice of rows: the same bits.
+    row = (slice(None), slice(1, 2), slice(3, 4), slice(100, 101))
+    one = safeops.merge_attention(outs[row].contiguous(), lses[row].contiguous())
+    assert torch.equal(one[0], a[0][1:2, 3:4, 100:101]) and torch.equal(one[1], a[1][1:2, 3:4, 100:101])
+    # A list, and a stack with the partials dim innermost in memory.
+    c = safeops.merge_attention(list(outs.unbind(0)), list(lses.unbind(0)))
+    assert torch.equal(a[0], c[0]) and torch.equal(a[1], c[1])
+    outs_t = outs.permute(1, 2, 3, 4, 0).contiguous().permute(4, 0, 1, 2, 3)
+    lses_t = lses.permute(1, 2, 3, 0).contiguous().permute(3, 0, 1, 2)
+    e = safeops.merge_attention(outs_t, lses_t)
+    assert torch.equal(a[0], e[0]) and torch.equal(a[1], e[1])
+
+
+def test_empty_partials_change_no_bit(gen):
+    outs, lses = _partials(gen, 3, 128, torch.float16, empty_frac=0.0)
+    base = safeops.merge_attention(outs, lses)
+    nan_out = torch.full_like(outs[:1], float("nan"))
+    empty = torch.full_like(lses[:1], NEG_INF)
+    more = safeops.merge_attention(torch.cat([outs[:1], nan_out, outs[1:], nan_out]),
+                                   torch.cat([lses[:1], empty, lses[1:], empty]))
+    assert torch.equal(base[0], more[0]) and torch.equal(base[1], more[1])
+
+
+def test_huge_lses(gen):
+    outs = _randn(gen, 4, *ROWS, 128)
+    steps = torch.randint(-3, 1, (4, *ROWS), generator=gen, device=DEV).to(torch.float32)
+    lses = 1e11 + 8192.0 * steps
+    out, lse = safeops.merge_attention(outs, lses)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    ref_out, ref_lse = _naive64(outs, lses)
+    assert (out.to(F64) - ref_out).abs().max() <= 1e-5
+    values = torch.stack([torch.full((8, 128), float(i), device=DEV) for i in range(4)])
+    same = safeops.merge_attention(values, torch.full((4, 8), 1e11, device=DEV))
+    assert torch.equal(same[0], torch.full((8, 128), 1.5, device=DEV))
+
+
+def test_eager_equals_compiled(gen):
+    outs, lses = _partials(gen, 3, 128, torch.bfloat16)
+    eager = safeops.merge_attention(outs, lses)
+    compiled = torch.compile(lambda o, lse: safeops.merge_attention(o, lse), fullgraph=True)(outs, lses)
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+
+
+def test_reference_agrees(gen, monkeypatch):
+    outs, lses = _partials(gen, 4, 96, torch.float32)
+    kernel = safeops.merge_attention(outs, lses)
+    monkeypatch.setenv("SAFEOPS_BACKEND", "reference")
+    ref = safeops.merge_attention(outs, lses)
+    torch.testing.assert_close(kernel[0], ref[0], rtol=8 * U32, atol=8 * U32)
+    torch.testing.assert_close(kernel[1], ref[1], rtol=8 * U32, atol=0.0)
