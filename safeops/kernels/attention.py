@@ -35,7 +35,7 @@ import triton.language as tl
 NEG_INF = tl.constexpr(float("-inf"))
 LOG2E = tl.constexpr(1.4426950408889634)
 # Values that change with the problem size are not specialised: one compiled kernel per configuration.
-SIZE_ARGS = ["seqlen_q", "seqlen_k", "n_heads", "n_m_blocks", "window_left", "window_right"]
+SIZE_ARGS = ["seqlen_q", "seqlen_k", "n_heads", "n_bh", "n_m_blocks", "window_left", "window_right"]
 
 
 @triton.jit
@@ -193,6 +193,15 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, mask_ptr, offs_
         acc = _dot(_prep(p.to(v.dtype), PRECISION), _prep(v, PRECISION), acc, PRECISION)
         m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def _backward_program(n_bh):
+    """(block, batch x head) of a backward program on the grid (G, n_blocks, cdiv(n_bh, G)): block-major
+    inside groups of G heads, so a causal launch starts the longest programs of G heads first instead of
+    one head's longest and shortest programs in turn (G = 1: one head after another). -1 past the end."""
+    pid_bh = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+    return tl.program_id(1), tl.where(pid_bh < n_bh, pid_bh, -1)
 
 
 @triton.jit
@@ -387,7 +396,7 @@ def attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, m_ptr, l_ptr, delta_ptr, mask_ptr, cu_q_ptr, cu_k_ptr,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds,
     sdkb, sdkh, sdks, sdvb, sdvh, sdvs, stb, sth, sts, smb, smh, smi, smj,
-    n_heads, seqlen_q, seqlen_k, window_left, window_right, C1, C2, scale_ds,
+    n_heads, n_bh, seqlen_q, seqlen_k, window_left, window_right, C1, C2, scale_ds,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, SOFTCAP: tl.constexpr,
     VARLEN: tl.constexpr, PRECISION: tl.constexpr,
@@ -399,8 +408,9 @@ def attn_bwd_dkdv_kernel(
     With ``SPLIT > 1`` (GQA with few kv heads) the group's query heads are split over SPLIT programs, each
     writing an fp32 partial to output head ``kv_h * SPLIT + part``; the launcher sums the partials in a
     fixed order (deterministic), so a model with 4 kv heads still fills the GPU."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_n, pid_bh = _backward_program(n_bh)
+    if pid_bh < 0:
+        return
     n_kv_heads = n_heads // GROUP
     pid_b = pid_bh // (n_kv_heads * SPLIT)
     out_h = pid_bh % (n_kv_heads * SPLIT)
@@ -519,7 +529,7 @@ def attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, m_ptr, l_ptr, delta_ptr, mask_ptr, cu_q_ptr, cu_k_ptr,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sdqb, sdqh, sdqs,
     stb, sth, sts, smb, smh, smi, smj,
-    n_heads, seqlen_q, seqlen_k, n_m_blocks, window_left, window_right, C1, C2, scale_ds,
+    n_heads, n_bh, seqlen_q, seqlen_k, n_m_blocks, window_left, window_right, C1, C2, scale_ds,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, SOFTCAP: tl.constexpr,
     VARLEN: tl.constexpr, PRECISION: tl.constexpr, REVERSE: tl.constexpr,
@@ -527,8 +537,9 @@ def attn_bwd_dq_kernel(
     NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr = False,
 ):
     """dq of one query block, looping over the visible key blocks."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_m, pid_bh = _backward_program(n_bh)
+    if pid_bh < 0:
+        return
     if REVERSE:
         pid_m = n_m_blocks - 1 - pid_m
     pid_b = pid_bh // n_heads

@@ -304,6 +304,18 @@ def dkdv_split(group: int, kv_elements: int) -> int:
     return split
 
 
+# Causal / windowed backward programs differ in length; ordering them block-major over groups of this many
+# heads starts the longest ones first (H200, D=64 causal: +7% backward, bench/attn_bwd_variants.py "lpt8").
+BACKWARD_HEAD_GROUP = 8
+
+
+def _backward_grid(n_blocks: int, n_bh: int, masked: bool) -> tuple[int, int, int]:
+    """Grid (G, n_blocks, cdiv(n_bh, G)) of the dk/dv and dq kernels (kernels.attention._backward_program).
+    Program order changes no result: each program writes its own block."""
+    g = min(BACKWARD_HEAD_GROUP, n_bh) if masked else 1
+    return g, n_blocks, _cdiv(n_bh, g)
+
+
 def _sum_split(part: torch.Tensor, split: int, varlen: bool) -> torch.Tensor:
     """(B, Hkv * split, S, D) -> (B, Hkv, S, D) (packed: (T, Hkv * split, D) -> (T, Hkv, D)), fp32, in a
     fixed order (deterministic)."""
@@ -381,11 +393,12 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
                                 device=t.device) if p.varlen else
                     torch.empty(t.shape[0], t.shape[1] * split, *t.shape[2:], dtype=torch.float32,
                                 device=t.device) for t in (dk, dv))
-    k_mod.attn_bwd_dkdv_kernel[(_cdiv(p.max_k, kv.block_n), p.batch * p.hkv * split)](
+    n_bh = p.batch * p.hkv * split
+    k_mod.attn_bwd_dkdv_kernel[_backward_grid(_cdiv(p.max_k, kv.block_n), n_bh, p.masked)](
         q_, k_, v_, g_, dk_, dv_, row_max, row_sum, delta, p.mask_arg, p.cu_q, p.cu_k,
         *_bhs(q_, p.varlen), *_bhs(k_, p.varlen), *_bhs(v_, p.varlen), *_bhs(g_, p.varlen),
         *_bhs(dk_, p.varlen), *_bhs(dv_, p.varlen), *st, *p.mask_strides,
-        p.hq, p.max_q, p.max_k, p.window_left, p.window_right, c1, c2, scale_ds,
+        p.hq, n_bh, p.max_q, p.max_k, p.window_left, p.window_right, c1, c2, scale_ds,
         **common, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, NUM_STAGES=kv.num_stages,
         USE_TMA=_use_tma(kv, q_, g_), SPLIT=split, **_launch_options(kv),
     )
@@ -393,11 +406,11 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
         dk_, dv_ = (_sum_split(t, split, p.varlen) for t in (dk_, dv_))
     qc = config("dq", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
     n_m_blocks = _cdiv(p.max_q, qc.block_m)
-    k_mod.attn_bwd_dq_kernel[(n_m_blocks, p.batch * p.hq)](
+    k_mod.attn_bwd_dq_kernel[_backward_grid(n_m_blocks, p.batch * p.hq, p.masked)](
         q_, k_, v_, g_, dq_, row_max, row_sum, delta, p.mask_arg, p.cu_q, p.cu_k,
         *_bhs(q_, p.varlen), *_bhs(k_, p.varlen), *_bhs(v_, p.varlen), *_bhs(g_, p.varlen),
         *_bhs(dq_, p.varlen), *st, *p.mask_strides,
-        p.hq, p.max_q, p.max_k, n_m_blocks, p.window_left, p.window_right, c1, c2, scale_ds,
+        p.hq, p.batch * p.hq, p.max_q, p.max_k, n_m_blocks, p.window_left, p.window_right, c1, c2, scale_ds,
         **common, REVERSE=p.has_wr,
         BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, NUM_STAGES=qc.num_stages, USE_TMA=_use_tma(qc, k_, v_),
         **_launch_options(qc),
