@@ -10,9 +10,9 @@ Outputs: ``y`` row-major ``(M, K)``; ``y_t`` the same values with strides ``(1, 
 ``y.t().contiguous().t()``); ``amax`` a 0-d fp32 tensor. Bit for bit ``y == (x.float() * scale).clamp(-max,
 max).to(dtype)`` on every backend.
 
-Like the softmax ops, this is a ``custom_op`` (not a ``triton_op``) so that compiled code runs exactly the
-eager launcher. No autograd is registered: the op is a cast to fp8, which has no useful gradient; the
-public function detaches its inputs, so its outputs never require grad.
+Like the softmax ops, this is an opaque op (not a ``triton_op``) so that compiled code runs exactly the
+eager launcher. It has no derivative: the op is a cast to fp8, which has no useful gradient; the public
+function detaches its inputs, so its outputs never require grad.
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ import torch
 
 from .. import _config, reference
 from . import cast_transpose_launch
+from ._launch import define_op
 
 
-@torch.library.custom_op("safeops::cast_transpose", mutates_args=())
-def cast_transpose_op(
-    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _impl(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool):
     if _config.use_triton(x):
         return cast_transpose_launch.cast_transpose(x, scale, dtype, rowwise)
     y, y_t, amax = reference.cast_transpose(x, scale, dtype, rowwise)
@@ -35,6 +33,11 @@ def cast_transpose_op(
     return out[0].copy_(y), out[1].copy_(y_t), out[2].copy_(amax)
 
 
-@cast_transpose_op.register_fake
-def _(x, scale, dtype, rowwise):
+def _fake(x, scale, dtype, rowwise):
     return cast_transpose_launch.empty_outputs(x, dtype)
+
+
+# The schema torch.library.custom_op inferred for the earlier definition; registered through
+# torch.library.Library for fewer Python layers per call (safeops.ops._launch.define_op).
+SCHEMA = "(Tensor x, Tensor scale, ScalarType dtype, bool rowwise) -> (Tensor, Tensor, Tensor)"
+cast_transpose_op = define_op("cast_transpose", SCHEMA, _impl, _fake)

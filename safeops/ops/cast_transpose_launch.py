@@ -14,6 +14,7 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from .. import _config, reference
+from ._launch import KernelLaunch
 
 _kernels = None
 
@@ -168,7 +169,7 @@ _plans: dict = {}
 
 def _plan(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool, config: TileConfig,
           hardware_convert: bool, pack: bool, tensors: list) -> tuple:
-    """(scalar arguments, launch options, number of programs) of one launch."""
+    """(scalar arguments, the launch) of one launch; the launch is made with ``(*tensors, *scalars)``."""
     m, k = x.shape
     fmt = reference.FP8_FORMATS[dtype]
     n_tiles_k = triton.cdiv(k, config.block_k)
@@ -186,7 +187,7 @@ def _plan(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: boo
     )
     kernel = kernels().cast_transpose_kernel
     programs = min(n_tiles, _programs(kernel, [*tensors, *scalars], options, config, x.device))
-    return scalars, options, programs
+    return scalars, KernelLaunch(kernel, (programs,), options)
 
 
 def _yt_arg(y_t: torch.Tensor, pack: bool) -> torch.Tensor:
@@ -216,17 +217,23 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, row
     pack = config.pack and m % 4 == 0
     tensors = [x.view(torch.int16) if x.dtype == torch.bfloat16 else x, scale, y.view(torch.uint8),
                _yt_arg(y_t, pack), _workspace(x.device), amax.view(torch.int32)]
-    # Everything else depends only on what this key holds: computed once per key, not per call.
+    # Everything else depends only on what this key holds: computed once per key, not per call. The
+    # pointers' 16-byte alignment is in it because Triton specializes the compiled kernel on it (the plan
+    # keeps the compiled kernel: safeops.ops._launch).
+    align = 0
+    for i, t in enumerate(tensors):
+        if t.data_ptr() % 16 == 0:
+            align |= 1 << i
     key = (x.shape, x.stride(), x.dtype, x.device, scale.dtype, scale.stride(0) if rowwise else 0, dtype,
-           rowwise, config, hardware_convert, _config.fp_fusion, _wide)  # _wide: tests patch it
+           rowwise, config, hardware_convert, _config.fp_fusion, _wide, align)  # _wide: tests patch it
     plan = _plans.get(key)
     if plan is None:
         plan = _plan(x, scale, dtype, rowwise, config, hardware_convert, pack, tensors)
         if len(_plans) >= 4096:
             _plans.clear()
         _plans[key] = plan
-    scalars, options, programs = plan
-    kernels().cast_transpose_kernel[(programs,)](*tensors, *scalars, **options)
+    scalars, launch = plan
+    launch(*tensors, *scalars)
     return y, y_t, amax
 
 

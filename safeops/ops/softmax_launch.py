@@ -13,6 +13,7 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from .. import _config
+from ._launch import KernelLaunch
 from ._rows import Rows, rows_of
 
 _kernels = None
@@ -232,8 +233,8 @@ def forward(
     mask: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_device(x)
-    k = kernels()
+    if not x.is_cuda:
+        _check_device(x)
     batch_shape = x.shape[:dim] + x.shape[dim + 1:]
     row_max = x.new_empty(batch_shape, dtype=torch.float32)
     row_sum = x.new_empty(batch_shape, dtype=torch.float32)
@@ -241,6 +242,127 @@ def forward(
         out = x.new_empty(batch_shape, dtype=out_dtype)
     else:
         out = torch.empty_like(x, dtype=out_dtype)
+    if x.numel() == 0:
+        return _forward_general(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_sum)
+    key = (kind, dim, x.shape, x.stride(), x.dtype, x.get_device(), out_dtype,
+           None if mask is None else mask.stride(), 0 if scale_tensor is None else scale_tensor.dtype,
+           scale is None, _alignment(x, out, mask, scale_tensor, row_max, row_sum))
+    plan = _plans(_FORWARD).get(key)
+    if plan is None:
+        plan = _remember(_FORWARD, key, _forward_plan(kind, x, dim, scale, scale_tensor, mask, out, row_max,
+                                                       row_sum))
+    if plan is _GENERAL:
+        return _forward_general(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_sum)
+    # The plan's launch with this call's tensors: the argument list _forward_general would build.
+    plan.launch(x, out, x if mask is None else mask.view(torch.uint8),
+                x if scale_tensor is None else scale_tensor, row_max, row_sum, *plan.scalars,
+                1.0 if scale is None or scale_tensor is not None else float(scale))
+    return out, row_max, row_sum
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch plans: per call signature, everything the rows path decides from shapes, strides, dtypes and
+# pointer alignment (the row view, the config, the grid, the constexprs, the scalar arguments) is computed
+# once; a repeated call does one dict lookup and launches. The key holds everything that decides the
+# launch, including the 16-byte alignment of every pointer Triton specializes on, so the cached launch is
+# the one the general path would make (same kernel, same arguments, same bits). Long rows and layouts that
+# need copies take the general path every call.
+# ---------------------------------------------------------------------------------------------------
+
+_FORWARD, _BACKWARD = 0, 1
+_GENERAL = object()  # a plan meaning: this signature takes the general path
+_PLAN_LIMIT = 4096
+_plan_tables: dict = {}
+
+
+def _settings() -> tuple:
+    """What plans depend on besides their key; benchmarks replace these module attributes to sweep them."""
+    return (rows_config, ROW_RESIDENT_MAX_COLS, ROWS_FWD, ROWS_BWD, _config.fp_fusion, kernels())
+
+
+def _plans(direction: int) -> dict:
+    table = _plan_tables.get(direction)
+    settings = _settings()
+    # Tuple equality compares identity first, then value: a replaced table with other values drops the plans.
+    if table is None or table[0] != settings:
+        table = _plan_tables[direction] = (settings, {})
+    return table[1]
+
+
+def _remember(direction: int, key, plan):
+    table = _plans(direction)
+    if len(table) >= _PLAN_LIMIT:
+        table.clear()
+    table[key] = plan
+    return plan
+
+
+def clear_plans() -> None:
+    """Forget every cached launch plan (for code that mutates the tuning tables in place)."""
+    _plan_tables.clear()
+
+
+def _alignment(*tensors) -> int:
+    """Bit i: whether tensor i's data pointer is 16-byte aligned (Triton specializes pointers on it)."""
+    bits = 0
+    for i, t in enumerate(tensors):
+        if t is not None and t.data_ptr() % 16 == 0:
+            bits |= 1 << i
+    return bits
+
+
+@dataclass(frozen=True)
+class _RowsPlan:
+    launch: KernelLaunch
+    scalars: tuple
+    n_rows: int
+
+
+def _forward_plan(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_sum):
+    """The rows-path launch of :func:`_forward_general` for this signature, or ``_GENERAL``."""
+    if x.shape[dim] == 0:
+        return _GENERAL
+    mask_u8 = mask.view(torch.uint8) if mask is not None else None
+    rows, t = _layout(x.shape, dim, {"x": x, "out": out if kind != 2 else None, "mask": mask_u8})
+    if t["x"] is not x or (kind != 2 and t["out"] is not out) or t["mask"] is not mask_u8:
+        return _GENERAL  # copies: the general path makes them every call
+    cfg = rows_config(rows.n_cols, x.element_size(), rows.args("x")[3] == 1)
+    if cfg is None:
+        return _GENERAL
+    al = _aligns(rows, {"x": x, "out": t["out"], "mask": mask_u8})
+    scale_mode = _scale_args(scale, scale_tensor, x)[0]
+    _, B1, B2 = rows.sizes
+    kwargs = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask is not None, WIDE=_wide(rows), **al,
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_launch_options(cfg))
+    grid = (triton.cdiv(rows.n_rows, cfg.block_m),)
+    scalars = (rows.n_rows, rows.n_cols, B1, B2, *rows.args("x"), *rows.args("out"), *rows.args("mask"))
+    return _RowsPlan(KernelLaunch(kernels().softmax_fwd_rows_kernel, grid, kwargs), scalars, rows.n_rows)
+
+
+def _backward_plan(kind, grad, x, dim, scale, scale_tensor, mask, need_dscale, dx, row_max, row_sum):
+    """The rows-path launch of :func:`_backward_general` for this signature, or ``_GENERAL``."""
+    mask_u8 = mask.view(torch.uint8) if mask is not None else None
+    grad_in = None if kind == 2 else grad
+    rows, t = _layout(x.shape, dim, {"x": x, "dx": dx, "mask": mask_u8, "grad": grad_in})
+    if t["x"] is not x or t["dx"] is not dx or t["mask"] is not mask_u8 or t["grad"] is not grad_in:
+        return _GENERAL
+    cfg = rows_config(rows.n_cols, x.element_size(), rows.args("x")[3] == 1, backward=True)
+    if cfg is None:
+        return _GENERAL
+    al = _aligns(rows, {"x": x, "dx": dx, "mask": mask_u8, "grad": grad_in})
+    scale_mode = _scale_args(scale, scale_tensor, x)[0]
+    _, B1, B2 = rows.sizes
+    kwargs = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask is not None, NEED_DSCALE=need_dscale,
+                  WIDE=_wide(rows), **al, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_launch_options(cfg))
+    grid = (triton.cdiv(rows.n_rows, cfg.block_m),)
+    scalars = (rows.n_rows, rows.n_cols, B1, B2,
+               *rows.args("grad"), *rows.args("x"), *rows.args("dx"), *rows.args("mask"))
+    return _RowsPlan(KernelLaunch(kernels().softmax_bwd_rows_kernel, grid, kwargs), scalars, rows.n_rows)
+
+
+def _forward_general(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_sum):
+    """Every forward launch, deciding everything from scratch (long rows, copies, first calls)."""
+    k = kernels()
     if x.numel() == 0 and row_max.numel() == 0:
         return out, row_max, row_sum
     if x.shape[dim] == 0:
@@ -327,14 +449,43 @@ def backward(
     mask: torch.Tensor | None,
     need_dscale: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_device(x)
-    k = kernels()
+    if not x.is_cuda:
+        _check_device(x)
     dx = torch.empty_like(x)
     dscale = x.new_zeros((), dtype=torch.float32)
     if x.numel() == 0:
         return dx, dscale
     row_max = row_max.contiguous()
     row_sum = row_sum.contiguous()
+    need_dscale = bool(need_dscale and scale_tensor is not None)
+    if kind == 2:
+        grad = grad.contiguous()
+    key = (kind, dim, x.shape, x.stride(), x.dtype, x.get_device(), grad.stride(),
+           None if mask is None else mask.stride(), 0 if scale_tensor is None else scale_tensor.dtype,
+           scale is None, need_dscale, _alignment(grad, x, dx, mask, scale_tensor, row_max, row_sum))
+    plan = _plans(_BACKWARD).get(key)
+    if plan is None:
+        plan = _remember(_BACKWARD, key, _backward_plan(kind, grad, x, dim, scale, scale_tensor, mask,
+                                                         need_dscale, dx, row_max, row_sum))
+    if plan is _GENERAL:
+        return _backward_general(kind, grad, x, row_max, row_sum, dim, scale, scale_tensor, mask, need_dscale,
+                                 dx, dscale)
+    dscale_rows = x.new_empty((plan.n_rows if need_dscale else 1,), dtype=torch.float32)
+    if dscale_rows.data_ptr() % 16:
+        return _backward_general(kind, grad, x, row_max, row_sum, dim, scale, scale_tensor, mask, need_dscale,
+                                 dx, dscale)
+    plan.launch(grad, x, dx, x if mask is None else mask.view(torch.uint8),
+                x if scale_tensor is None else scale_tensor, row_max, row_sum, dscale_rows, *plan.scalars,
+                1.0 if scale is None or scale_tensor is not None else float(scale))
+    if need_dscale:
+        dscale = dscale_rows.sum()
+    return dx, dscale
+
+
+def _backward_general(kind, grad, x, row_max, row_sum, dim, scale, scale_tensor, mask, need_dscale, dx,
+                      dscale):
+    """Every backward launch, deciding everything from scratch (long rows, copies, first calls)."""
+    k = kernels()
     mask_u8 = mask.view(torch.uint8) if mask is not None else None
     if kind == 2:
         grad_rows = grad.contiguous()

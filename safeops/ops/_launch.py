@@ -1,0 +1,192 @@
+"""Launching a Triton kernel with little host work per call.
+
+``JITFunction.run`` re-derives the kernel's specialization from every argument on every call (types,
+16-byte alignment of pointers, integers equal to 1 or divisible by 16), hashes it and looks the compiled
+kernel up: tens of microseconds for a kernel with twenty-odd arguments. A launcher that has already cached
+everything that decides the specialization (shapes, strides, dtypes, pointer alignment, the launch
+options) under its own key does not need that again: :class:`KernelLaunch` makes the first launch through
+``JITFunction.run`` and keeps the ``CompiledKernel`` it returned, then launches that same compiled kernel
+directly, with the same argument list ``JITFunction.run`` passes (constexprs included). Same kernel, same
+compile options (``enable_fp_fusion=False``), same bits.
+
+The direct launch uses ``CompiledKernel.run`` / ``.function`` / ``.packed_metadata`` /
+``.launch_metadata`` and ``triton.knobs.runtime.launch_enter_hook`` / ``launch_exit_hook``, the calls
+``JITFunction.run`` itself makes in Triton 3.4-3.6 and 3.9. Before it is used for a kernel, the argument
+list is checked once against what Triton's own binder produces; when anything there is missing or differs
+(another Triton version), every launch goes through ``JITFunction.run``, as before. The interpreter
+(``TRITON_INTERPRET=1``) always launches through ``kernel[grid](...)``.
+
+Set ``safeops.ops._launch.DIRECT = False`` to launch every kernel through ``JITFunction.run``.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+# Launch compiled kernels directly once a KernelLaunch has made its first launch (see the module docstring).
+DIRECT = True
+
+_runtime: dict = {}
+
+
+def _triton_runtime():
+    """(current device, current stream, knobs.runtime) as JITFunction.run gets them; None if unavailable."""
+    if "value" not in _runtime:
+        try:
+            from triton import knobs
+            from triton.runtime.driver import driver
+
+            active = driver.active
+            _runtime["value"] = (active.get_current_device, active.get_current_stream, knobs.runtime)
+        except Exception:  # noqa: BLE001 - any missing piece means: launch through JITFunction.run
+            _runtime["value"] = None
+    return _runtime["value"]
+
+
+def _same_args(bound: list, full: list) -> bool:
+    if len(bound) != len(full):
+        return False
+    for a, b in zip(bound, full, strict=True):
+        if a is b:
+            continue
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or type(a) is not type(b) or a != b:
+            return False
+    return True
+
+
+class KernelLaunch:
+    """One kernel launch whose grid, constexprs and options are fixed; only the runtime arguments change.
+
+    Build one per call signature (everything that decides the kernel's specialization must be in the
+    caller's cache key: shapes, strides, dtypes, 16-byte alignment of every pointer, the options), then
+    call it with the positional runtime arguments, exactly as ``kernel[grid](*args, **kwargs)``.
+    """
+
+    __slots__ = ("kernel", "grid", "kwargs", "_tail", "_compiled", "_direct_ok")
+
+    def __init__(self, kernel, grid: tuple, kwargs: dict):
+        self.kernel = kernel
+        self.grid = tuple(grid)
+        self.kwargs = kwargs
+        self._tail: tuple | None = None  # the values of the parameters after the positional arguments
+        self._compiled: dict = {}  # current device -> (compiled kernel, its launcher, grid x, y, z)
+        self._direct_ok = not isinstance(kernel, InterpretedFunction)
+
+    def __call__(self, *args) -> None:
+        if self._compiled and DIRECT:
+            device_of, stream_of, runtime = _runtime["value"]
+            device = device_of()
+            entry = self._compiled.get(device)
+            if entry is not None:
+                compiled, run, g0, g1, g2 = entry
+                full = (*args, *self._tail)
+                stream = stream_of(device)
+                run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata,
+                    compiled.launch_metadata(self.grid, stream, *full),
+                    runtime.launch_enter_hook, runtime.launch_exit_hook, *full)
+                return
+        compiled = self.kernel[self.grid](*args, **self.kwargs)
+        if self._direct_ok and DIRECT:
+            self._remember(compiled, args)
+
+    def _remember(self, compiled, args: tuple) -> None:
+        """After a launch through JITFunction.run: keep its compiled kernel if a direct launch is safe."""
+        try:
+            runtime = _triton_runtime()
+            if runtime is None or compiled is None or hasattr(compiled, "result"):
+                raise LookupError("no compiled kernel to keep")
+            device = runtime[0]()
+            if self._tail is None:
+                params = self.kernel.params[len(args):]
+                self._tail = tuple(self.kwargs.get(p.name, p.default) for p in params)
+            full = [*args, *self._tail]
+            # What JITFunction.run passed to the launcher: Triton's own binder, same options.
+            binder = self.kernel.device_caches[device][-1]
+            bound = binder(*args, **self.kwargs)[0]
+            if not _same_args(list(bound.values()), full):
+                raise LookupError("argument list differs from Triton's")
+            run = compiled.run  # loads the module if needed
+            for name in ("function", "packed_metadata", "launch_metadata"):
+                getattr(compiled, name)
+            g = (*self.grid, 1, 1)
+            self._compiled[device] = (compiled, run, g[0], g[1], g[2])
+        except Exception:  # noqa: BLE001 - an unknown Triton: every launch goes through JITFunction.run
+            self._direct_ok = False
+            self._compiled.clear()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registering an op with few layers between the dispatcher and its implementation
+# ---------------------------------------------------------------------------------------------------
+# torch.library.custom_op wraps an op in several Python layers that run on every call, compiled graphs'
+# calls included: an Autograd kernel that builds a metadata object, re-fills default arguments and
+# re-dispatches; a backend kernel that checks the outputs for aliasing; a Dynamo-disable wrapper. On torch
+# 2.11 they cost 30-130 us per call (bench/overhead.py). ``define_op`` registers the same things through
+# torch.library.Library directly: the schema (with the tag custom_op adds), the implementation for every
+# backend (Dynamo-disabled whenever Dynamo intercepts frames, so a graph break never traces into a
+# launcher), the fake, and an Autograd
+# kernel that records an autograd.Function only when a gradient is being recorded, and otherwise calls the
+# implementation directly when nothing but a CPU/CUDA backend is left to dispatch to (fake tensors,
+# functionalization, Python modes and subclasses go on down the dispatcher as before).
+
+_lib = torch.library.Library("safeops", "FRAGMENT")
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_BACKEND_KEYS = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+_any_requires_grad = getattr(torch._C, "_any_requires_grad", None) or (
+    lambda *args: any(isinstance(a, torch.Tensor) and a.requires_grad for a in args))
+# Dynamo's frame callback for this thread (None when nothing would intercept a Python frame); without it,
+# the Dynamo-disable wrapper always runs.
+_dynamo_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", None)
+
+
+def define_op(name: str, schema: str, impl, fake, function=None):
+    """Defines ``safeops::<name><schema>`` and returns its default overload.
+
+    ``impl`` runs on every backend, ``fake`` under tracing. ``function(below)`` returns the autograd.Function
+    used when a gradient is recorded; its ``forward(ctx, *args, keyset)`` computes the op with
+    ``below(keyset, args)``. Without ``function`` the op has no derivative: its outputs then raise in
+    backward, as a custom_op without ``register_autograd`` does.
+    """
+    _lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    kernel = torch._disable_dynamo(impl)
+    _lib.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"safeops::{name}", fake, lib=_lib)
+    op = getattr(torch.ops.safeops, name).default
+
+    def below(keyset, args):
+        rest = keyset & _AFTER_AUTOGRAD
+        with _below_autograd():
+            if rest.highestPriorityTypeId() in _BACKEND_KEYS:
+                # The Dynamo-disable wrapper only matters while Dynamo intercepts frames (a graph break's
+                # eager code); a compiled graph runs with no callback, and so does plain eager code.
+                if _dynamo_callback is not None and _dynamo_callback() is None:
+                    return impl(*args)
+                return kernel(*args)
+            return op.redispatch(rest, *args)
+
+    recorded = function(below) if function is not None else _no_derivative(name, below)
+
+    def autograd_kernel(keyset, *args):
+        if torch.is_grad_enabled() and _any_requires_grad(*args):
+            return recorded.apply(*args, keyset)
+        return below(keyset, args)
+
+    _lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+    return op
+
+
+def _no_derivative(name: str, below):
+    class NoDerivative(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            return below(args[-1], args[:-1])
+
+        @staticmethod
+        def backward(ctx, *grads):
+            raise RuntimeError(f"safeops::{name} has no derivative: backward (or double backward, "
+                               "create_graph=True) through it is not supported")
+
+    NoDerivative.__name__ = f"NoDerivative_{name}"
+    return NoDerivative
