@@ -22,8 +22,10 @@ from types import SimpleNamespace
 import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
 from .. import _config, reference
+from ._launch import KernelLaunch
 
 _kernels = None
 
@@ -204,6 +206,31 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
+# Launches: one KernelLaunch per exact argument signature (see safeops.ops._launch): a repeated call skips
+# JITFunction.run's per-argument specialisation (~50 arguments here) and launches the compiled kernel
+# directly. The key holds every non-tensor argument's value and every tensor's dtype, device and 16-byte
+# alignment, which is all that decides Triton's specialisation, plus the grid and the keyword arguments.
+_PLANS: dict = {}
+_PLANS_MAX = 4096
+
+
+def _launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    first = args[0]
+    if (not isinstance(kernel, JITFunction) or isinstance(kernel, InterpretedFunction)
+            or first.device.type != "cuda" or kwargs.get("USE_TMA")):
+        kernel[grid](*args, **kwargs)  # interpreter, recorders, TMA (its scratch is set up per launch)
+        return
+    key = (kernel, grid, first.device.index, tuple(
+        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args),
+        tuple(kwargs.items()))
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        plan = _PLANS[key] = KernelLaunch(kernel, grid, kwargs)
+    plan(*args)
+
+
 def _use_tma(cfg: AttnConfig, *tensors: torch.Tensor) -> bool:
     if not cfg.tma or not _tma_ok(*tensors):
         return False
@@ -346,7 +373,7 @@ def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale
     c1, c2, _ = constants(scale, softcap)
     n_m_blocks = _cdiv(p.max_q, cfg.block_m)
     grid = (n_m_blocks, p.batch * p.hq)
-    kernels().attn_fwd_kernel[grid](
+    _launch(kernels().attn_fwd_kernel, grid,
         q_, k_, v_, out_, row_max, row_sum, p.mask_arg, p.cu_q, p.cu_k,
         *_bhs(q_, p.varlen), *_bhs(k_, p.varlen), *_bhs(v_, p.varlen), *_bhs(out_, p.varlen),
         *_stat_strides(row_max, p.varlen), *p.mask_strides,
@@ -380,7 +407,7 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
 
     on_gpu = _gpu(q.device)
     dcfg = AttnConfig(DELTA_BLOCK_M if on_gpu else 16, 0, 4 if on_gpu else 1, 1)
-    k_mod.attn_bwd_delta_kernel[(_cdiv(p.max_q, dcfg.block_m), p.batch * p.hq)](
+    _launch(k_mod.attn_bwd_delta_kernel, (_cdiv(p.max_q, dcfg.block_m), p.batch * p.hq),
         o_, g_, delta, p.cu_q, p.cu_k, *_bhs(o_, p.varlen), *_bhs(g_, p.varlen), *st,
         p.hq, p.max_q, p.max_k,
         HEAD_DIM_V=p.dv, VARLEN=p.varlen, BLOCK_M=dcfg.block_m, BLOCK_DV=common["BLOCK_DV"],
@@ -394,7 +421,7 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
                     torch.empty(t.shape[0], t.shape[1] * split, *t.shape[2:], dtype=torch.float32,
                                 device=t.device) for t in (dk, dv))
     n_bh = p.batch * p.hkv * split
-    k_mod.attn_bwd_dkdv_kernel[_backward_grid(_cdiv(p.max_k, kv.block_n), n_bh, p.masked)](
+    _launch(k_mod.attn_bwd_dkdv_kernel, _backward_grid(_cdiv(p.max_k, kv.block_n), n_bh, p.masked),
         q_, k_, v_, g_, dk_, dv_, row_max, row_sum, delta, p.mask_arg, p.cu_q, p.cu_k,
         *_bhs(q_, p.varlen), *_bhs(k_, p.varlen), *_bhs(v_, p.varlen), *_bhs(g_, p.varlen),
         *_bhs(dk_, p.varlen), *_bhs(dv_, p.varlen), *st, *p.mask_strides,
@@ -406,7 +433,7 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
         dk_, dv_ = (_sum_split(t, split, p.varlen) for t in (dk_, dv_))
     qc = config("dq", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
     n_m_blocks = _cdiv(p.max_q, qc.block_m)
-    k_mod.attn_bwd_dq_kernel[_backward_grid(n_m_blocks, p.batch * p.hq, p.masked)](
+    _launch(k_mod.attn_bwd_dq_kernel, _backward_grid(n_m_blocks, p.batch * p.hq, p.masked),
         q_, k_, v_, g_, dq_, row_max, row_sum, delta, p.mask_arg, p.cu_q, p.cu_k,
         *_bhs(q_, p.varlen), *_bhs(k_, p.varlen), *_bhs(v_, p.varlen), *_bhs(g_, p.varlen),
         *_bhs(dq_, p.varlen), *st, *p.mask_strides,
