@@ -14,6 +14,7 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from .. import _config, reference
+from . import cast_transpose_variants as _variants
 from ._launch import KernelLaunch
 
 _kernels = None
@@ -84,6 +85,10 @@ SWEEP_CANDIDATES = tuple(dict.fromkeys([
 del _T
 # The interpreter runs programs one after another in numpy: one 64 x 64 tile per program.
 INTERPRETER_CONFIG = TileConfig(64, 64, 4)
+# bf16 inputs with M % 4 == 0 on the GPU run the v2 kernel (inline-PTX element work, 80-register cap), the
+# most even variant of the H200 sweep (bench/cast_transpose_variants.py, 2026-11-29: 3.26-3.42 TB/s on the
+# four large shapes against 2.99-3.15 for the kernel below); None: always the kernel below.
+SHIPPED_VARIANT = next(v for v in _variants.VARIANTS if v.name == "asm 128x64w4 r80")
 
 
 def tile_config(m: int, k: int, elem_size: int) -> TileConfig:
@@ -210,6 +215,9 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, row
     if m >= 2**31 or k >= 2**31:
         raise ValueError(f"x: dimensions of 2**31 or more are not supported, got {tuple(x.shape)}")
     interpreted = _interpreted()
+    if config is None and hardware_convert is None and not interpreted and SHIPPED_VARIANT is not None:
+        if _variants.unsupported(SHIPPED_VARIANT, x, dtype) is None:
+            return _variants.cast_transpose(x, scale, dtype, rowwise, SHIPPED_VARIANT)
     if config is None:
         config = INTERPRETER_CONFIG if interpreted else tile_config(m, k, x.element_size())
     if hardware_convert is None:
