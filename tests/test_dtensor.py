@@ -281,7 +281,7 @@ def _rows_check(op: str, shape, dim: int, code: str, mask_kind: str | None, scal
         elif mask_kind == "bcast":
             mask_shape = [1] * len(shape)
             mask_shape[dim] = shape[dim]
-            mask, mask_places = env.mask(*mask_shape), [Replicate()]
+            mask, mask_places = env.mask(*mask_shape), [Replicate()] * env.mesh.ndim
         s = 0.75 + 0.5 * float(torch.rand((), generator=env.gen))
         kw = {"keepdim": keepdim} if op == "logsumexp" else {}
 
@@ -297,8 +297,8 @@ def _rows_check(op: str, shape, dim: int, code: str, mask_kind: str | None, scal
         if scale_kind == "plain":
             sd = torch.tensor(s, device=env.device, requires_grad=True)
         elif scale_kind == "dtensor":
-            sd = DTensor.from_local(torch.tensor(s, device=env.device), env.mesh, [Replicate()],
-                                    run_check=False).requires_grad_()
+            sd = DTensor.from_local(torch.tensor(s, device=env.device), env.mesh,
+                                    [Replicate()] * env.mesh.ndim, run_check=False).requires_grad_()
         else:
             sd = scale_whole
         with comm_counter() as comm:
@@ -428,11 +428,11 @@ def _attention_check(code: str, b: int, hq: int, hkv: int, sq: int, sk: int, d: 
         elif mask_kind in ("bool_bcast", "bool_bcast_sharded"):
             mask = env.mask(b, 1, sq, sk)
             mask[-1, 0, 0] = False
-            mask_places = places if mask_kind == "bool_bcast_sharded" else [Replicate()]
+            mask_places = places if mask_kind == "bool_bcast_sharded" else [Replicate()] * env.mesh.ndim
         elif mask_kind == "float_bcast":
             mask = env.randn(sq, sk, std=2.0).masked_fill(env.mask(sq, sk, keep=0.6).logical_not(), NEG_INF)
             mask[1] = NEG_INF
-            mask_places = [Replicate()]
+            mask_places = [Replicate()] * env.mesh.ndim
         whole = [t.clone().requires_grad_() for t in (q, k, v)]
         out_whole, lse_whole = safeops.attention(*whole, attn_mask=mask, return_lse=True, **options)
         grad = env.randn(*out_whole.shape, dtype=dtype)
