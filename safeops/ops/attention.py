@@ -15,7 +15,9 @@ view, usually with zero strides); ``mask_kind`` is 0 (none), 1 (bool, True = att
 
 The stats are base 2 (``row_max`` = max of z2, ``row_sum`` = sum of exp2(z2 - row_max), see
 ``safeops.reference``), fp32 (fp64 for fp64 inputs), kept apart for the backward (contract section 3).
-Like the softmax ops these are ``custom_op``s, so compiled code runs the eager launcher's exact kernels.
+Like the softmax ops these are opaque ops (registered through ``safeops.ops._launch.define_op``, with the
+schemas ``torch.library.custom_op`` gave them before), so compiled code runs the eager launcher's exact
+kernels.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from .. import _config, reference
+from ._launch import define_op
 from .softmax import eager_fast_path, no_double_backward
 
 PRECISIONS = {"ieee": 0, "tf32": 1, "tf32x3": 2}
@@ -90,26 +93,13 @@ def _reference_backward(grad, q, k, v, out, m, l, mask, mask_kind, cu_q, cu_k, i
     return dq, dk, dv
 
 
-@torch.library.custom_op("safeops::attention", mutates_args=())
-def attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    mask_kind: int,
-    cu_seqlens_q: torch.Tensor | None,
-    cu_seqlens_k: torch.Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    is_causal: bool,
-    scale: float,
-    softcap: float | None,
-    window_left: int,
-    window_right: int,
-    precision: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward_impl(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         is_causal, scale, softcap, window_left, window_right, precision)
+# The schemas torch.library.custom_op inferred from the type hints of the earlier definitions, unchanged.
+_OPTIONS_SCHEMA = ("Tensor? mask, SymInt mask_kind, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+                   "SymInt max_seqlen_q, SymInt max_seqlen_k, bool is_causal, float scale, float? softcap, "
+                   "SymInt window_left, SymInt window_right, SymInt precision")
+FORWARD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor)"
+BACKWARD_SCHEMA = (f"(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor row_max, Tensor row_sum, "
+                   f"{_OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor)")
 
 
 def _forward_impl(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
@@ -124,37 +114,9 @@ def _forward_impl(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seql
                                     precision)
 
 
-@attention_op.register_fake
-def _(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
-      softcap, window_left, window_right, precision):
+def _forward_fake(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                  scale, softcap, window_left, window_right, precision):
     return _fake_forward(q, v, cu_seqlens_q is not None)
-
-
-@torch.library.custom_op("safeops::attention_backward", mutates_args=())
-def attention_backward_op(
-    grad: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    row_max: torch.Tensor,
-    row_sum: torch.Tensor,
-    mask: torch.Tensor | None,
-    mask_kind: int,
-    cu_seqlens_q: torch.Tensor | None,
-    cu_seqlens_k: torch.Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    is_causal: bool,
-    scale: float,
-    softcap: float | None,
-    window_left: int,
-    window_right: int,
-    precision: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward_impl(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seqlens_q, cu_seqlens_k,
-                          max_seqlen_q, max_seqlen_k, is_causal, scale, softcap, window_left, window_right,
-                          precision)
 
 
 def _backward_impl(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seqlens_q, cu_seqlens_k,
@@ -170,9 +132,9 @@ def _backward_impl(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seq
                                      window_left, window_right, precision)
 
 
-@attention_backward_op.register_fake
-def _(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, is_causal, scale, softcap, window_left, window_right, precision):
+def _backward_fake(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seqlens_q, cu_seqlens_k,
+                   max_seqlen_q, max_seqlen_k, is_causal, scale, softcap, window_left, window_right,
+                   precision):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -180,24 +142,39 @@ _OPTION_NAMES = ("mask", "mask_kind", "cu_seqlens_q", "cu_seqlens_k", "max_seqle
                  "is_causal", "scale", "softcap", "window_left", "window_right", "precision")
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, mask, *options = inputs
-    out, row_max, row_sum = output
-    ctx.options = options  # mask_kind .. precision (non-tensor except the cu_seqlens)
-    ctx.save_for_backward(q, k, v, out, row_max, row_sum, mask, options[1], options[2])
+def _attention_function(below):
+    """The autograd.Function recorded when a gradient is wanted (see ``define_op``): what the earlier
+    ``register_autograd(_backward, setup_context=_setup_context)`` did."""
+
+    class Recorded_attention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, mask, *rest):
+            *options, keyset = rest
+            out, row_max, row_sum = below(keyset, (q, k, v, mask, *options))
+            ctx.options = options  # mask_kind .. precision (non-tensor except the cu_seqlens)
+            ctx.save_for_backward(q, k, v, out, row_max, row_sum, mask, options[1], options[2])
+            return out, row_max, row_sum
+
+        @staticmethod
+        def backward(ctx, grad_out, grad_max, grad_sum):
+            q, k, v, out, row_max, row_sum, mask, cu_q, cu_k = ctx.saved_tensors
+            mask_kind, _, _, max_q, max_k, is_causal, scale, softcap, wl, wr, precision = ctx.options
+            dq, dk, dv = attention_backward_op(
+                grad_out.contiguous(), q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q,
+                max_k, is_causal, scale, softcap, wl, wr, precision)
+            # No gradient for the mask (an additive float mask is treated as a constant), the cu_seqlens or
+            # the keyset.
+            return (dq, dk, dv) + (None,) * (len(_OPTION_NAMES) + 1)
+
+    return Recorded_attention
 
 
-def _backward(ctx, grad_out, grad_max, grad_sum):
-    q, k, v, out, row_max, row_sum, mask, cu_q, cu_k = ctx.saved_tensors
-    mask_kind, _, _, max_q, max_k, is_causal, scale, softcap, wl, wr, precision = ctx.options
-    dq, dk, dv = torch.ops.safeops.attention_backward(
-        grad_out.contiguous(), q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q, max_k,
-        is_causal, scale, softcap, wl, wr, precision)
-    # No gradient for the mask (an additive float mask is treated as a constant) or the cu_seqlens.
-    return (dq, dk, dv) + (None,) * len(_OPTION_NAMES)
-
-
-attention_op.register_autograd(_backward, setup_context=_setup_context)
+# Registered through torch.library.Library (safeops.ops._launch.define_op) rather than
+# torch.library.custom_op: the same schemas, implementations, fakes and autograd, with fewer Python layers
+# on every call (compiled graphs call these ops at run time). attention_backward has no derivative: a
+# double backward raises, as it did without a register_autograd.
+attention_backward_op = define_op("attention_backward", BACKWARD_SCHEMA, _backward_impl, _backward_fake)
+attention_op = define_op("attention", FORWARD_SCHEMA, _forward_impl, _forward_fake, _attention_function)
 
 
 # Eager fast path: the same implementations behind a plain autograd.Function, without torch.library's

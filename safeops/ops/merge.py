@@ -8,7 +8,9 @@ Ops (namespace ``safeops``):
 ``outs`` is the stack of partial outputs ``(P, ..., D)`` (any float dtype), ``lses`` their natural-log
 logsumexps ``(P, ...)``, fp32 (fp64 with fp64 outputs). ``out`` has the outputs' dtype, ``lse`` the lses'.
 The formulas (and why they cannot make NaN) are in ``safeops.kernels.merge`` and ``safeops.reference``.
-Like the other ops these are ``custom_op``s, so compiled code runs the eager launcher's exact kernel.
+Like the other ops these are opaque ops (registered through ``safeops.ops._launch.define_op``, with the
+schemas ``torch.library.custom_op`` gave them before), so compiled code runs the eager launcher's exact
+kernel.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import _config, reference
+from ._launch import define_op
 from .softmax import eager_fast_path, no_double_backward
 
 
@@ -52,41 +55,46 @@ def _backward_impl(grad_out, grad_lse, outs, lses) -> tuple[torch.Tensor, torch.
     return go.reshape(outs.shape), gl.reshape(lses.shape)
 
 
-@torch.library.custom_op("safeops::merge_attention", mutates_args=())
-def merge_attention_op(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward_impl(outs, lses)
-
-
-@merge_attention_op.register_fake
-def _(outs, lses):
+def _forward_fake(outs, lses):
     return outs.new_empty(outs.shape[1:]), lses.new_empty(lses.shape[1:])
 
 
-@torch.library.custom_op("safeops::merge_attention_backward", mutates_args=())
-def merge_attention_backward_op(grad_out: torch.Tensor, grad_lse: torch.Tensor | None, outs: torch.Tensor,
-                                lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _backward_impl(grad_out, grad_lse, outs, lses)
-
-
-@merge_attention_backward_op.register_fake
-def _(grad_out, grad_lse, outs, lses):
+def _backward_fake(grad_out, grad_lse, outs, lses):
     return torch.empty_like(outs, memory_format=torch.contiguous_format), torch.empty_like(
         lses, memory_format=torch.contiguous_format)
 
 
-def _setup_context(ctx, inputs, output):
-    outs, lses = inputs
-    ctx.save_for_backward(outs, lses)
+def _merge_function(below):
+    """The autograd.Function recorded when a gradient is wanted (see ``define_op``): what the earlier
+    ``register_autograd(_backward, setup_context=_setup_context)`` did."""
+
+    class Recorded_merge_attention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, outs, lses, keyset):
+            out, lse = below(keyset, (outs, lses))
+            ctx.save_for_backward(outs, lses)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, grad_out, grad_lse):
+            outs, lses = ctx.saved_tensors
+            if grad_out is None:
+                grad_out = outs.new_zeros(outs.shape[1:])
+            grad_outs, grad_lses = merge_attention_backward_op(grad_out.contiguous(), grad_lse, outs, lses)
+            return grad_outs, grad_lses, None
+
+    return Recorded_merge_attention
 
 
-def _backward(ctx, grad_out, grad_lse):
-    outs, lses = ctx.saved_tensors
-    if grad_out is None:
-        grad_out = outs.new_zeros(outs.shape[1:])
-    return torch.ops.safeops.merge_attention_backward(grad_out.contiguous(), grad_lse, outs, lses)
-
-
-merge_attention_op.register_autograd(_backward, setup_context=_setup_context)
+# Registered through torch.library.Library (safeops.ops._launch.define_op) rather than
+# torch.library.custom_op: the schemas custom_op inferred before, the same implementations, fakes and
+# autograd, with fewer Python layers per call. merge_attention_backward has no derivative (double backward
+# raises, as it did without a register_autograd).
+merge_attention_backward_op = define_op("merge_attention_backward",
+                                        "(Tensor grad_out, Tensor? grad_lse, Tensor outs, Tensor lses) -> "
+                                        "(Tensor, Tensor)", _backward_impl, _backward_fake)
+merge_attention_op = define_op("merge_attention", "(Tensor outs, Tensor lses) -> (Tensor, Tensor)",
+                               _forward_impl, _forward_fake, _merge_function)
 
 
 # Eager fast path: the same implementations behind a plain autograd.Function, without torch.library's
