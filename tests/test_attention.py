@@ -479,3 +479,20 @@ def test_bad_varlen_input(case):
     args.update(change)
     with pytest.raises(exc, match=words):
         safeops.attention_varlen(**args)
+
+
+@pytest.mark.parametrize("which", ["q", "k"])
+def test_sequence_offsets_past_32_bits_are_refused(which):
+    """The kernels step along a sequence with 32-bit offsets: a (B, S, H, D) layout whose S x H x D passes
+    2**31 is refused with a ValueError naming the tensor (meta tensors: nothing is allocated)."""
+    from safeops.ops import attention_launch
+
+    s, h, d = 1 << 20, 32, 128  # sequence stride H x D = 4096: offsets up to 2**32
+    big = torch.empty(1, s, h, d, device="meta", dtype=torch.bfloat16).transpose(1, 2)
+    small = torch.empty(1, h, 64, d, device="meta", dtype=torch.bfloat16)
+    q, k = (big, small) if which == "q" else (small, big)
+    max_q, max_k = q.shape[2], k.shape[2]
+    with pytest.raises(ValueError, match=f"^{which}: sequence offsets"):
+        attention_launch.forward(q, k, k, None, 0, None, None, max_q, max_k, False, 0.1, None, -1, -1, 3)
+    # The same sizes contiguous as (B, H, S, D) pass the check (stride D along the sequence).
+    attention_launch.check_sequence_offsets({which: big.contiguous()}, max_q, max_k, False)

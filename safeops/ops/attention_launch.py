@@ -285,6 +285,20 @@ class _Problem:
     cu_k: torch.Tensor
 
 
+def check_sequence_offsets(named: dict, max_q: int, max_k: int, varlen: bool) -> None:
+    """The kernels step along a sequence with 32-bit offsets (position x sequence stride, from a 64-bit
+    base per batch and head): refuse, naming the argument, a layout where they would wrap, instead of
+    reading the wrong rows. A (B, H, S, D)-contiguous tensor has sequence stride D and never comes close."""
+    for name, t in named.items():
+        length = max_k if name in ("k", "v", "dk", "dv") else max_q
+        stride = abs(t.stride(0 if varlen else 2))
+        if (length + 256) * stride >= 2**31:
+            raise ValueError(
+                f"{name}: sequence offsets up to {length} x stride {stride} pass 2**31, beyond the kernels' "
+                "32-bit offsets; pass it contiguous as (B, H, S, D) (stride D along the sequence) or split "
+                "the sequence")
+
+
 def _problem(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, wl, wr, precision) -> _Problem:
     varlen = cu_q is not None
     if varlen:
@@ -368,6 +382,7 @@ def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale
     p = _problem(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, wl, wr, precision)
     q_, k_, v_ = _unit_last(q), _unit_last(k), _unit_last(v)
     out_ = _scratch(out)
+    check_sequence_offsets({"q": q_, "k": k_, "v": v_, "out": out_}, p.max_q, p.max_k, p.varlen)
     cfg = config("fwd", max(block_dim(p.d), block_dim(p.dv)), q.dtype, p.masked, q.device, p.precision,
                  p.mask_bytes)
     c1, c2, _ = constants(scale, softcap)
@@ -397,6 +412,8 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
     p = _problem(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, wl, wr, precision)
     q_, k_, v_, o_, g_ = (_unit_last(t) for t in (q, k, v, out, grad))
     dq_, dk_, dv_ = _scratch(dq), _scratch(dk), _scratch(dv)
+    check_sequence_offsets({"q": q_, "k": k_, "v": v_, "out": o_, "grad": g_, "dq": dq_, "dk": dk_,
+                            "dv": dv_}, p.max_q, p.max_k, p.varlen)
     row_max, row_sum = row_max.contiguous(), row_sum.contiguous()
     delta = torch.empty_like(row_max)
     st = _stat_strides(row_max, p.varlen)
