@@ -404,6 +404,18 @@ def test_opcheck(reference_backend, seed):
     torch.library.opcheck(torch.ops.safeops.attention.default, args)
 
 
+def test_opcheck_backward(backend, seed):
+    """The backward op on its own: schema, fake, and (it has no derivative) no autograd registration
+    surprises; causal + softcap + a bool mask, with the forward's saved row statistics."""
+    q, k, v = qkv(seed, b=1, hq=2, hkv=1, sq=6, sk=7, d=8)
+    mask = seed.mask(1, 2, 6, 7)
+    out, row_max, row_sum = torch.ops.safeops.attention(q, k, v, mask, 1, None, None, 6, 7, True, 0.5, 2.0,
+                                                         3, 0, 0)
+    grad = seed.randn(*out.shape)
+    args = (grad, q, k, v, out, row_max, row_sum, mask, 1, None, None, 6, 7, True, 0.5, 2.0, 3, 0, 0)
+    torch.library.opcheck(torch.ops.safeops.attention_backward.default, args)
+
+
 def test_compiled_matches_eager(reference_backend, seed):
     q, k, v = qkv(seed, b=1, hq=2, hkv=1, sq=6, sk=9, d=8)
 

@@ -246,6 +246,18 @@ def test_opcheck(backend, seed):
     torch.library.opcheck(torch.ops.safeops.merge_attention.default, (outs, lses))
 
 
+@pytest.mark.parametrize("with_grad_lse", [True, False])
+def test_opcheck_backward(backend, seed, with_grad_lse):
+    outs = seed.randn(3, 2, 4, 16)
+    lses = seed.randn(3, 2, 4)
+    lses[1, 0, 0] = NEG_INF
+    lses[:, 1, 2] = NEG_INF  # a row where every partial is empty
+    grad_out = seed.randn(2, 4, 16)
+    grad_lse = seed.randn(2, 4) if with_grad_lse else None
+    op = torch.ops.safeops.merge_attention_backward.default
+    torch.library.opcheck(op, (grad_out, grad_lse, outs, lses))
+
+
 def test_bad_input():
     o, lse = torch.randn(2, 3, 8), torch.randn(2, 3)
     with pytest.raises(ValueError, match="outs must hold at least one"):
