@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from . import functional as _functional
 from . import reference
+from .ops import attention as _ops_attention
 
 __all__ = ["context_parallel_attention", "shard_sequence", "unshard_sequence", "choose_strategy",
            "LAYOUTS", "STRATEGIES", "ALLGATHER_MAX_BYTES"]
@@ -134,17 +135,20 @@ def _window(cfg: _Config, causal: bool, offset: int = -1) -> tuple[bool, int, in
     return causal, -1, (0 if causal else -1)
 
 
+# Partial outputs and gradients come back in fp32 (``partial_forward`` / ``partial_backward``): they are
+# summed across shards, and rounding each to bf16 first loses everything where shards cancel (contract
+# section 2: one rounding, at the end).
+
+
 def _attn(cfg: _Config, q, k, v, causal: bool, offset: int = -1):
     is_causal, wl, wr = _window(cfg, causal, offset)
-    return torch.ops.safeops.attention(q, k, v, None, 0, None, None, q.shape[2], k.shape[2], is_causal,
-                                       cfg.scale, cfg.softcap, wl, wr, cfg.precision)
+    return _ops_attention.partial_forward(q, k, v, is_causal, cfg.scale, cfg.softcap, wl, wr, cfg.precision)
 
 
 def _attn_backward(cfg: _Config, grad, q, k, v, out, m, l, causal: bool, offset: int = -1):
     is_causal, wl, wr = _window(cfg, causal, offset)
-    return torch.ops.safeops.attention_backward(
-        grad.contiguous(), q, k, v, out, m.contiguous(), l.contiguous(), None, 0, None, None, q.shape[2],
-        k.shape[2], is_causal, cfg.scale, cfg.softcap, wl, wr, cfg.precision)
+    return _ops_attention.partial_backward(grad.contiguous(), q, k, v, out, m.contiguous(), l.contiguous(),
+                                           is_causal, cfg.scale, cfg.softcap, wl, wr, cfg.precision)
 
 
 class _Merged:
@@ -298,7 +302,8 @@ def _gather_forward(cfg: _Config, q, k, v):
     kg, vg = _all_gather_sequence(cfg, k), _all_gather_sequence(cfg, v)
     pieces = [_attn(cfg, q[:, :, rows], kg[:, :, :n], vg[:, :, :n], False, offset)
               for rows, n, offset in _gather_pieces(cfg, q.shape[2], kg.shape[2])]
-    return tuple(torch.cat(parts, 2) for parts in zip(*pieces, strict=True))
+    out, m, l = (torch.cat(parts, 2) for parts in zip(*pieces, strict=True))
+    return out.to(q.dtype), m, l
 
 
 def _gather_backward(cfg: _Config, grad, q, k, v, out, m, l):
@@ -315,7 +320,7 @@ def _gather_backward(cfg: _Config, grad, q, k, v, out, m, l):
         dvg[:, :, :n] += c
     dk = _reduce_scatter_sequence(cfg, dkg)
     dv = _reduce_scatter_sequence(cfg, dvg)
-    return torch.cat(dq, 2), dk.to(k.dtype), dv.to(v.dtype)
+    return torch.cat(dq, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 # --------------------------------------------------------------------------------------------------

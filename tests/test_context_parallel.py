@@ -3,7 +3,8 @@
 Every rank builds the same full q, k, v and output gradient from a shared seed, runs
 ``context_parallel_attention`` on its shard (forward and backward), and checks its shard of out, lse, dq,
 dk and dv against single-process ``safeops.attention`` on the whole sequence (autograd backward), for
-both layouts, causal and not, grouped-query heads, both strategies, fp32 and bf16. A rank that finds a
+both layouts, causal and not, grouped-query heads, both strategies, fp32 and bf16, plus shards whose
+contributions cancel (partials must stay fp32 until the one rounding). A rank that finds a
 mismatch raises, which fails the spawn. The worker loops over all cases in one spawn per world size,
 because starting the processes costs more than the cases.
 """
@@ -35,7 +36,7 @@ def _cases(world: int) -> list[dict]:
             ("contiguous", "zigzag"), (False, True), ((2, 2), (4, 2)), ("ring", "allgather")):
         cases.append(dict(layout=layout, causal=causal, hq=hq, hkv=hkv, strategy=strategy,
                           dtype=torch.float32, softcap=None))
-    # bf16 (partials are rounded to bf16 by the attention op, see the tolerance) and softcap, ring only.
+    # bf16 and softcap, ring only.
     cases.append(dict(layout="zigzag", causal=True, hq=4, hkv=1, strategy="ring", dtype=torch.bfloat16,
                       softcap=None))
     cases.append(dict(layout="contiguous", causal=True, hq=2, hkv=2, strategy="ring", dtype=torch.float32,
@@ -123,6 +124,37 @@ def _huge_logits_case(rank: int, world: int, device: str = "cpu") -> None:
         assert err <= 1e-5, f"huge logits, {layout}/{strategy}: error {err:.3e} (rank {rank})"
 
 
+def _cancelling_case(rank: int, world: int, dtype: torch.dtype, device: str = "cpu") -> None:
+    """Shards whose contributions cancel: q = 0 (every key weighs 1/S, so out = mean(v) and dv = mean(g))
+    with v and g near +100 on the first half of the sequence and near -100 on the second. Each shard's
+    partial is then about +-100 and the exact result is small: partials rounded to bf16 before the merge
+    give 0 (error 100%); the contract's single rounding at the end gives the exact value to within one
+    rounding plus fp32 accumulation error. Compared with the float64 result of the same rounded inputs."""
+    s_local, d = 8, 8
+    s = world * s_local
+    gen = torch.Generator().manual_seed(11)
+    sign = torch.where(torch.arange(s) < s // 2, 1.0, -1.0).double().view(1, 1, s, 1)
+    q = torch.zeros(1, 1, s, d, dtype=torch.float64)
+    k = torch.randn(1, 1, s, d, generator=gen, dtype=torch.float64)
+    v = 100 * sign + 0.3 * torch.randn(1, 1, s, d, generator=gen, dtype=torch.float64)
+    g = 100 * sign + 0.3 * torch.randn(1, 1, s, d, generator=gen, dtype=torch.float64)
+    q, k, v, g = (t.to(device=device, dtype=dtype) for t in (q, k, v, g))
+    exact_out = v.double().mean(2, keepdim=True).expand(1, 1, s, d)
+    exact_dv = g.double().mean(2, keepdim=True).expand(1, 1, s, d)
+    eps = torch.finfo(dtype).eps
+    for layout, strategy in itertools.product(("contiguous", "zigzag"), ("ring", "allgather")):
+        local = [cp.shard_sequence(t, rank, world, layout).requires_grad_(True) for t in (q, k, v)]
+        out = cp.context_parallel_attention(*local, layout=layout, strategy=strategy)
+        out.backward(cp.shard_sequence(g, rank, world, layout))
+        for name, a, e in (("out", out, exact_out), ("dv", local[2].grad, exact_dv)):
+            e = cp.shard_sequence(e, rank, world, layout)
+            bound = eps * e.abs() + s * 2.0**-24 * 101 + 1e-12  # one rounding + fp32 sums of +-100 terms
+            err = (a.detach().double() - e).abs()
+            assert (err <= bound).all(), (f"cancelling shards, {layout}/{strategy} {dtype}: {name} error "
+                                          f"{err.max().item():.3e} (exact max {e.abs().max().item():.3e}, "
+                                          f"rank {rank})")
+
+
 def _worker(rank: int, world: int, init_file: str, backend: str, seed: int, case_ids: list[int],
             huge: bool) -> None:
     os.environ["SAFEOPS_BACKEND"] = backend
@@ -136,6 +168,8 @@ def _worker(rank: int, world: int, init_file: str, backend: str, seed: int, case
             _run_case(rank, world, cases[i], seed + i)
         if huge:
             _huge_logits_case(rank, world)
+        # bf16 on the reference; fp16 through the interpreted kernels (the interpreter's bf16 dot is broken)
+        _cancelling_case(rank, world, torch.bfloat16 if backend == "reference" else torch.float16)
     finally:
         dist.destroy_process_group()
 

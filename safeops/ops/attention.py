@@ -169,6 +169,41 @@ def _attention_function(below):
     return Recorded_attention
 
 
+# ---------------------------------------------------------------------------------------------------
+# Partials in fp32 (for merging, e.g. safeops.distributed): contract section 2 asks for one rounding of the
+# final result, so partial outputs and gradients that are summed afterwards must not be rounded to bf16/fp16
+# first (shards whose contributions cancel would lose everything). Not ops: plain functions for callers
+# that merge inside their own autograd.Function.
+# ---------------------------------------------------------------------------------------------------
+
+
+def partial_forward(q, k, v, is_causal, scale, softcap, window_left, window_right, precision):
+    """(out, row_max, row_sum) of dense attention with ``out`` in fp32 (fp64 for fp64 inputs)."""
+    acc = reference.compute_dtype(q.dtype)
+    args = (None, 0, None, None, q.shape[2], k.shape[2], is_causal, scale, softcap, window_left,
+            window_right)
+    if _runs_reference(q):  # the reference computes in fp32 anyway: give it fp32 inputs (exact upcast)
+        return _forward_impl(q.to(acc), k.to(acc), v.to(acc), *args, 0 if acc == torch.float32 else precision)
+    from . import attention_launch
+
+    return attention_launch.forward(q, k, v, *args, precision, out_dtype=acc)
+
+
+def partial_backward(grad, q, k, v, out, row_max, row_sum, is_causal, scale, softcap, window_left,
+                     window_right, precision):
+    """(dq, dk, dv) of dense attention in fp32 (fp64 for fp64 inputs), from the given output and row
+    statistics (which may be those of a larger, merged attention)."""
+    acc = reference.compute_dtype(q.dtype)
+    args = (None, 0, None, None, q.shape[2], k.shape[2], is_causal, scale, softcap, window_left,
+            window_right)
+    if _runs_reference(q):
+        return _backward_impl(grad.to(acc), q.to(acc), k.to(acc), v.to(acc), out.to(acc), row_max, row_sum,
+                              *args, 0 if acc == torch.float32 else precision)
+    from . import attention_launch
+
+    return attention_launch.backward(grad, q, k, v, out, row_max, row_sum, *args, precision, grad_dtype=acc)
+
+
 # Registered through torch.library.Library (safeops.ops._launch.define_op) rather than
 # torch.library.custom_op: the same schemas, implementations, fakes and autograd, with fewer Python layers
 # on every call (compiled graphs call these ops at run time). attention_backward has no derivative: a

@@ -367,11 +367,16 @@ def _sum_split(part: torch.Tensor, split: int, varlen: bool) -> torch.Tensor:
     return part.view(b, h // split, split, s, d).sum(2)
 
 
-def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale, softcap, wl, wr, precision):
+def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale, softcap, wl, wr, precision,
+            *, out_dtype: torch.dtype | None = None):
+    """``out_dtype`` (internal): the output's dtype when it is not q's, e.g. fp32 partials that are merged
+    before the one rounding (safeops.distributed); the kernel stores in its output pointer's type."""
     from .attention import _fake_forward
 
     _check_device(q)
     out, row_max, row_sum = _fake_forward(q, v, cu_q is not None)
+    if out_dtype is not None and out_dtype != out.dtype:
+        out = torch.empty(out.shape, dtype=out_dtype, device=out.device)
     if out.numel() == 0 and row_max.numel() == 0:
         return out, row_max, row_sum
     if k.numel() == 0 or max_k == 0:
@@ -404,9 +409,13 @@ def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale
 
 
 def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal,
-             scale, softcap, wl, wr, precision):
+             scale, softcap, wl, wr, precision, *, grad_dtype: torch.dtype | None = None):
+    """``grad_dtype`` (internal): dq, dk, dv in this dtype instead of the inputs' (see ``forward``)."""
     _check_device(q)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if grad_dtype is None:
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    else:
+        dq, dk, dv = (torch.empty(t.shape, dtype=grad_dtype, device=t.device) for t in (q, k, v))
     if q.numel() == 0 or k.numel() == 0 or max_q == 0 or max_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     p = _problem(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, wl, wr, precision)
