@@ -34,6 +34,7 @@ Every rank must call with the same shapes, options and layout; all ranks of the 
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -355,6 +356,28 @@ class _ContextParallelAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
+
+def _check_ranks_agree(group, world: int, q, k, v, is_causal, scale, softcap, code, layout, strategy) -> None:
+    """Every rank must pass the same shapes and options, or the ring's transfers mismatch (a gloo error, an
+    NCCL hang). One small all-gather compares them; every rank sees the same table and raises the same
+    ValueError."""
+    fields = [*q.shape, *k.shape, *v.shape, _DTYPE_CODES.get(q.dtype, 0), int(bool(is_causal)),
+              LAYOUTS.index(layout), STRATEGIES.index(strategy), int(code), int(softcap is not None),
+              struct.unpack("<q", struct.pack("<d", float(scale)))[0],
+              struct.unpack("<q", struct.pack("<d", float(softcap or 0.0)))[0]]
+    mine = torch.tensor(fields, dtype=torch.int64, device=q.device)
+    table = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(table, mine, group=group)  # (gloo has no all_gather_into_tensor)
+    rows = torch.stack(table).tolist()
+    if any(row != rows[0] for row in rows):
+        shapes = "; ".join(f"rank {r}: q {tuple(row[0:4])}, k {tuple(row[4:8])}, v {tuple(row[8:12])}"
+                           for r, row in enumerate(rows))
+        raise ValueError("q, k, v: every rank of the group must pass the same shard shapes, dtype and "
+                         f"options (is_causal, scale, softcap, precision, layout, strategy); got {shapes}")
+
+
 def choose_strategy(k: torch.Tensor, v: torch.Tensor, world_size: int) -> str:
     """The ``"auto"`` rule: ``"allgather"`` when the gathered k and v fit ``ALLGATHER_MAX_BYTES``."""
     gathered = world_size * (k.numel() * k.element_size() + v.numel() * v.element_size())
@@ -407,6 +430,7 @@ def context_parallel_attention(q, k, v, *, group=None, is_causal: bool = False, 
         out = _functional.attention(q, k, v, is_causal=is_causal, scale=scale, softcap=softcap,
                                     return_lse=return_lse, precision=precision)
         return out
+    _check_ranks_agree(group, world, q, k, v, is_causal, scale, softcap, code, layout, strategy)
     cfg = _Config(group=group, world=world, rank=rank, is_causal=is_causal, scale=scale, softcap=softcap,
                   precision=code, layout=layout, strategy=strategy)
     out, lse = _ContextParallelAttention.apply(q, k, v, cfg)

@@ -181,6 +181,31 @@ def _spawn(world: int, backend: str, seed, case_ids: list[int], huge: bool) -> N
                            nprocs=world, join=True, start_method=_START_METHOD)
 
 
+def _mismatch_worker(rank: int, world: int, init_file: str) -> None:
+    os.environ["SAFEOPS_BACKEND"] = "reference"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        s_local = 8 if rank == 0 else 6  # rank 1 holds a shorter shard: the ring's transfers would mismatch
+        q = torch.randn(1, 2, s_local, 8)
+        with pytest.raises(ValueError, match="every rank of the group must pass the same shard shapes"):
+            cp.context_parallel_attention(q, q, q, strategy="ring")
+        # Options must agree too.
+        q = torch.randn(1, 2, 8, 8)
+        with pytest.raises(ValueError, match="every rank of the group"):
+            cp.context_parallel_attention(q, q, q, is_causal=rank == 0, strategy="ring")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_that_disagree_raise_everywhere():
+    """Shards or options that differ between ranks raise the same ValueError on every rank (one small
+    all-gather compares them) instead of mismatched transfers or a hang."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_mismatch_worker, args=(2, os.path.join(tmp, "rendezvous")), nprocs=2, join=True,
+                           start_method=_START_METHOD)
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_matches_single_process_reference(world, seed):
     """Reference backend: every case of ``_cases``, forward and backward, plus the huge-logit case."""
