@@ -148,8 +148,10 @@ def _attn(cfg: _Config, q, k, v, causal: bool, offset: int = -1):
 
 def _attn_backward(cfg: _Config, grad, q, k, v, out, m, l, causal: bool, offset: int = -1):
     is_causal, wl, wr = _window(cfg, causal, offset)
-    return _ops_attention.partial_backward(grad.contiguous(), q, k, v, out, m.contiguous(), l.contiguous(),
-                                           is_causal, cfg.scale, cfg.softcap, wl, wr, cfg.precision)
+    # Row slices as they are: the launcher takes any strides with a unit last dim (and makes the stats
+    # contiguous itself); copying each slice here was a second pass over grad per ring step.
+    return _ops_attention.partial_backward(grad, q, k, v, out, m, l, is_causal, cfg.scale, cfg.softcap, wl,
+                                           wr, cfg.precision)
 
 
 class _Merged:

@@ -22,7 +22,9 @@ Set ``safeops.ops._launch.DIRECT = False`` to launch every kernel through ``JITF
 from __future__ import annotations
 
 import torch
+import triton
 from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
 # Launch compiled kernels directly once a KernelLaunch has made its first launch (see the module docstring).
 DIRECT = True
@@ -114,6 +116,52 @@ class KernelLaunch:
         except Exception:  # noqa: BLE001 - an unknown Triton: every launch goes through JITFunction.run
             self._direct_ok = False
             self._compiled.clear()
+
+
+# Launches keyed by their exact argument signature, for launchers that do not keep plans of their own: the
+# key holds every non-tensor argument's value and every tensor's dtype and 16-byte alignment (with the
+# device), which is all that decides Triton's specialisation, plus the grid and the keyword arguments.
+_PLANS: dict = {}
+_PLANS_MAX = 4096
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``; on CUDA through one cached :class:`KernelLaunch` per argument
+    signature, so a repeated call launches the compiled kernel directly. Interpreted kernels, CPU tensors
+    and non-JIT stand-ins (tests' recorders) launch as ``kernel[grid]``."""
+    first = args[0]
+    if (not isinstance(kernel, JITFunction) or isinstance(kernel, InterpretedFunction)
+            or first.device.type != "cuda"):
+        kernel[grid](*args, **kwargs)
+        return
+    key = (kernel, grid, first.device.index, tuple(
+        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args),
+        tuple(kwargs.items()))
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        plan = _PLANS[key] = KernelLaunch(kernel, grid, kwargs)
+    plan(*args)
+
+
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for device-side TMA descriptors (Triton asks for it at each launch that needs it)."""
+    return torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+
+
+def ensure_tma_allocator() -> None:
+    """Device-side tensor descriptors need Triton's global scratch allocator. Triton keeps it in a
+    ContextVar, so it is per thread: setting it once is not enough (the autograd engine runs the backward on
+    its own thread). Set ours wherever none is set; a user's wins."""
+    try:
+        from triton.runtime import _allocation
+
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):  # private API moved: set ours every time
+        pass
+    triton.set_allocator(_tma_scratch)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -20,12 +20,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-import triton
 from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
 
 from .. import _config, reference
-from ._launch import KernelLaunch
+from ._launch import ensure_tma_allocator, launch
 
 _kernels = None
 
@@ -179,24 +177,6 @@ def constants(scale: float, softcap: float | None) -> tuple[float, float, float]
     return _f32(2.0 * reference.LOG2E * scale / softcap), _f32(softcap * reference.LOG2E), _f32(scale)
 
 
-def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global scratch for device-side TMA descriptors (Triton asks for it at each launch that needs it)."""
-    return torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
-
-
-def _ensure_allocator() -> None:
-    """Triton keeps its allocator in a ContextVar, so it is per thread: setting it once is not enough (the
-    autograd engine runs the backward on its own thread). Set ours wherever none is set; a user's wins."""
-    try:
-        from triton.runtime import _allocation
-
-        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-            return
-    except (ImportError, AttributeError):  # private API moved: set ours every time
-        pass
-    triton.set_allocator(_tma_scratch)
-
-
 def _tma_ok(*tensors: torch.Tensor) -> bool:
     """TMA descriptors need 16-byte aligned bases and 16-byte multiples for every stride but the last."""
     for t in tensors:
@@ -206,36 +186,18 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
-# Launches: one KernelLaunch per exact argument signature (see safeops.ops._launch): a repeated call skips
-# JITFunction.run's per-argument specialisation (~50 arguments here) and launches the compiled kernel
-# directly. The key holds every non-tensor argument's value and every tensor's dtype, device and 16-byte
-# alignment, which is all that decides Triton's specialisation, plus the grid and the keyword arguments.
-_PLANS: dict = {}
-_PLANS_MAX = 4096
-
-
 def _launch(kernel, grid: tuple, *args, **kwargs) -> None:
-    first = args[0]
-    if (not isinstance(kernel, JITFunction) or isinstance(kernel, InterpretedFunction)
-            or first.device.type != "cuda" or kwargs.get("USE_TMA")):
-        kernel[grid](*args, **kwargs)  # interpreter, recorders, TMA (its scratch is set up per launch)
-        return
-    key = (kernel, grid, first.device.index, tuple(
-        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args),
-        tuple(kwargs.items()))
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= _PLANS_MAX:
-            _PLANS.clear()
-        plan = _PLANS[key] = KernelLaunch(kernel, grid, kwargs)
-    plan(*args)
+    if kwargs.get("USE_TMA"):  # descriptors' scratch is set up per launch by JITFunction.run
+        kernel[grid](*args, **kwargs)
+    else:
+        launch(kernel, grid, *args, **kwargs)  # cached, direct launches (safeops.ops._launch)
 
 
 def _use_tma(cfg: AttnConfig, *tensors: torch.Tensor) -> bool:
     if not cfg.tma or not _tma_ok(*tensors):
         return False
     if tensors[0].device.type == "cuda":
-        _ensure_allocator()  # device-side descriptors live in a small global scratch buffer per launch
+        ensure_tma_allocator()  # device-side descriptors live in a small global scratch buffer per launch
     return True
 
 

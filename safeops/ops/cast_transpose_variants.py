@@ -11,7 +11,6 @@ flight); the small pieces it needs (workspace, SM count, TMA scratch) are repeat
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +18,7 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from .. import _config, reference
-from ._launch import KernelLaunch
+from ._launch import KernelLaunch, ensure_tma_allocator
 
 
 @dataclass(frozen=True)
@@ -95,41 +94,6 @@ def unsupported(v: Variant, x: torch.Tensor, dtype: torch.dtype) -> str | None:
     return None
 
 
-_workspaces: dict = {}
-_lock = threading.Lock()
-
-
-def _workspace(device: torch.device) -> torch.Tensor:
-    """Two int32 words, zero between launches (the kernel's last program re-zeroes them)."""
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return torch.zeros(2, dtype=torch.int32, device=device)
-        key = (device.type, device.index, torch.cuda.current_stream(device).cuda_stream)
-    else:
-        key = (device.type, None, threading.get_ident())
-    ws = _workspaces.get(key)
-    if ws is None:
-        with _lock:
-            ws = _workspaces.setdefault(key, torch.zeros(2, dtype=torch.int32, device=device))
-    return ws
-
-
-def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
-
-
-def _ensure_allocator() -> None:
-    """Device-side tensor descriptors need Triton's global scratch allocator (per thread; a user's wins)."""
-    try:
-        from triton.runtime import _allocation
-
-        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-            return
-    except (ImportError, AttributeError):
-        pass
-    triton.set_allocator(_tma_scratch)
-
-
 def kernel_options(v: Variant, x: torch.Tensor, dtype: torch.dtype, rowwise: bool) -> dict:
     """The constexprs and launch options of one launch (also what the offline compile test uses)."""
     m, k = x.shape
@@ -170,6 +134,14 @@ def _programs(kernel, args: list, options: dict, v: Variant, device: torch.devic
 _plans: dict = {}
 
 
+def _shipped_workspace(device: torch.device) -> torch.Tensor:
+    """The shipped launcher's amax workspace (same protocol: two int32 words, zero between launches, the
+    last program re-zeroes them); imported at call time, that module imports this one."""
+    from .cast_transpose_launch import _workspace
+
+    return _workspace(device)
+
+
 def warmup(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool, v: Variant) -> None:
     """Compiles the kernel ``cast_transpose`` would launch for these arguments, without launching it (the
     bench compiles its variants from several threads: ptxas runs in parallel)."""
@@ -202,9 +174,10 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, row
     y_t = torch.empty_strided((m, k), (1, m), dtype=dtype, device=x.device)
     amax = torch.empty((), dtype=torch.float32, device=x.device)
     if v.tma_x or v.tma_y or v.tma_yt:
-        _ensure_allocator()
+        ensure_tma_allocator()
     tensors = [x.view(torch.int16) if x.dtype == torch.bfloat16 else x, scale, y.view(torch.uint8),
-               y_t.t().view(torch.uint8).view(torch.int32), _workspace(x.device), amax.view(torch.int32)]
+               y_t.t().view(torch.uint8).view(torch.int32), _shipped_workspace(x.device),
+               amax.view(torch.int32)]
     kernel = kernels.cast_transpose_v2_kernel
     if _warmup:
         kernel.warmup(*tensors, *scalars, grid=(1,), **options)

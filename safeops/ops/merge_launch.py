@@ -9,10 +9,9 @@ from __future__ import annotations
 import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
 
 from .. import _config
-from ._launch import KernelLaunch
+from ._launch import launch
 
 _kernels = None
 
@@ -56,32 +55,6 @@ def _launch_options(num_warps: int) -> dict:
     return {"num_warps": num_warps, "enable_fp_fusion": _config.fp_fusion}
 
 
-# Launches: one KernelLaunch per exact argument signature (see safeops.ops._launch), as in
-# safeops.ops.attention_launch: a repeated call skips JITFunction.run's per-argument specialisation and
-# launches the compiled kernel directly. The key holds every non-tensor argument's value and every tensor's
-# dtype and 16-byte alignment (with the device), which is all that decides Triton's specialisation, plus the
-# grid and the keyword arguments (block sizes, HAS_GLSE, num_warps, enable_fp_fusion).
-_PLANS: dict = {}
-_PLANS_MAX = 4096
-
-
-def _launch(kernel, grid: tuple, *args, **kwargs) -> None:
-    first = args[0]
-    if (not isinstance(kernel, JITFunction) or isinstance(kernel, InterpretedFunction)
-            or first.device.type != "cuda"):
-        kernel[grid](*args, **kwargs)  # interpreter (CPU tensors), recorders: as before
-        return
-    key = (kernel, grid, first.device.index, tuple(
-        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args),
-        tuple(kwargs.items()))
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= _PLANS_MAX:
-            _PLANS.clear()
-        plan = _PLANS[key] = KernelLaunch(kernel, grid, kwargs)
-    plan(*args)
-
-
 def forward(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``o`` (P, R, D), ``lse`` (P, R) fp32 -> (out (R, D) in o's dtype, lse (R,) fp32)."""
     _check_device(o)
@@ -91,7 +64,7 @@ def forward(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     if R == 0:
         return out, lse_out
     block_r, block_d, num_warps = block_sizes(D, o.device)
-    _launch(kernels().merge_fwd_kernel, (triton.cdiv(R, block_r),),
+    launch(kernels().merge_fwd_kernel, (triton.cdiv(R, block_r),),
             o, lse, out, lse_out, P, R, D,
             o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
             BLOCK_R=block_r, BLOCK_D=block_d, **_launch_options(num_warps))
@@ -110,7 +83,7 @@ def backward(grad_out: torch.Tensor, grad_lse: torch.Tensor | None, o: torch.Ten
     block_r, block_d, num_warps = block_sizes(D, o.device)
     has_glse = grad_lse is not None
     glse = grad_lse if has_glse else lse
-    _launch(kernels().merge_bwd_kernel, (triton.cdiv(R, block_r),),
+    launch(kernels().merge_bwd_kernel, (triton.cdiv(R, block_r),),
             o, lse, grad_out, glse, go, gl, P, R, D,
             o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
             grad_out.stride(0), grad_out.stride(1), glse.stride(-1), go.stride(0), go.stride(1), go.stride(2),
