@@ -99,9 +99,10 @@ def _dsoftcap(ds, s, C1, SOFTCAP: tl.constexpr):
 @triton.jit
 def _apply_masks(z, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, mask_ptr, smi, smj,
                  MASKED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_WL: tl.constexpr,
-                 HAS_WR: tl.constexpr):
+                 HAS_WR: tl.constexpr, EVEN: tl.constexpr = False):
     """Additive mask, then select excluded keys to -inf. ``offs_m``/``offs_n`` are row/column vectors
-    already broadcast to z's orientation (queries x keys or keys x queries)."""
+    already broadcast to z's orientation (queries x keys or keys x queries). ``EVEN``: the caller knows every
+    key of the block is in bounds (whole blocks), so only the window decides."""
     if MASK_KIND != 0:
         in_bounds = (offs_m < seqlen_q) & (offs_n < seqlen_k)
         ptrs = mask_ptr + offs_m.to(tl.int64) * smi + offs_n.to(tl.int64) * smj
@@ -113,7 +114,10 @@ def _apply_masks(z, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_righ
             # An additive -inf excludes the key (select): a NaN score there must not reach the row.
             z = tl.where(add == NEG_INF, NEG_INF, z + add * LOG2E)
     if MASKED:
-        keep = offs_n < seqlen_k
+        if EVEN:
+            keep = tl.full(offs_n.shape, 1, tl.int1)
+        else:
+            keep = offs_n < seqlen_k
         if HAS_WR:
             keep = keep & (offs_n <= offs_m + window_right)
         if HAS_WL:
@@ -144,6 +148,12 @@ def _block_ranges(o0, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, n_inner, bef
     hi = tl.maximum(hi, lo)
     a = tl.minimum(tl.maximum(full_lo, lo), hi)
     b = tl.minimum(tl.maximum(full_hi, a), hi)
+    # a and b are multiples of BLOCK_I unless they equal hi (no fully visible block: [a, b) is empty); the
+    # floor changes no block's loop (a block in [floor(a), hi) goes to the masked [b, hi) loop either way)
+    # and lets the compiler see the multiple: start_m + arange in the unmasked loop is then known aligned
+    # (vectorised loads of the row statistics; hi, a sequence length, is not specialised).
+    a = (a // BLOCK_I) * BLOCK_I
+    b = (b // BLOCK_I) * BLOCK_I
     return lo, a, b, hi
 
 
@@ -193,6 +203,18 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, mask_ptr, offs_
         acc = _dot(_prep(p.to(v.dtype), PRECISION), _prep(v, PRECISION), acc, PRECISION)
         m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def _tail_end(b, hi, HAS_AFTER: tl.constexpr, EVEN: tl.constexpr):
+    """End of the masked tail [b, hi) of _block_ranges. Without a window on that side it holds only the
+    partial last block, which an ``EVEN`` launch (whole blocks) does not have: then the tail is [b, b), a loop
+    the compiler removes (its registers and predicates stay out of the main loop)."""
+    end = hi
+    if not HAS_AFTER:
+        if EVEN:
+            end = b
+    return end
 
 
 @triton.jit
@@ -328,14 +350,50 @@ def attn_bwd_delta_kernel(
 
 
 @triton.jit
-def _row_stats(m_ptr, l_ptr, delta_ptr, st, ok):
-    """(base, 1 / l, delta) of query rows; empty and out-of-range rows get base 0 and 1 / l = 0, so p = 0."""
-    m = tl.load(m_ptr + st, mask=ok, other=NEG_INF)
-    l = tl.load(l_ptr + st, mask=ok, other=0.0)
-    delta = tl.load(delta_ptr + st, mask=ok, other=0.0)
+def _row_stats(m_ptr, l_ptr, delta_ptr, st, ok, MASKED: tl.constexpr = True, EVEN: tl.constexpr = False):
+    """(base, 1 / l, delta) of query rows; empty and out-of-range rows get base 0 and 1 / l = 0, so p = 0.
+    An unmasked step, or any step of an ``EVEN`` launch, has every row in range (a whole block inside the
+    sequence): plain, vectorised loads. (``EVEN`` is only ever tested as ``if EVEN:``, so the kernels also
+    compile where a harness passes it as a runtime integer.)"""
+    if MASKED:
+        if EVEN:
+            m = tl.load(m_ptr + st)
+            l = tl.load(l_ptr + st)
+            delta = tl.load(delta_ptr + st)
+        else:
+            m = tl.load(m_ptr + st, mask=ok, other=NEG_INF)
+            l = tl.load(l_ptr + st, mask=ok, other=0.0)
+            delta = tl.load(delta_ptr + st, mask=ok, other=0.0)
+    else:
+        m = tl.load(m_ptr + st)
+        l = tl.load(l_ptr + st)
+        delta = tl.load(delta_ptr + st)
     base = tl.where(m == NEG_INF, 0.0, m)
     inv_l = tl.where(l == 0.0, 0.0, 1.0 / tl.where(l == 0.0, 1.0, l))
     return base, inv_l, delta
+
+
+@triton.jit
+def _load_cols(ptrs, cols_ok, FULL_COLS: tl.constexpr):
+    if FULL_COLS:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=cols_ok, other=0.0)
+    return x
+
+
+@triton.jit
+def _load_step(ptrs, rows_ok, cols_ok, FULL_COLS: tl.constexpr, MASKED: tl.constexpr, EVEN: tl.constexpr):
+    """The looped-over tile of one step. Rows need a mask only in a masked step of a launch that is not
+    ``EVEN``; columns only where the head dim is padded to the block (FULL_COLS False)."""
+    if MASKED:
+        if EVEN:
+            x = _load_cols(ptrs, cols_ok, FULL_COLS)
+        else:
+            x = tl.load(ptrs, mask=rows_ok[:, None] & cols_ok, other=0.0)
+    else:
+        x = _load_cols(ptrs, cols_ok, FULL_COLS)
+    return x
 
 
 @triton.jit
@@ -353,34 +411,29 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, m_ptr, l_ptr, de
                 MASKED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
                 SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_STAGES: tl.constexpr,
-                USE_TMA: tl.constexpr):
-    """Transposed orientation: sT = k q^T is (keys x queries)."""
+                USE_TMA: tl.constexpr, EVEN: tl.constexpr = False):
+    """Transposed orientation: sT = k q^T is (keys x queries). ``EVEN``: whole blocks only (every query row
+    and key in bounds): a masked step then masks for the window / causal diagonal alone."""
     for start_m in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
         offs_m = start_m + offs_m0
         q_ok = offs_m < seqlen_q
-        q_mask = offs_d[None, :] < HEAD_DIM
-        do_mask = offs_dv[None, :] < HEAD_DIM_V
-        if MASKED:
-            q_mask = q_mask & q_ok[:, None]
-            do_mask = do_mask & q_ok[:, None]
         if USE_TMA:
             q = q_desc.load([start_m, 0])
             do = do_desc.load([start_m, 0])
         else:
-            if BLOCK_D == HEAD_DIM and not MASKED:
-                q = tl.load(q_ptrs + start_m * sqs)
-            else:
-                q = tl.load(q_ptrs + start_m * sqs, mask=q_mask, other=0.0)
-            if BLOCK_DV == HEAD_DIM_V and not MASKED:
-                do = tl.load(do_ptrs + start_m * sds)
-            else:
-                do = tl.load(do_ptrs + start_m * sds, mask=do_mask, other=0.0)
+            q = _load_step(q_ptrs + start_m * sqs, q_ok, offs_d[None, :] < HEAD_DIM, BLOCK_D == HEAD_DIM,
+                           MASKED, EVEN)
+            do = _load_step(do_ptrs + start_m * sds, q_ok, offs_dv[None, :] < HEAD_DIM_V,
+                            BLOCK_DV == HEAD_DIM_V, MASKED, EVEN)
         q = _prep(q, PRECISION)
         sT = _dot(k, tl.trans(q), tl.zeros([k.shape[0], BLOCK_M], tl.float32), PRECISION)
         zT = _scores(sT, C1, C2, SOFTCAP)
         zT = _apply_masks(zT, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left, window_right,
-                          mask_ptr, smi, smj, MASKED, MASK_KIND, HAS_WL, HAS_WR)
-        base, inv_l, delta = _row_stats(m_ptr, l_ptr, delta_ptr, st_base + offs_m.to(tl.int64) * sts, q_ok)
+                          mask_ptr, smi, smj, MASKED, MASK_KIND, HAS_WL, HAS_WR, EVEN)
+        # 32-bit row offsets from a per-sequence base (the statistics are contiguous: sts == 1), as the rows
+        # of q / dO: a 64-bit offset here made the loop counter 64-bit.
+        base, inv_l, delta = _row_stats(m_ptr + st_base, l_ptr + st_base, delta_ptr + st_base, offs_m * sts,
+                                        q_ok, MASKED, EVEN)
         pT = _probs(zT, base[None, :], inv_l[None, :])
         do = _prep(do, PRECISION)
         dv = _dot(_prep(pT.to(do.dtype), PRECISION), do, dv, PRECISION)
@@ -402,6 +455,7 @@ def attn_bwd_dkdv_kernel(
     VARLEN: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+    EVEN: tl.constexpr = False,
 ):
     """dk, dv of one key block of one kv head: loops over the group's query heads and their query blocks.
 
@@ -437,6 +491,7 @@ def attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     # Query i sees key j iff j - right <= i <= j + left: the roles of left and right swap.
     lo, a, b, hi = _block_ranges(n0, BLOCK_N, BLOCK_M, q_len, window_right, window_left, HAS_WR, HAS_WL)
+    tail_hi = _tail_end(b, hi, HAS_WL, EVEN)
     for g in range(GROUP // SPLIT):
         pid_h = kv_h * GROUP + part * (GROUP // SPLIT) + g
         q_base = q_ptr + pid_b.to(tl.int64) * sqb + pid_h.to(tl.int64) * sqh + q_start.to(tl.int64) * sqs
@@ -459,19 +514,19 @@ def attn_bwd_dkdv_kernel(
                              offs_n, offs_m0, offs_d, offs_dv, lo, a, q_len, k_len, sqs, sds, smi, smj,
                              window_left, window_right, C1, C2, scale_ds, HEAD_DIM, HEAD_DIM_V, True,
                              MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION, BLOCK_M, BLOCK_D, BLOCK_DV,
-                             NUM_STAGES, USE_TMA)
+                             NUM_STAGES, USE_TMA, EVEN)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, m_ptr, l_ptr, delta_ptr, st_base,
                              sts, mask_base,
                              offs_n, offs_m0, offs_d, offs_dv, a, b, q_len, k_len, sqs, sds, smi, smj,
                              window_left, window_right, C1, C2, scale_ds, HEAD_DIM, HEAD_DIM_V, False,
                              MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION, BLOCK_M, BLOCK_D, BLOCK_DV,
-                             NUM_STAGES, USE_TMA)
+                             NUM_STAGES, USE_TMA, EVEN)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, m_ptr, l_ptr, delta_ptr, st_base,
                              sts, mask_base,
-                             offs_n, offs_m0, offs_d, offs_dv, b, hi, q_len, k_len, sqs, sds, smi, smj,
+                             offs_n, offs_m0, offs_d, offs_dv, b, tail_hi, q_len, k_len, sqs, sds, smi, smj,
                              window_left, window_right, C1, C2, scale_ds, HEAD_DIM, HEAD_DIM_V, True,
                              MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION, BLOCK_M, BLOCK_D, BLOCK_DV,
-                             NUM_STAGES, USE_TMA)
+                             NUM_STAGES, USE_TMA, EVEN)
     dk = dk * scale_ds
     dk_base = dk_ptr + pid_b.to(tl.int64) * sdkb + out_h.to(tl.int64) * sdkh + k_start.to(tl.int64) * sdks
     dv_base = dv_ptr + pid_b.to(tl.int64) * sdvb + out_h.to(tl.int64) * sdvh + k_start.to(tl.int64) * sdvs
@@ -488,33 +543,26 @@ def _dq_inner(dq, q, do, base, inv_l, delta, k_ptrs, v_ptrs, k_desc, v_desc, mas
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               MASKED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
               SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              BLOCK_DV: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr):
-    """Forward orientation: s = q k^T is (queries x keys), as in the forward kernel."""
+              BLOCK_DV: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
+              EVEN: tl.constexpr = False):
+    """Forward orientation: s = q k^T is (queries x keys), as in the forward kernel. ``EVEN``: whole blocks
+    only (every key in bounds): a masked step then masks for the window / causal diagonal alone."""
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         offs_n = start_n + offs_n0
         kv_ok = offs_n < seqlen_k
-        k_mask = offs_d[None, :] < HEAD_DIM
-        v_mask = offs_dv[None, :] < HEAD_DIM_V
-        if MASKED:
-            k_mask = k_mask & kv_ok[:, None]
-            v_mask = v_mask & kv_ok[:, None]
         if USE_TMA:
             k = k_desc.load([start_n, 0])
             v = v_desc.load([start_n, 0])
         else:
-            if BLOCK_D == HEAD_DIM and not MASKED:
-                k = tl.load(k_ptrs + start_n * sks)
-            else:
-                k = tl.load(k_ptrs + start_n * sks, mask=k_mask, other=0.0)
-            if BLOCK_DV == HEAD_DIM_V and not MASKED:
-                v = tl.load(v_ptrs + start_n * svs)
-            else:
-                v = tl.load(v_ptrs + start_n * svs, mask=v_mask, other=0.0)
+            k = _load_step(k_ptrs + start_n * sks, kv_ok, offs_d[None, :] < HEAD_DIM, BLOCK_D == HEAD_DIM,
+                           MASKED, EVEN)
+            v = _load_step(v_ptrs + start_n * svs, kv_ok, offs_dv[None, :] < HEAD_DIM_V,
+                           BLOCK_DV == HEAD_DIM_V, MASKED, EVEN)
         k = _prep(k, PRECISION)
         s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), PRECISION)
         z = _scores(s, C1, C2, SOFTCAP)
         z = _apply_masks(z, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
-                         mask_ptr, smi, smj, MASKED, MASK_KIND, HAS_WL, HAS_WR)
+                         mask_ptr, smi, smj, MASKED, MASK_KIND, HAS_WL, HAS_WR, EVEN)
         # Unnormalised: the row factor 1 / l is applied to the dq accumulator at the end (one row per query).
         e = tl.exp2(tl.minimum(z - base[:, None], 0.0, propagate_nan=tl.PropagateNan.ALL))
         dp = _dot(do, tl.trans(_prep(v, PRECISION)), tl.zeros([q.shape[0], BLOCK_N], tl.float32), PRECISION)
@@ -534,9 +582,11 @@ def attn_bwd_dq_kernel(
     MASK_KIND: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, SOFTCAP: tl.constexpr,
     VARLEN: tl.constexpr, PRECISION: tl.constexpr, REVERSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr = False,
+    NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr = False, EVEN: tl.constexpr = False,
 ):
-    """dq of one query block, looping over the visible key blocks."""
+    """dq of one query block, looping over the visible key blocks. ``EVEN`` (the launcher's promise: not
+    varlen, seqlen_q % BLOCK_M == 0 and seqlen_k % BLOCK_N == 0): every block is whole, so the steps need no
+    bounds masks and, without a right window, the masked tail [b, hi) is empty and not compiled."""
     pid_m, pid_bh = _backward_program(n_bh)
     if pid_bh < 0:
         return
@@ -584,17 +634,18 @@ def attn_bwd_dq_kernel(
                    offs_d, offs_dv,
                    lo, a, q_len, k_len, sks, svs, smi, smj, window_left, window_right, C1, C2, scale_ds,
                    HEAD_DIM, HEAD_DIM_V, True, MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION, BLOCK_N,
-                   BLOCK_D, BLOCK_DV, NUM_STAGES, USE_TMA)
+                   BLOCK_D, BLOCK_DV, NUM_STAGES, USE_TMA, EVEN)
     dq = _dq_inner(dq, q, do, base, inv_l, delta, k_ptrs, v_ptrs, k_desc, v_desc, mask_base, offs_m, offs_n0,
                    offs_d, offs_dv,
                    a, b, q_len, k_len, sks, svs, smi, smj, window_left, window_right, C1, C2, scale_ds,
                    HEAD_DIM, HEAD_DIM_V, False, MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION, BLOCK_N,
-                   BLOCK_D, BLOCK_DV, NUM_STAGES, USE_TMA)
+                   BLOCK_D, BLOCK_DV, NUM_STAGES, USE_TMA, EVEN)
     dq = _dq_inner(dq, q, do, base, inv_l, delta, k_ptrs, v_ptrs, k_desc, v_desc, mask_base, offs_m, offs_n0,
                    offs_d, offs_dv,
-                   b, hi, q_len, k_len, sks, svs, smi, smj, window_left, window_right, C1, C2, scale_ds,
+                   b, _tail_end(b, hi, HAS_WR, EVEN), q_len, k_len, sks, svs, smi, smj, window_left,
+                   window_right, C1, C2, scale_ds,
                    HEAD_DIM, HEAD_DIM_V, True, MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION, BLOCK_N,
-                   BLOCK_D, BLOCK_DV, NUM_STAGES, USE_TMA)
+                   BLOCK_D, BLOCK_DV, NUM_STAGES, USE_TMA, EVEN)
     dq = dq * (inv_l * scale_ds)[:, None]
     dq_base = dq_ptr + pid_b.to(tl.int64) * sdqb + pid_h.to(tl.int64) * sdqh + q_start.to(tl.int64) * sdqs
     tl.store(dq_base + offs_m[:, None] * sdqs + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty),

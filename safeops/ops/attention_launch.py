@@ -319,6 +319,14 @@ def _backward_grid(n_blocks: int, n_bh: int, masked: bool) -> tuple[int, int, in
     return g, n_blocks, _cdiv(n_bh, g)
 
 
+def _even(p: _Problem, cfg: AttnConfig) -> bool:
+    """The backward kernels' ``EVEN``: every query block (block_m) and key block (block_n) of the launch is
+    whole (not varlen; both sequence lengths multiples of the blocks). The kernels then compile without the
+    bounds masks and the empty masked tail loop; the arithmetic per block and its order are unchanged, so the
+    bits are the same either way (a compile-time specialization, like Triton's own on integer arguments)."""
+    return not p.varlen and p.max_q % cfg.block_m == 0 and p.max_k % cfg.block_n == 0
+
+
 def _sum_split(part: torch.Tensor, split: int, varlen: bool) -> torch.Tensor:
     """(B, Hkv * split, S, D) -> (B, Hkv, S, D) (packed: (T, Hkv * split, D) -> (T, Hkv, D)), fp32, in a
     fixed order (deterministic)."""
@@ -415,7 +423,7 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
         *_bhs(dk_, p.varlen), *_bhs(dv_, p.varlen), *st, *p.mask_strides,
         p.hq, n_bh, p.max_q, p.max_k, p.window_left, p.window_right, c1, c2, scale_ds,
         **common, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, NUM_STAGES=kv.num_stages,
-        USE_TMA=_use_tma(kv, q_, g_), SPLIT=split, **_launch_options(kv),
+        USE_TMA=_use_tma(kv, q_, g_), SPLIT=split, EVEN=_even(p, kv), **_launch_options(kv),
     )
     if split > 1:
         dk_, dv_ = (_sum_split(t, split, p.varlen) for t in (dk_, dv_))
@@ -428,7 +436,7 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
         p.hq, p.batch * p.hq, p.max_q, p.max_k, n_m_blocks, p.window_left, p.window_right, c1, c2, scale_ds,
         **common, REVERSE=p.has_wr,
         BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, NUM_STAGES=qc.num_stages, USE_TMA=_use_tma(qc, k_, v_),
-        **_launch_options(qc),
+        EVEN=_even(p, qc), **_launch_options(qc),
     )
     for result, written in ((dq, dq_), (dk, dk_), (dv, dv_)):
         if written is not result:
