@@ -23,7 +23,11 @@ Implementations:
 Every output (y and y_t) is checked bit for bit against eager once per shape before it is timed.
 
     python3 bench/cast_transpose.py --out DIR [--budget-s S] [--quick] [--shapes 4096x4096,8192x8192]
-                                    [--scaling tensorwise|rowwise|both] [--sweep]
+                                    [--scaling tensorwise|rowwise|both] [--sweep | --host]
+
+After the tables, the host (CPU) time per back-to-back call of ``safeops.cast_transpose``, of the registered
+op and of the launcher is printed per case next to the kernel's time; ``--host`` prints only that (a few
+seconds).
 
 ``--sweep`` times safeops alone over tile configurations (tile, warps, pipeline stages, persistent or one
 program per tile, packed or byte transpose, hardware or integer rounding; ``sweep_candidates``) on the same
@@ -189,6 +193,30 @@ def host_us(fn, calls: int = 200) -> float:
     return elapsed / calls * 1e6
 
 
+def host_report(cases: list[H.Case], results: list | None = None, log=print) -> None:
+    """Per case: CPU time per back-to-back call of the public function, of the registered op (how compiled
+    graphs call it) and of the launcher alone, next to the kernel time the main table measured (do_bench;
+    when the host time is above it, back-to-back calls are host-bound and the table's GB/s understates the
+    kernel)."""
+    from safeops.ops import cast_transpose_launch as launch
+
+    kernel_us = {str(r.case): r.ms * 1e3 for r in results or [] if r.impl == "safeops" and r.status == "ok"}
+    op = torch.ops.safeops.cast_transpose.default
+    log("host time per call (CPU time of 200 back-to-back calls, no sync inside; best of 3), us:")
+    for case in cases:
+        t = make_inputs(case)
+        x, s, rowwise = t["x"], t["s"], case.direction == "rowwise"
+        public = min(host_us(build_safeops(case, t)) for _ in range(3))
+        via_op = min(host_us(lambda a=(x, s, FP8, rowwise): op(*a)) for _ in range(3))
+        launcher = min(host_us(lambda a=(x, s, FP8, rowwise): launch.cast_transpose(*a)) for _ in range(3))
+        k = kernel_us.get(str(case), math.nan)
+        verdict = "" if math.isnan(k) else ("  host-bound" if public > k else "  GPU-bound")
+        log(f"  {str(case):32s} safeops.cast_transpose {public:6.1f}  op {via_op:6.1f}  launcher "
+            f"{launcher:6.1f}  kernel {k:6.1f}{verdict}")
+        del t
+        H._free()
+
+
 def _cfg_text(cfg, hw) -> str:
     grid = {None: "persistent", 0: "grid=tiles"}.get(cfg.programs_per_sm, f"{cfg.programs_per_sm}/SM")
     conv = "hw" if hw is None else ("hw" if hw else "int-rne")
@@ -274,6 +302,8 @@ def main(argv=None) -> int:
                    help="stop starting new shapes after this many seconds (0: no limit)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--sweep", action="store_true", help="time safeops' tile configurations instead")
+    p.add_argument("--host", action="store_true",
+                   help="only the host time per call of safeops.cast_transpose (seconds, not minutes)")
     args = p.parse_args(argv)
 
     H.require_cuda("bench/cast_transpose.py")
@@ -290,6 +320,9 @@ def main(argv=None) -> int:
           f"{meta['triton']}, CUDA {meta['cuda']}: device-to-device copy {copy_gbps:.0f} GB/s", flush=True)
     out_dir = Path(args.out)
     cases = make_cases(shapes, scalings)
+    if args.host:
+        host_report(cases)
+        return 0
     if args.sweep:
         # Shorter timing per config than the main bench (many configs in ~2 minutes); every config is
         # still checked bit for bit against eager first.
@@ -300,6 +333,8 @@ def main(argv=None) -> int:
     results = H.run(bench, warmup_ms=warmup, rep_ms=rep, deadline=deadline,
                     log=lambda s: print(s, flush=True))
     H.report(results, meta, copy_gbps, out_dir, "cast_transpose", plot=not args.no_plot)
+    if only is None or "safeops" in only:
+        host_report(cases, results, log=lambda s: print(s, flush=True))
     print("note: columns are labelled by K; M per column is in the header of each table "
           "(4K = 4096x4096 and 16384x4096).")
     print(f"total {time.time() - t0:.0f} s")

@@ -24,8 +24,16 @@ one layer at a time:
 replaced by no-ops (the general path against the cached plan), and the registered op's layers on a tiny
 CPU tensor with the reference backend (the new registration against the same op through custom_op).
 
-    python bench/overhead.py [--calls 2000]
-    python bench/overhead.py --cpu [--calls 3000]
+Then ``safeops.cast_transpose`` (fp8 cast + transpose), layer by layer: the public function (eager fast
+path), the registered op as compiled graphs call it, its implementation, the launcher (cached route), the
+variant launcher the variants bench uses, and pieces (output allocations, workspace lookup). On the GPU also
+a check that the cached routes give the general path's and eager torch's bits and launch directly, and
+at the benchmark's shapes the host time per public call next to the kernel's time. With ``--cpu`` the
+GPU route's Python runs on the CPU (SAFEOPS_BACKEND=triton, launches replaced by no-ops, the GPU-only
+checks told this is a GPU). ``--cast`` runs only these tables.
+
+    python bench/overhead.py [--calls 2000] [--cast]
+    python bench/overhead.py --cpu [--calls 3000] [--cast]
 """
 
 from __future__ import annotations
@@ -334,17 +342,185 @@ def cpu(calls: int) -> None:
             *_op_cases(xs)[:5]], calls, 10)
 
 
+# ---------------------------------------------------------------------------------------------------
+# fp8 cast + transpose (safeops.cast_transpose)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _cast_cases(x: torch.Tensor, s: torch.Tensor, rows: torch.Tensor) -> list:
+    """The layers of one ``safeops.cast_transpose`` call, outermost first."""
+    from safeops.ops import cast_transpose as ct_ops
+    from safeops.ops import cast_transpose_launch as ct_launch
+    from safeops.ops import cast_transpose_variants as ct_variants
+
+    fp8 = torch.float8_e4m3fn
+    op = torch.ops.safeops.cast_transpose.default
+    x16 = x.to(torch.float16)
+    return [
+        ("safeops.cast_transpose, bf16 tensorwise", lambda: safeops.cast_transpose(x, s, fp8)),
+        ("safeops.cast_transpose, bf16 rowwise", lambda: safeops.cast_transpose(x, rows, fp8, rowwise=True)),
+        ("safeops.cast_transpose, fp16 (v1 kernel)", lambda: safeops.cast_transpose(x16, s, fp8)),
+        ("op, as compiled graphs call it", lambda: op(x, s, fp8, False)),
+        ("op implementation (ops.cast_transpose._impl)", lambda: ct_ops._impl(x, s, fp8, False)),
+        ("launcher (cast_transpose_launch)", lambda: ct_launch.cast_transpose(x, s, fp8, False)),
+        ("variant launcher (bench/cast_transpose_variants)",
+         lambda: ct_variants.cast_transpose(x, s, fp8, False, ct_launch.SHIPPED_VARIANT)),
+        ("  pieces: the outputs' 3 allocations", lambda: _cast_outputs(x, fp8)),
+        ("  pieces: amax workspace lookup", lambda: ct_launch._workspace(x.device)),
+        ("  pieces: _config.use_triton (reads the env)", lambda: safeops._config.use_triton(x)),
+    ]
+
+
+def _cast_outputs(x: torch.Tensor, fp8: torch.dtype) -> tuple:
+    """The launcher's three output allocations (y, y_t, amax), as its routes make them."""
+    m, k = x.shape
+    return (torch.empty(m, k, dtype=fp8, device=x.device),
+            torch.empty_strided((m, k), (1, m), dtype=fp8, device=x.device),
+            torch.empty(size=(), dtype=torch.float32, device=x.device))
+
+
+def cast_gpu(calls: int) -> None:
+    """Host time per ``safeops.cast_transpose`` call on the GPU: layer by layer on a tiny input (the GPU
+    work is negligible, so the wall time per call is the host's), then at the benchmark's shapes the CPU
+    time of back-to-back calls (no synchronisation inside) next to the kernel's own time."""
+    import triton.testing
+
+    from safeops.ops import cast_transpose_launch as ct_launch
+
+    dev = "cuda"
+    x = torch.randn(64, 128, device=dev).to(torch.bfloat16)
+    s = torch.tensor(0.5, device=dev)
+    rows = torch.rand(64, 1, device=dev) + 0.5
+    print(f"fp8 cast + transpose, host time per call ({calls} back-to-back calls, best of 3); "
+          f"64 x 128 bf16 -> e4m3fn")
+    _print(_cast_cases(x, s, rows), calls)
+    _print([
+        ("  pieces: torch.cuda.current_stream()", torch.cuda.current_stream),
+        ("  pieces: torch.empty((64, 128), fp8, cuda)",
+         lambda: torch.empty((64, 128), dtype=torch.float8_e4m3fn, device=dev)),
+    ], calls)
+    print("checks")
+    _check_cast_routes(dev)
+    print("at the benchmark's shapes: host = CPU time per call of 200 back-to-back calls (no sync inside), "
+          "kernel = do_bench of the same call (its L2 flush hides host time below ~70 us)")
+    for m, k in ((4096, 4096), (3072, 12288), (8192, 8192)):
+        big = torch.randn(m, k, device=dev).mul_(300).to(torch.bfloat16)
+        for name, scale in (("tensorwise", s), ("rowwise", torch.rand(m, 1, device=dev) + 0.5)):
+            rowwise = name == "rowwise"
+            args = (big, scale, torch.float8_e4m3fn)
+
+            def call(args=args, rowwise=rowwise):
+                return safeops.cast_transpose(*args, rowwise=rowwise)
+
+            def launcher(args=args, rowwise=rowwise):
+                return ct_launch.cast_transpose(*args, rowwise)
+
+            host = _host_us(call)
+            host_launcher = _host_us(launcher)
+            kernel = triton.testing.do_bench(call, warmup=10, rep=50) * 1e3
+            wall = per_call_us(call, 200)
+            verdict = "host-bound" if host > kernel else "GPU-bound"
+            print(f"  {m}x{k} {name:10s} safeops.cast_transpose host {host:6.1f} us (launcher alone "
+                  f"{host_launcher:5.1f}), kernel {kernel:6.1f} us, back-to-back wall {wall:6.1f} us/call: "
+                  f"{verdict}, {m * k * 4 / wall * 1e-6:.2f} TB/s", flush=True)
+        del big
+        torch.cuda.empty_cache()
+
+
+CAST_CHECKS = (((4096, 4096), torch.bfloat16, False), ((4096, 4096), torch.bfloat16, True),
+               ((1000, 36), torch.bfloat16, False), ((1002, 40), torch.bfloat16, True),
+               ((512, 768), torch.float16, False), ((64, 4096), torch.float32, True))
+
+
+def _check_cast_routes(dev: str = "cuda", cases=CAST_CHECKS) -> None:
+    """The cached routes give the bits the general path (every decision made again) and eager torch give,
+    and launch the compiled kernel directly."""
+    from safeops.ops import cast_transpose_launch as ct_launch
+
+    fp8 = torch.float8_e4m3fn
+    for (m, k), dtype, rowwise in cases:
+        x = torch.randn(m, k, device=dev).mul_(300).to(dtype)
+        s = torch.rand(m, 1, device=dev) + 0.5 if rowwise else torch.tensor(0.7, device=dev)
+        ct_launch.clear_routes()
+        outs = [safeops.cast_transpose(x, s, fp8, rowwise=rowwise) for _ in range(3)]
+        routes = list(ct_launch._routes.values())
+        general = ct_launch._general(x, s, fp8, rowwise, None, None)
+        y = (x.float() * s).clamp(-448.0, 448.0).to(fp8)
+        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) and a.stride() == b.stride()
+                   for out in outs for a, b in ((out[0], general[0]), (out[1], general[1]), (out[0], y),
+                                                (out[1], y.t().contiguous().t())))
+        same = same and all(torch.equal(out[2], general[2]) for out in outs)
+        route = routes[0] if len(routes) == 1 else routes
+        if not isinstance(route, ct_launch._Route):
+            what = f"route {route}"
+        else:
+            direct = bool(route.launch is not None and route.launch._compiled)
+            what = f"route {route.kernel.fn.__name__}, launching directly: {direct}"
+        print(f"  {m}x{k} {str(dtype)[6:]} {'rowwise' if rowwise else 'tensorwise'}: bits "
+              f"{'identical' if same else 'DIFFER'} (route vs general path vs eager); {what}", flush=True)
+
+
+def _host_us(fn, calls: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    _sync()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        _sync()
+    return best
+
+
+def cast_cpu(calls: int) -> None:
+    """The Python part of a GPU ``safeops.cast_transpose`` call, on the CPU: SAFEOPS_BACKEND=triton with
+    the kernel launches replaced by no-ops and the launcher's GPU-only checks told this is a GPU, so the
+    calls take the GPU's route (bf16: the v2 kernel's plan; fp16: the v1 kernel's)."""
+    from safeops.ops import cast_transpose_launch as ct_launch
+    from safeops.ops import cast_transpose_variants as ct_variants
+
+    saved_env = os.environ.get("SAFEOPS_BACKEND")
+    os.environ["SAFEOPS_BACKEND"] = "triton"
+    patches = [(_launch.KernelLaunch, "__call__", lambda self, *args: None),
+               (ct_launch, "_interpreted", lambda: False), (ct_launch, "_check_device", lambda x: None)]
+    patches.append((ct_variants, "_on_gpu", lambda x: True))
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, value in patches:
+        setattr(obj, name, value)
+    try:
+        x = torch.randn(256, 512).to(torch.bfloat16)
+        s = torch.tensor(0.5)
+        rows = torch.rand(256, 1) + 0.5
+        print("fp8 cast + transpose, the GPU route's Python on the CPU (kernel launches replaced by no-ops), "
+              "256 x 512 bf16 -> e4m3fn")
+        _print(_cast_cases(x, s, rows), calls, 10)
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+        if saved_env is None:
+            os.environ.pop("SAFEOPS_BACKEND", None)
+        else:
+            os.environ["SAFEOPS_BACKEND"] = saved_env
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=None)
     p.add_argument("--cpu", action="store_true", help="measure the Python part on the CPU (no GPU needed)")
+    p.add_argument("--cast", action="store_true", help="only the fp8 cast + transpose tables")
     args = p.parse_args()
     if args.cpu:
-        cpu(args.calls or 3000)
+        if not args.cast:
+            cpu(args.calls or 3000)
+        cast_cpu(args.calls or 3000)
         return
     if not torch.cuda.is_available():
         sys.exit("bench/overhead.py: needs a CUDA GPU (or --cpu)")
-    gpu(args.calls or 2000)
+    if not args.cast:
+        gpu(args.calls or 2000)
+    cast_gpu(args.calls or 2000)
 
 
 if __name__ == "__main__":

@@ -487,4 +487,4 @@ def cast_transpose(x, scale, dtype=torch.float8_e4m3fn, *, rowwise=False):
     elif scale.numel() != 1 or scale.dim() > 2:
         raise ValueError(f"scale must have one element (or pass rowwise=True with an (M, 1) scale), "
                          f"got shape {tuple(scale.shape)}")
-    return _ops_cast.cast_transpose_op(x.detach(), scale.detach(), dtype, rowwise)
+    return _ops_cast.cast_transpose(x, scale, dtype, rowwise)  # the registered op, or its eager fast path

@@ -121,13 +121,32 @@ def _check_device(x: torch.Tensor) -> None:
 
 _workspaces: dict = {}
 _lock = threading.Lock()
+_cuda_stream_fns: list = []
+
+
+def _cuda_streams():
+    """(is the current stream capturing, raw handle of a device's current stream): the torch._C functions
+    Triton's own launcher and Inductor use (no Stream object per call), else the public ones."""
+    if not _cuda_stream_fns:
+        try:
+            from torch._C import _cuda_getCurrentRawStream as raw
+            from torch._C import _cuda_isCurrentStreamCapturing as capturing
+        except ImportError:
+            capturing = torch.cuda.is_current_stream_capturing
+
+            def raw(index):
+                return torch.cuda.current_stream(index).cuda_stream
+        _cuda_stream_fns[:] = [capturing, raw]
+    return _cuda_stream_fns
 
 
 def _workspace(device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
+        capturing, raw = _cuda_stream_fns or _cuda_streams()
+        if capturing():
             return torch.zeros(2, dtype=torch.int32, device=device)
-        key = (device.type, device.index, torch.cuda.current_stream(device).cuda_stream)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = ("cuda", index, raw(index))
     else:
         key = (device.type, None, threading.get_ident())
     ws = _workspaces.get(key)
@@ -172,9 +191,9 @@ def _wide(m: int, k: int, sxm: int, sxk: int, cfg: TileConfig) -> bool:
 _plans: dict = {}
 
 
-def _plan(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool, config: TileConfig,
-          hardware_convert: bool, pack: bool, tensors: list) -> tuple:
-    """(scalar arguments, the launch) of one launch; the launch is made with ``(*tensors, *scalars)``."""
+def _options_and_scalars(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool,
+                         config: TileConfig, hardware_convert: bool, pack: bool) -> tuple[dict, tuple]:
+    """The constexprs + launch options and the scalar arguments of the v1 kernel (no tensor is kept)."""
     m, k = x.shape
     fmt = reference.FP8_FORMATS[dtype]
     n_tiles_k = triton.cdiv(k, config.block_k)
@@ -190,8 +209,15 @@ def _plan(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: boo
         NUM_STAGES=config.num_stages, BLOCK_M=config.block_m, BLOCK_K=config.block_k, PACK=pack,
         num_warps=config.num_warps, enable_fp_fusion=_config.fp_fusion,
     )
+    return options, scalars
+
+
+def _plan(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool, config: TileConfig,
+          hardware_convert: bool, pack: bool, tensors: list) -> tuple:
+    """(scalar arguments, the launch) of one launch; the launch is made with ``(*tensors, *scalars)``."""
+    options, scalars = _options_and_scalars(x, scale, dtype, rowwise, config, hardware_convert, pack)
     kernel = kernels().cast_transpose_kernel
-    programs = min(n_tiles, _programs(kernel, [*tensors, *scalars], options, config, x.device))
+    programs = min(scalars[6], _programs(kernel, [*tensors, *scalars], options, config, x.device))
     return scalars, KernelLaunch(kernel, (programs,), options)
 
 
@@ -202,14 +228,129 @@ def _yt_arg(y_t: torch.Tensor, pack: bool) -> torch.Tensor:
     return storage.view(torch.int32) if pack else storage
 
 
+# ---------------------------------------------------------------------------------------------------
+# Routes: the default call (no config / hardware_convert given), what safeops.cast_transpose runs
+# ---------------------------------------------------------------------------------------------------
+# Per key -- x's shape, strides, dtype, device and 16-byte alignment, scale's dtype, alignment and row
+# stride, the fp8 dtype, rowwise -- the decision the general path below makes on every call (which kernel:
+# the v2 variant for bf16 with M % 4 == 0 on a GPU, else the v1 kernel with its tile table; the empty
+# and oversized cases and TMA variants: the general path itself), with that kernel's constexprs, scalar
+# arguments and launch (grid and compiled kernel kept: safeops.ops._launch). A repeated call then costs:
+# the key and one lookup, three output allocations, the workspace lookup, the kernel arguments' dtype
+# views and the launch. Fresh outputs and the workspace are 16-byte aligned (caching allocators); if one
+# ever is not, that call takes the general path (the compiled kernel is specialized on alignment).
+# The module settings a route depends on (SHIPPED_VARIANT, HARDWARE_CONVERT, CONFIGS, LARGE_NUMEL, ...)
+# are compared by identity on every call, and the routes dropped when one was replaced; changing a
+# TileConfig inside CONFIGS in place is not seen: call clear_routes() after that.
+
+_GENERAL = "general"
+_routes: dict = {}
+_route_state: list = [None]
+
+
+class _Route:
+    """One kernel's launch for one key. ``launch`` is made on the first call (the persistent grid's size
+    comes from the compiled kernel's occupancy, which needs the arguments)."""
+
+    __slots__ = ("kernel", "options", "scalars", "x_bits", "pack", "programs", "launch")
+
+    def __init__(self, kernel, options: dict, scalars: tuple, x_bits: bool, pack: bool, programs):
+        self.kernel, self.options, self.scalars = kernel, options, scalars
+        self.x_bits, self.pack = x_bits, pack  # x passed as int16 bits (bf16); y_t as int32 words
+        self.programs = programs  # (tensors, device) -> number of programs
+        self.launch = None
+
+    def first_launch(self, tensors: tuple, device: torch.device) -> KernelLaunch:
+        programs = min(self.scalars[6], self.programs(tensors, device))
+        self.launch = KernelLaunch(self.kernel, (programs,), self.options)
+        return self.launch
+
+
+def clear_routes() -> None:
+    """Forgets every route (after a change the per-call identity check cannot see, e.g. CONFIGS edited in
+    place)."""
+    _routes.clear()
+
+
+def _settings() -> tuple:
+    return (SHIPPED_VARIANT, HARDWARE_CONVERT, LARGE_NUMEL, CONFIGS.get("large"), CONFIGS.get("small"),
+            INTERPRETER_CONFIG, tile_config, _wide, _interpreted, _check_device, _config.fp_fusion,
+            _variants.unsupported, _variants._on_gpu)
+
+
+def _new_route(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool):
+    """The route of this call's key: what the general path would do, decided once (raises as it does)."""
+    _check_device(x)
+    m, k = x.shape
+    if x.numel() == 0 or m >= 2**31 or k >= 2**31:
+        return _GENERAL
+    interpreted = _interpreted()
+    v = SHIPPED_VARIANT
+    if not interpreted and v is not None and _variants.unsupported(v, x, dtype) is None:
+        if v.tma_x or v.tma_y or v.tma_yt:
+            return _GENERAL  # descriptors' scratch is set up per launch (the variant launcher does it)
+        options, scalars = _variants.launch_options_and_scalars(v, x, scale, dtype, rowwise)
+        kernel = _variants.kernels().cast_transpose_v2_kernel
+
+        def programs(tensors, device):
+            return _variants._programs(kernel, [*tensors, *scalars], options, v, device, scalars[6])
+
+        return _Route(kernel, options, scalars, x.dtype == torch.bfloat16, True, programs)
+    config = INTERPRETER_CONFIG if interpreted else tile_config(m, k, x.element_size())
+    hardware_convert = HARDWARE_CONVERT and not interpreted
+    pack = config.pack and m % 4 == 0
+    options, scalars = _options_and_scalars(x, scale, dtype, rowwise, config, hardware_convert, pack)
+    kernel = kernels().cast_transpose_kernel
+
+    def programs(tensors, device):
+        return _programs(kernel, [*tensors, *scalars], options, config, device)
+
+    return _Route(kernel, options, scalars, x.dtype == torch.bfloat16, pack, programs)
+
+
 def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool,
                    config: TileConfig | None = None, hardware_convert: bool | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Runs the kernel. ``config`` / ``hardware_convert`` override the table and the module default."""
+    if config is None and hardware_convert is None:
+        settings = _settings()
+        if settings != _route_state[0]:
+            _routes.clear()
+            _route_state[0] = settings
+        shape, device = x.shape, x.device
+        key = (shape, x.stride(), x.dtype, device, not x.data_ptr() & 15, scale.dtype,
+               not scale.data_ptr() & 15, scale.stride(0) if rowwise else 0, dtype, rowwise)
+        route = _routes.get(key)
+        if route is None:
+            route = _new_route(x, scale, dtype, rowwise)
+            if len(_routes) >= 4096:
+                _routes.clear()
+            _routes[key] = route
+        if route is not _GENERAL:
+            m, k = shape
+            y = torch.empty(m, k, dtype=dtype, device=device)
+            y_t = torch.empty_strided((m, k), (1, m), dtype=dtype, device=device)
+            amax = torch.empty(size=(), dtype=torch.float32, device=device)
+            ws = _workspace(device)
+            if not (y.data_ptr() | y_t.data_ptr() | amax.data_ptr() | ws.data_ptr()) & 15:
+                tensors = (x.view(torch.int16) if route.x_bits else x, scale, y.view(torch.uint8),
+                           y_t.t().view(torch.int32 if route.pack else torch.uint8), ws,
+                           amax.view(torch.int32))
+                launch = route.launch or route.first_launch(tensors, device)
+                launch(*tensors, *route.scalars)
+                return y, y_t, amax
+    return _general(x, scale, dtype, rowwise, config, hardware_convert)
+
+
+def _general(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool,
+             config: TileConfig | None, hardware_convert: bool | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every decision made on this call (explicit configs, empty or oversized inputs, and what routes do
+    not cover)."""
     _check_device(x)
-    y, y_t, amax = empty_outputs(x, dtype)
     m, k = x.shape
     if x.numel() == 0:
+        y, y_t, amax = empty_outputs(x, dtype)
         amax.zero_()  # the maximum of no magnitudes (documented in safeops.cast_transpose)
         return y, y_t, amax
     if m >= 2**31 or k >= 2**31:
@@ -218,6 +359,7 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, row
     if config is None and hardware_convert is None and not interpreted and SHIPPED_VARIANT is not None:
         if _variants.unsupported(SHIPPED_VARIANT, x, dtype) is None:
             return _variants.cast_transpose(x, scale, dtype, rowwise, SHIPPED_VARIANT)
+    y, y_t, amax = empty_outputs(x, dtype)
     if config is None:
         config = INTERPRETER_CONFIG if interpreted else tile_config(m, k, x.element_size())
     if hardware_convert is None:

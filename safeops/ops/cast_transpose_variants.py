@@ -1,12 +1,14 @@
-"""Experimental launcher for ``cast_transpose_v2_kernel`` (issue 6 speed work); not used by ``safeops``.
+"""Variants of ``cast_transpose_v2_kernel`` (issue 6 speed work) and their launcher.
 
 ``bench/cast_transpose_variants.py`` checks every :data:`VARIANTS` entry bit for bit against eager torch and
 times it next to the shipped kernel; ``tests/test_cast_transpose_configs.py`` compiles each for sm_90
-offline. A variant that wins can move into ``cast_transpose_launch`` (its kernel arguments and amax
-workspace protocol are the shipped kernel's, with ``PACK``).
+offline. ``cast_transpose_launch.SHIPPED_VARIANT`` is the one ``safeops.cast_transpose`` runs on a GPU (bf16,
+M % 4 == 0): that launcher keeps its own routes, built from :func:`unsupported` and
+:func:`launch_options_and_scalars` here (the kernel arguments and the amax workspace protocol are the
+v1 kernel's, with ``PACK``).
 
-Kept apart from ``cast_transpose_launch`` on purpose (another change to that file's host path was in
-flight); the small pieces it needs (workspace, SM count, TMA scratch) are repeated here.
+The launcher below (:func:`cast_transpose`, for the bench and tests) keeps its own program count and
+shares ``cast_transpose_launch``'s amax workspace and ``_launch``'s TMA allocator.
 """
 
 from __future__ import annotations
@@ -69,10 +71,26 @@ VARIANTS = (
 del V
 
 
-def _interpreted() -> bool:
-    from ..kernels import cast_transpose as k
+_kernels = None
 
-    return isinstance(k.cast_transpose_v2_kernel, InterpretedFunction)
+
+def kernels():
+    """The kernel module, imported on first use (importing safeops must not compile anything)."""
+    global _kernels
+    if _kernels is None:
+        from ..kernels import cast_transpose as module
+
+        _kernels = module
+    return _kernels
+
+
+def _interpreted() -> bool:
+    return isinstance(kernels().cast_transpose_v2_kernel, InterpretedFunction)
+
+
+def _on_gpu(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a CUDA tensor and kernels are compiled for the GPU (what inline PTX needs)."""
+    return x.device.type == "cuda" and not _interpreted()
 
 
 def unsupported(v: Variant, x: torch.Tensor, dtype: torch.dtype) -> str | None:
@@ -80,7 +98,7 @@ def unsupported(v: Variant, x: torch.Tensor, dtype: torch.dtype) -> str | None:
     m, k = x.shape
     if x.numel() == 0 or m % 4:
         return "needs M % 4 == 0 and a non-empty x (packed y_t words)"
-    if v.asm and (_interpreted() or x.device.type != "cuda"):
+    if v.asm and not _on_gpu(x):
         return "inline PTX runs on the GPU only"
     if v.asm and x.dtype != torch.bfloat16:
         return "the inline PTX path reads bf16"
@@ -131,6 +149,17 @@ def _programs(kernel, args: list, options: dict, v: Variant, device: torch.devic
     return min(n_tiles, _capacity[key])
 
 
+def launch_options_and_scalars(v: Variant, x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                               rowwise: bool) -> tuple[dict, tuple]:
+    """The constexprs + launch options and the scalar arguments of ``v``'s launch for this input (the
+    launcher's routes keep them; no tensor is kept)."""
+    m, k = x.shape
+    n_tiles_k = triton.cdiv(k, v.block_k)
+    n_tiles = triton.cdiv(m, v.block_m) * n_tiles_k
+    scalars = (m, k, x.stride(0), x.stride(1), scale.stride(0) if rowwise else 0, n_tiles_k, n_tiles, m // 4)
+    return kernel_options(v, x, dtype, rowwise), scalars
+
+
 _plans: dict = {}
 
 
@@ -151,48 +180,44 @@ def warmup(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bo
 def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool, v: Variant,
                    _warmup: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, y_t, amax) as ``safeops.cast_transpose`` returns them, computed by variant ``v``."""
-    from ..kernels import cast_transpose as kernels
-
     m, k = x.shape
     # Everything but the tensors depends only on this key: computed once (host time per call matters at
     # 4096 x 4096, where the kernel takes ~16 us at the target).
     key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0, scale.dtype,
-           scale.stride(0) if rowwise else 0, dtype, rowwise, v, _config.fp_fusion)
+           scale.data_ptr() % 16 == 0, scale.stride(0) if rowwise else 0, dtype, rowwise, v,
+           _config.fp_fusion)
     plan = _plans.get(key)
     if plan is None:
         why = unsupported(v, x, dtype)
         if why:
             raise ValueError(f"variant {v.name!r}: {why}")
-        n_tiles_k = triton.cdiv(k, v.block_k)
-        n_tiles = triton.cdiv(m, v.block_m) * n_tiles_k
-        scalars = [m, k, x.stride(0), x.stride(1), scale.stride(0) if rowwise else 0, n_tiles_k, n_tiles,
-                   m // 4]
-        plan = [scalars, kernel_options(v, x, dtype, rowwise), None]
+        options, scalars = launch_options_and_scalars(v, x, scale, dtype, rowwise)
+        plan = [scalars, options, None, None]  # programs and the launch: on the first (non-warm-up) call
         _plans[key] = plan
-    scalars, options, programs = plan
-    y = torch.empty((m, k), dtype=dtype, device=x.device)
-    y_t = torch.empty_strided((m, k), (1, m), dtype=dtype, device=x.device)
-    amax = torch.empty((), dtype=torch.float32, device=x.device)
-    if v.tma_x or v.tma_y or v.tma_yt:
+    scalars, options, programs, launch = plan
+    device = x.device
+    y = torch.empty(m, k, dtype=dtype, device=device)
+    y_t = torch.empty_strided((m, k), (1, m), dtype=dtype, device=device)
+    amax = torch.empty(size=(), dtype=torch.float32, device=device)
+    tma = v.tma_x or v.tma_y or v.tma_yt
+    if tma:
         ensure_tma_allocator()
-    tensors = [x.view(torch.int16) if x.dtype == torch.bfloat16 else x, scale, y.view(torch.uint8),
-               y_t.t().view(torch.uint8).view(torch.int32), _shipped_workspace(x.device),
-               amax.view(torch.int32)]
-    kernel = kernels.cast_transpose_v2_kernel
+    ws = _shipped_workspace(device)
+    tensors = (x.view(torch.int16) if x.dtype == torch.bfloat16 else x, scale, y.view(torch.uint8),
+               y_t.t().view(torch.int32), ws, amax.view(torch.int32))
+    kernel = kernels().cast_transpose_v2_kernel
     if _warmup:
         kernel.warmup(*tensors, *scalars, grid=(1,), **options)
         return y, y_t, amax
     if programs is None:
-        programs = plan[2] = _programs(kernel, [*tensors, *scalars], options, v, x.device, scalars[6])
-    if v.tma_x or v.tma_y or v.tma_yt:  # descriptors' scratch is set up per launch by JITFunction.run
+        programs = plan[2] = _programs(kernel, [*tensors, *scalars], options, v, device, scalars[6])
+    # The launch keeps the compiled kernel (safeops.ops._launch), which is specialized on the pointers'
+    # 16-byte alignment: x's and scale's are in the key, fresh outputs and the workspace are aligned; if
+    # one is not, and for TMA (descriptors' scratch is set up per launch), launch through JITFunction.run.
+    if tma or (y.data_ptr() | y_t.data_ptr() | amax.data_ptr() | ws.data_ptr()) & 15:
         kernel[(programs,)](*tensors, *scalars, **options)
         return y, y_t, amax
-    align = sum(1 << i for i, t in enumerate(tensors) if t.data_ptr() % 16 == 0)
-    launch = _launches.get((key, align))
-    if launch is None:  # keeps the compiled kernel: later calls launch it directly (safeops.ops._launch)
-        launch = _launches[(key, align)] = KernelLaunch(kernel, (programs,), options)
+    if launch is None:
+        launch = plan[3] = KernelLaunch(kernel, (programs,), options)
     launch(*tensors, *scalars)
     return y, y_t, amax
-
-
-_launches: dict = {}
