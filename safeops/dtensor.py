@@ -10,22 +10,28 @@ Each rank runs the op on its own shard, with no communication, when the sharding
   ``Shard(1)`` (heads). Sharding the heads of grouped-query attention keeps each group of q heads with its
   kv head, which needs ``Hkv`` divisible by the number of head shards (then ``Hq`` is too). ``attn_mask``
   (bool or additive) is placed like ``q`` after broadcasting to ``(B, Hq, Sq, Sk)``, or replicated.
+- ``merge_attention``: every partial output and lse placed alike, each mesh dimension ``Replicate`` or
+  ``Shard(d)`` on a batch, head or query-row dim (any dim of ``(..., Sq)``; the merge is per row), so the
+  DTensors ``attention(..., return_lse=True)`` returns merge as they are. Neither the head dim ``D`` of
+  the outputs (the lse gradient is a dot product over it) nor the partials dim of a stacked input (merged
+  over) can be sharded.
 
 Anything else (a ``Partial`` input, sharding on the reduced dimension or on the sequence of attention,
-mismatched placements, a plain tensor mixed with DTensors, packed varlen attention) raises a ``ValueError``
-that names the argument and the redistribute that would make it work. safeops never redistributes a
-forward input on its own: a hidden all-gather of an activation is a performance bug the user should see.
-(The backward ops are different: there the incoming gradient's placement is not the user's choice, so
-DTensor may redistribute it to match the saved input, e.g. a replicated gradient sliced to a shard.)
+mismatched placements (between partials too), a plain tensor mixed with DTensors, packed varlen attention)
+raises a ``ValueError`` that names the argument and the redistribute that would make it work. safeops
+never redistributes a forward input on its own: a hidden all-gather of an activation is a performance bug
+the user should see. (The backward ops are different: there the incoming gradient's placement is not the
+user's choice, so DTensor may redistribute it to match the saved input, e.g. a replicated gradient sliced
+to a shard.)
 
 The sharding strategies are registered with ``torch.distributed.tensor.experimental.register_sharding``
 for ``torch.ops.safeops.{softmax, log_softmax, logsumexp, softmax_backward, attention,
-attention_backward}``: at the end of ``import safeops`` when ``torch.distributed.tensor`` is already
-imported (with torch 2.13, importing safeops has loaded it through torch._dynamo; registering then costs
-~20 ms), else by the first DTensor a public function sees. ``import safeops`` never imports
-``torch.distributed.tensor`` itself and never fails over it. Code calling the ``torch.ops.safeops`` ops
-directly on DTensors may call :func:`register` first to be sure; there an unsupported placement raises
-DTensor's ``RuntimeError`` carrying the same message.
+attention_backward, merge_attention, merge_attention_backward}``: at the end of ``import safeops`` when
+``torch.distributed.tensor`` is already imported (with torch 2.13, importing safeops has loaded it through
+torch._dynamo; registering then costs ~20 ms), else by the first DTensor a public function sees.
+``import safeops`` never imports ``torch.distributed.tensor`` itself and never fails over it. Code calling
+the ``torch.ops.safeops`` ops directly on DTensors may call :func:`register` first to be sure; there an
+unsupported placement raises DTensor's ``RuntimeError`` carrying the same message.
 
 Results are the same bits as the op on the whole tensor: every supported sharding splits independent rows
 (batch, heads, non-reduced dims) and the kernels are batch-invariant (contract section 6).
@@ -158,6 +164,40 @@ def attention_error(names, placements_list, mesh_list, shapes) -> str | None:
     return None
 
 
+def merge_error(names, placements_list, mesh_list, shape, stacked: bool) -> str | None:
+    """Why merge_attention's outputs / lses (``names`` etc. are for the two, ``shape`` the outputs') cannot
+    be merged locally, or None. ``stacked``: the stacks ``(P, ..., Sq, D)`` / ``(P, ..., Sq)``; else one
+    partial ``(..., Sq, D)`` / ``(..., Sq)``, with the dims the caller sees (a list is checked unstacked)."""
+    _, shard = _kinds()
+    (o_name, l_name), (op, lp), (om, lm) = names, placements_list, mesh_list
+    op, lp = tuple(op), tuple(lp)
+    head = len(shape) - 1
+    ok = f"Replicate() or Shard(d), {int(stacked)} <= d < {head} (batch, head or query-row dims)"
+    if lm != om:
+        return f"{l_name} is on device mesh {lm} but {o_name} is on {om}: they must share one mesh"
+    for p in op:
+        if p.is_partial():
+            return (f"{o_name} has a Partial placement {_describe(op)}: merge_attention is not linear in "
+                    f"its inputs, it needs their reduced values; " + _redistribute_hint(o_name, op, ok))
+        if not _plain_placement(p):
+            return (f"{o_name} has placement {p} in {_describe(op)}; safeops.merge_attention runs locally "
+                    f"only with {ok} on each mesh dimension; " + _redistribute_hint(o_name, op, ok))
+        dim = p.dim % len(shape) if type(p) is shard else None
+        if dim == head:
+            return (f"{o_name} is sharded on its head dim D (dim {head}) {_describe(op)}: each rank would "
+                    f"hold part of every row, and merging (its lse gradient is a dot product over D) would "
+                    f"need communication; " + _redistribute_hint(o_name, op, ok))
+        if stacked and dim == 0:
+            return (f"{o_name} is sharded on dim 0 {_describe(op)}, the partials dim of the stack: merging "
+                    f"sums over the partials, which would need communication; "
+                    + _redistribute_hint(o_name, op, ok))
+    if lp != op:
+        return (f"{l_name} is placed {_describe(lp)} but {o_name} {_describe(op)}: each rank needs the lses "
+                f"of its own rows, so they must be placed alike; "
+                + _redistribute_hint(l_name, lp, f"{o_name}'s placements {_describe(op)}"))
+    return _too_few_error(o_name, shape, om, op)
+
+
 def _replicated(placements) -> bool:
     replicate, _ = _kinds()
     for p in placements:  # a plain loop: torch.compile traces this
@@ -277,6 +317,42 @@ def prepare_attention(q, k, v, mask):
     return mask
 
 
+def prepare_merge(outs: list, lses: list, stacked: bool) -> None:
+    """Checks a merge_attention call with DTensor arguments: ``outs`` / ``lses`` are the lists of partials
+    (``stacked``: the one stacked tensor each). The partials are checked before they are stacked: stacking
+    differently placed DTensors would redistribute them."""
+    named = []
+    for what, parts in (("outs", outs), ("lses", lses)):
+        named += [(what if stacked else f"{what}[{i}]", t) for i, t in enumerate(parts)]
+    lead = next(n for n, t in named if is_dtensor(t))
+    for n, t in named:
+        if isinstance(t, torch.Tensor) and not is_dtensor(t):
+            raise _plain_error(n, lead)
+    if not outs or not lses or not all(is_dtensor(t) for _, t in named):
+        return  # some argument is no tensor: merge_attention's own checks raise the TypeError
+    _ensure_registered()
+    for what, parts in (("outs", outs), ("lses", lses)):
+        first = parts[0]
+        for i, t in enumerate(parts[1:], 1):
+            if t.device_mesh != first.device_mesh:
+                raise ValueError(f"{what}[{i}] is on device mesh {t.device_mesh} but {what}[0] is on "
+                                 f"{first.device_mesh}: all partials must share one mesh")
+            if tuple(t.placements) != tuple(first.placements):
+                raise ValueError(
+                    f"{what}[{i}] is placed {_describe(t.placements)} but {what}[0] "
+                    f"{_describe(first.placements)}: all partials must be placed alike (stacking them would "
+                    f"redistribute them); "
+                    + _redistribute_hint(f"{what}[{i}]", t.placements, f"{what}[0]'s placements"))
+    o, lse = outs[0], lses[0]
+    if o.dim() < 1 + stacked:
+        return  # merge_attention's shape checks raise
+    names = ("outs", "lses") if stacked else ("outs[0]", "lses[0]")
+    message = merge_error(names, (o.placements, lse.placements), (o.device_mesh, lse.device_mesh), o.shape,
+                          stacked)
+    if message:
+        raise ValueError(message)
+
+
 def reject_varlen(names_and_tensors) -> None:
     for name, t in names_and_tensors:
         if is_dtensor(t):
@@ -369,6 +445,35 @@ def _attention_backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, c
     return pairs
 
 
+def _check_merge(outs, lses) -> None:
+    message = merge_error(("outs", "lses"), (outs.placements, lses.placements), (outs.mesh, lses.mesh),
+                          outs.shape, True)
+    if message:
+        raise ValueError(message)
+
+
+def _merge_forward(outs, lses):
+    _check_merge(outs, lses)
+    replicate, shard = _kinds()
+    pairs = []
+    for d in [None] + _used_shard_dims(outs.placements):
+        stack = replicate() if d is None else shard(d)  # a batch / head / row dim of every partial
+        merged = replicate() if d is None else shard(d - 1)  # the same dim, the partials dim gone
+        pairs.append(([merged, merged], [stack, stack]))
+    return pairs
+
+
+def _merge_backward(grad_out, grad_lse, outs, lses):
+    _check_merge(outs, lses)
+    replicate, shard = _kinds()
+    pairs = []
+    for d in [None] + _used_shard_dims(outs.placements):
+        stack = replicate() if d is None else shard(d)
+        merged = replicate() if d is None else shard(d - 1)
+        pairs.append(([stack, stack], [merged, None if grad_lse is None else merged, stack, stack]))
+    return pairs
+
+
 def register_if_loaded() -> None:
     """Called at the end of ``import safeops``: registers right away when DTensor is already imported (it
     then costs ~20 ms, and code compiled with ``torch.compile(fullgraph=True)`` never meets an unregistered
@@ -398,6 +503,7 @@ def register() -> None:
     from torch.distributed.tensor.experimental import register_sharding
 
     from .ops import attention as _attention_ops  # noqa: F401  (defines torch.ops.safeops.*)
+    from .ops import merge as _merge_ops  # noqa: F401
     from .ops import softmax as _softmax_ops
 
     ops = torch.ops.safeops
@@ -407,4 +513,6 @@ def register() -> None:
     register_sharding(ops.softmax_backward.default)(_rows_backward)
     register_sharding(ops.attention.default)(_attention_forward)
     register_sharding(ops.attention_backward.default)(_attention_backward)
+    register_sharding(ops.merge_attention.default)(_merge_forward)
+    register_sharding(ops.merge_attention_backward.default)(_merge_backward)
     _registered = True

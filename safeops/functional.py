@@ -419,6 +419,10 @@ def merge_attention(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
     if not stacked and isinstance(outs, (list, tuple)) and isinstance(lses, (list, tuple)) \
             and len(outs) != len(lses):
         raise ValueError(f"outs has {len(outs)} partials but lses has {len(lses)}: one lse per output")
+    if stacked or isinstance(outs, (list, tuple)) and isinstance(lses, (list, tuple)):
+        parts_o, parts_l = ([outs], [lses]) if stacked else (outs, lses)
+        if _dtensor.any_dtensor(*parts_o, *parts_l):  # run locally on each shard, or a clear error
+            _dtensor.prepare_merge(list(parts_o), list(parts_l), stacked)  # partials checked before stacking
     o = _stack_partials("outs", outs, 1)
     lse = _stack_partials("lses", lses, 0)
     if o.dtype not in _FLOATING:

@@ -1,4 +1,4 @@
-"""DTensor inputs to softmax, log_softmax, logsumexp and attention, on two CPU processes over gloo.
+"""DTensor inputs to the softmax family, attention and merge_attention, on two CPU processes over gloo.
 
 One spawn of two processes (a 1-D ``DeviceMesh("cpu", [0, 1])``) runs every check; each check is then
 reported as its own test. For every supported sharding a check compares, on each rank, the local shard of
@@ -478,6 +478,7 @@ def _two_dim_meshes(env: Env) -> None:
         _rows_check("log_softmax", (4, 6, 8), dims[0], rows, "like", "float")(sub)
         _rows_check("logsumexp", (4, 6, 8), dims[1], rows, "bcast", None)(sub)
         _attention_check(heads, 2, 4, 2, 5, 6, 8, 8, {"is_causal": True}, "bool_bcast")(sub)
+        _merge_check(heads.replace("S1", "S2"), (3, 2, 5, 8), 2, "list")(sub)
 
 
 _register("two_dim_meshes", _two_dim_meshes)
@@ -518,6 +519,161 @@ def _attention_errors(env: Env) -> None:
 
 
 _register("attention_errors", _attention_errors)
+
+
+# --------------------------------------------------------------------------------------------------
+# merge_attention
+# --------------------------------------------------------------------------------------------------
+
+
+def _backward(out, lse, g_out, g_lse, grads: str) -> None:
+    used = {"both": ((out, g_out), (lse, g_lse)), "out": ((out, g_out),), "lse": ((lse, g_lse),)}[grads]
+    torch.autograd.backward([t for t, _ in used], [g for _, g in used])
+
+
+def _merge_check(code: str, shape, p: int, form: str, grads: str = "both", dtype=torch.float32):
+    """merge_attention of ``p`` partials ``shape`` = (..., Sq, D) (lses (..., Sq)) placed by ``code`` (in the
+    partials' dims), passed as lists (``form`` "list") or as stacks (``form`` "stacked", placed one dim
+    further), against the whole tensors, forward and backward. Partial 0 is empty for query 1 and every
+    partial for query 2 (an all-empty row). ``grads``: "both" (out and lse used downstream), "out" (the
+    backward gets no lse gradient) or "lse" (no output gradient)."""
+
+    def check(env: Env) -> None:
+        from torch.distributed.tensor import Shard
+
+        places = placements(code)
+        outs = [env.randn(*shape, dtype=dtype) for _ in range(p)]
+        lses = [env.randn(*shape[:-1], std=3.0) for _ in range(p)]
+        lses[0][..., 1] = NEG_INF
+        for lse in lses:
+            lse[..., 2] = NEG_INF
+        whole = [t.clone().requires_grad_() for t in outs + lses]
+        out_whole, lse_whole = safeops.merge_attention(whole[:p], whole[p:])
+        g_out, g_lse = env.randn(*out_whole.shape, dtype=dtype), env.randn(*lse_whole.shape)
+        _backward(out_whole, lse_whole, g_out, g_lse, grads)
+
+        if form == "stacked":
+            stack_places = [Shard(q.dim + 1) if q.is_shard() else q for q in places]
+            args = [shard(env, torch.stack(t), stack_places, requires_grad=True) for t in (outs, lses)]
+            leaves = args
+        else:
+            args = [[shard(env, t, places, requires_grad=True) for t in ts] for ts in (outs, lses)]
+            leaves = args[0] + args[1]
+        with comm_counter() as comm:
+            out, lse = safeops.merge_attention(*args)
+            _backward(out, lse, shard(env, g_out, places), shard(env, g_lse, places), grads)
+        assert comm.get_total_counts() == 0, f"collectives: {comm.get_comm_counts()}"
+        assert_shard(out, out_whole.detach(), env, places, "merged out")
+        assert_shard(lse, lse_whole.detach(), env, places, "merged lse")
+        if form == "stacked":
+            expected = [torch.stack([w.grad for w in whole[:p]]), torch.stack([w.grad for w in whole[p:]])]
+            for leaf, e, what in zip(leaves, expected, ("outs", "lses"), strict=True):
+                assert_shard(leaf.grad, e, env, stack_places, f"merge grad {what}")
+        else:
+            for i, (leaf, w) in enumerate(zip(leaves, whole, strict=True)):
+                what = f"outs[{i}]" if i < p else f"lses[{i - p}]"
+                assert_shard(leaf.grad, w.grad, env, places, f"merge grad {what}")
+
+    return check
+
+
+MERGE_CASES = [
+    # name, placement, partial shape (..., Sq, D), P, form, gradients used
+    ("batch_list", "S0", (3, 2, 5, 8), 3, "list", "both"),
+    ("heads_stacked", "S1", (2, 4, 5, 8), 2, "stacked", "both"),
+    ("rows_uneven_list_out_only", "S2", (2, 2, 7, 8), 3, "list", "out"),
+    ("rows_stacked_lse_only", "S0", (5, 8), 2, "stacked", "lse"),
+    ("replicated_list", "R", (2, 3, 8), 2, "list", "both"),
+]
+for _name, _code, *_args in MERGE_CASES:
+    _register(f"merge_{_name}", _merge_check(_code, *_args))
+_register("merge_rows_stacked_triton", _merge_check("S2", (2, 2, 6, 24), 3, "stacked"), "triton")
+_register("merge_heads_list_bf16_triton",
+          _merge_check("S1", (2, 4, 3, 24), 2, "list", "out", dtype=torch.bfloat16), "triton")
+
+
+def _attention_then_merge(env: Env) -> None:
+    """The DTensors attention(..., return_lse=True) returns on two key blocks merge as they are, locally, into
+    attention over all keys (heads sharded), forward and backward."""
+    from torch.distributed.tensor import Shard
+
+    places = [Shard(1)]
+    q, k, v = env.randn(2, 4, 5, 8), env.randn(2, 4, 6, 8), env.randn(2, 4, 6, 8)
+
+    def split_merge(q, k, v):
+        o1, l1 = safeops.attention(q, k[:, :, :2], v[:, :, :2], return_lse=True)
+        o2, l2 = safeops.attention(q, k[:, :, 2:], v[:, :, 2:], return_lse=True)
+        return safeops.merge_attention([o1, o2], [l1, l2])
+
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_whole, lse_whole = split_merge(*whole)
+    grad = env.randn(*out_whole.shape)
+    out_whole.backward(grad)
+    full = safeops.attention(q, k, v)
+    torch.testing.assert_close(out_whole.detach(), full, rtol=1e-5, atol=1e-6)  # the split is exact
+    qd, kd, vd = (shard(env, t, places, requires_grad=True) for t in (q, k, v))
+    with comm_counter() as comm:
+        out, lse = split_merge(qd, kd, vd)
+        out.backward(shard(env, grad, places))
+    assert comm.get_total_counts() == 0, f"collectives: {comm.get_comm_counts()}"
+    assert_shard(out, out_whole.detach(), env, places, "merged attention out")
+    assert_shard(lse, lse_whole.detach(), env, places, "merged attention lse")
+    for name, t, w in zip(("q", "k", "v"), (qd, kd, vd), whole, strict=True):
+        assert_shard(t.grad, w.grad, env, places, f"merged attention grad {name}")
+
+
+_register("merge_attention_blocks", _attention_then_merge)
+
+
+def _merge_errors(env: Env) -> None:
+    """Placements that would need communication raise a ValueError naming the argument, before anything
+    runs; the registered op called directly refuses too."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    outs, lses = env.randn(2, 2, 4, 6, 8), env.randn(2, 2, 4, 6)
+
+    def listed(o_places, l_places, o1_places=None, l1_places=None):
+        o = [shard(env, outs[0], o_places), shard(env, outs[1], o1_places or o_places)]
+        lse = [shard(env, lses[0], l_places), shard(env, lses[1], l1_places or l_places)]
+        return safeops.merge_attention(o, lse)
+
+    def stacked(o_places, l_places, fn=safeops.merge_attention):
+        return fn(shard(env, outs, o_places), shard(env, lses, l_places))
+
+    with comm_counter() as comm:
+        msg = assert_raises(ValueError, "outs[0] is sharded on its head dim D (dim 3)",
+                            lambda: listed([Shard(3)], [Replicate()]))
+        assert "redistribute" in msg, msg
+        assert_raises(ValueError, "outs is sharded on its head dim D (dim 4)",
+                      lambda: stacked([Shard(4)], [Replicate()]))
+        assert_raises(ValueError, "outs is sharded on dim 0", lambda: stacked([Shard(0)], [Shard(0)]))
+        assert_raises(ValueError, "outs[1] is placed (S(1)) but outs[0] (S(0))",
+                      lambda: listed([Shard(0)], [Shard(0)], o1_places=[Shard(1)]))
+        assert_raises(ValueError, "lses[1] is placed",
+                      lambda: listed([Shard(2)], [Shard(2)], l1_places=[Replicate()]))
+        assert_raises(ValueError, "lses[0] is placed (R) but outs[0] (S(0))",
+                      lambda: listed([Shard(0)], [Replicate()]))
+        partial = placements("P")
+        assert_raises(ValueError, "outs has a Partial placement", lambda: stacked(partial, partial))
+        o0, l0 = shard(env, outs[0], [Shard(0)]), shard(env, lses[0], [Shard(0)])
+        assert_raises(ValueError, "lses[1] is a plain torch.Tensor but outs[0] is a DTensor",
+                      lambda: safeops.merge_attention([o0, o0], [l0, lses[1]]))
+        assert_raises(ValueError, "outs is a plain torch.Tensor but lses is a DTensor",
+                      lambda: safeops.merge_attention(outs, shard(env, lses, [Shard(1)])))
+        o1, l1 = shard(env, outs[0, :1], [Shard(0)]), shard(env, lses[0, :1], [Shard(0)])
+        assert_raises(ValueError, "outs[0] has size 1 on dim 0, sharded into 2 pieces",
+                      lambda: safeops.merge_attention([o1], [l1]))
+    assert comm.get_total_counts() == 0
+    safeops.dtensor.register()
+    with comm_counter() as comm:
+        assert_raises(RuntimeError, "outs is sharded on its head dim D",
+                      lambda: stacked([Shard(4)], [Replicate()], torch.ops.safeops.merge_attention))
+    assert comm.get_total_counts() == 0
+    out, lse = torch.ops.safeops.merge_attention(shard(env, outs, [Shard(3)]), shard(env, lses, [Shard(3)]))
+    assert [tuple(t.placements) for t in (out, lse)] == [(Shard(2),)] * 2
+
+
+_register("merge_errors", _merge_errors)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ reported as its own test), on ``DeviceMesh("cuda", [0, 1])``. Each rank compares
 output and of every gradient with the same piece of ``safeops`` run on the whole tensor on its own GPU,
 bit for bit: the supported shardings only split independent rows and the kernels are batch-invariant
 (contract section 6). ``CommDebugMode`` proves that no collective ran. Sizes cover the single-block and the
-split (long-row) softmax paths and attention at bf16 / fp16 / fp32 with GQA, causal, windows and masks.
+split (long-row) softmax paths, attention at bf16 / fp16 / fp32 with GQA, causal, windows and masks, and
+merge_attention sharded on heads, batch or query rows (lists and stacks, with and without an lse gradient).
 
 The spawned processes inherit the environment (keep NCCL_NVLS_ENABLE=0 etc. set where the machine wants
 it). ``SAFEOPS_TEST_SEED=<int>`` replays a failure's inputs.
@@ -53,9 +54,18 @@ ATTENTION_CASES = [
 ]
 for name, code, *args, dtype in ATTENTION_CASES:
     CHECKS[f"attention_{name}"] = (common._attention_check(code, *args, dtype=dtype), "auto")
+MERGE_CASES = [
+    # name, placement, partial shape (..., Sq, D), P, form, gradients used, dtype
+    ("heads_list_bf16", "S1", (2, 16, 2048, 128), 4, "list", "both", BF16),
+    ("rows_uneven_stacked_fp16", "S2", (2, 8, 3001, 64), 3, "stacked", "out", FP16),
+    ("batch_list_fp32_d96", "S0", (3, 8, 1024, 96), 2, "list", "lse", FP32),
+]
+for name, code, *args, dtype in MERGE_CASES:
+    CHECKS[f"merge_{name}"] = (common._merge_check(code, *args, dtype=dtype), "auto")
 CHECKS["two_dim_meshes"] = (common._two_dim_meshes, "auto")
 CHECKS["softmax_family_errors"] = (common._rows_errors, "auto")
 CHECKS["attention_errors"] = (common._attention_errors, "auto")
+CHECKS["merge_errors"] = (common._merge_errors, "auto")
 
 
 @pytest.fixture(scope="module")

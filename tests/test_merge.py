@@ -6,7 +6,9 @@
   give 0 / -inf with zero gradients; lses near 1e11 give the exact weights, never NaN (sections 4, 5);
 - gradients to every partial's output and lse against float64 autograd of the plain formula, and finite
   (zero) gradients for empty partials (section 3);
-- stacked and list inputs, non-contiguous stacks, opcheck, and bad input (section 8).
+- stacked and list inputs, non-contiguous stacks, opcheck, and bad input (section 8);
+- 64-bit head-dim offsets: when the launcher picks them (meta tensors), and that they give the 32-bit
+  kernels' bits (section 8; a real offset past 2**31 is in tests/test_merge_gpu.py).
 """
 
 from __future__ import annotations
@@ -229,6 +231,94 @@ def test_row_alone_matches_row_in_batch(backend, seed):
         assert torch.equal(o1[0], out[i, j]) and torch.equal(l1[0], lse[i, j]), (i, j, seed)
 
 
+def _recording_launch(monkeypatch, run: bool):
+    """Replaces the launcher's ``launch`` by one recording each kernel's WIDE flag (and running the kernel
+    when ``run``)."""
+    from safeops.ops import merge_launch
+
+    seen = []
+    real = merge_launch.launch
+
+    def record(kernel, grid, *args, **kwargs):
+        seen.append((kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__, kwargs["WIDE"]))
+        if run:
+            real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(merge_launch, "launch", record)
+    return seen
+
+
+def test_wide_offsets_chosen_from_sizes_and_strides(monkeypatch):
+    """64-bit head-dim offsets (contract section 8) exactly when ``(D - 1) * stride`` reaches 2**31 for the
+    head-dim stride of a tensor the kernel reads or writes (the only 32-bit index products: rows are
+    64-bit): decided by the launcher from sizes and strides alone (meta tensors here, no memory) and
+    passed to both kernels."""
+    from safeops.ops import merge_launch as launcher
+
+    assert launcher._wide(3, 2**30) and not launcher._wide(3, 2**30 - 1)  # the largest offset 2**31 - 2
+    assert launcher._wide(64, 1, 2**31 // 63 + 1, 1) and not launcher._wide(64, 1, 2**31 // 63, 1)
+    assert not launcher._wide(2**20, 1, 1)  # contiguous: col < 2**20
+
+    monkeypatch.setattr(launcher, "_check_device", lambda o: None)  # meta tensors: the kernels do not run
+    seen = _recording_launch(monkeypatch, run=False)
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    r = 2**26
+    lses = torch.empty((2, r), device="meta")
+    # A stack read in place whose head dim is outermost in memory: (D, P, R) viewed as (P, R, D).
+    stacked = torch.empty((64, 2, r), **meta).permute(1, 2, 0)
+    assert stacked.stride(2) == 2**27
+    launcher.forward(stacked, lses)
+    launcher.backward(torch.empty((r, 64), **meta), None, stacked, lses)
+    # Contiguous, 2**33 elements: rows are 64-bit, head-dim offsets stay below 64.
+    contiguous = torch.empty((2, r, 64), **meta)
+    launcher.forward(contiguous, lses)
+    # Only the incoming gradient is wide: transposed, its head-dim stride is R.
+    launcher.backward(torch.empty((64, r), **meta).t(), torch.empty(r, device="meta"), contiguous, lses)
+    assert seen == [("merge_fwd_kernel", True), ("merge_bwd_kernel", True),
+                    ("merge_fwd_kernel", False), ("merge_bwd_kernel", True)], seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_kernels_give_the_same_bits(triton_backend, seed, monkeypatch, dtype):
+    """The 64-bit offset variants (forced on here: a real offset past 2**31 needs > 4 GB, see
+    tests/test_merge_gpu.py) compute exactly what the 32-bit ones do, forward and backward, on in-place
+    strided stacks (head dim outermost) and a transposed incoming gradient."""
+    from safeops.ops import merge_launch
+
+    p, b, r, d = 3, 2, 5, 24  # d = 24 crosses the interpreter's 16-wide head-dim tiles
+    outs = seed.randn(d, p, b, r, dtype=dtype).permute(1, 2, 3, 0)  # head-dim stride p * b * r
+    lses = seed.randn(p, b, r, std=3.0)
+    lses[1, 0, 2] = NEG_INF
+    lses[:, 1, 4] = NEG_INF  # an all-empty row
+    g_out = seed.randn(d, b, r, dtype=dtype).permute(1, 2, 0)  # transposed: head-dim stride b * r
+    g_lse = seed.randn(b, r)
+    bwd = torch.ops.safeops.merge_attention_backward.default
+
+    def run():
+        out, lse = safeops.merge_attention(outs, lses)
+        return (out, lse, *bwd(g_out, g_lse, outs, lses), *bwd(g_out, None, outs, lses))
+
+    seen = _recording_launch(monkeypatch, run=True)
+    narrow = run()
+    monkeypatch.setattr(merge_launch, "_wide", lambda *args: True)
+    wide = run()
+    assert [w for _, w in seen] == [False] * 3 + [True] * 3, seen
+    for a, w, what in zip(narrow, wide, ("out", "lse", "d outs", "d lses", "d outs (no g_lse)",
+                                         "d lses (no g_lse)"), strict=True):
+        assert torch.equal(a, w), f"{what}: WIDE changed bits ({seed})"
+    # And they are right: against float64 autograd of the definition.
+    o64 = outs.detach().double().requires_grad_(True)
+    l64 = lses.double().requires_grad_(True)
+    r_out, r_lse = _naive64(list(o64.unbind(0)), list(l64.unbind(0)))
+    fin = torch.isfinite(r_lse)
+    torch.testing.assert_close(wide[0][fin].double(), r_out[fin], rtol=2 * eps(dtype), atol=2 * eps(dtype))
+    r_do, r_dl = torch.autograd.grad(
+        [torch.where(fin.unsqueeze(-1), r_out, 0.0), torch.where(fin, r_lse, 0.0)], [o64, l64],
+        [g_out.double(), g_lse.double()])
+    torch.testing.assert_close(wide[2].double(), r_do.nan_to_num(0.0), rtol=2 * eps(dtype), atol=1e-6)
+    torch.testing.assert_close(wide[3].double(), r_dl.nan_to_num(0.0), rtol=1e-5, atol=1e-5)
+
+
 def test_empty_tensors(backend):
     out, lse = safeops.merge_attention([torch.randn(2, 0, 8)] * 3, [torch.randn(2, 0)] * 3)
     assert out.shape == (2, 0, 8) and lse.shape == (2, 0)
@@ -310,11 +400,13 @@ _PTX_SCRIPT = textwrap.dedent(
     block_r, block_d, num_warps = L.block_sizes(128, torch.device("cuda"))
     results = {}
     kernels = ((k.merge_fwd_kernel, {}), (k.merge_bwd_kernel, {"HAS_GLSE": True}))
-    # With fusion on, one kernel is enough to show that the check sees contraction.
-    cases = [(False, d, fn, extra) for d in ("bf16", "fp32") for fn, extra in kernels]
-    cases.append((True, "bf16") + kernels[0])
-    for fusion, dtype, fn, extra in cases:
-        constexprs = {"BLOCK_R": block_r, "BLOCK_D": block_d, **extra}
+    # With fusion on, one kernel is enough to show that the check sees contraction; the 64-bit offset
+    # variants (WIDE) compile and stay fma-free too.
+    cases = [(False, d, False, fn, extra) for d in ("bf16", "fp32") for fn, extra in kernels]
+    cases += [(False, "bf16", True, fn, extra) for fn, extra in kernels]
+    cases.append((True, "bf16", False) + kernels[0])
+    for fusion, dtype, wide, fn, extra in cases:
+        constexprs = {"BLOCK_R": block_r, "BLOCK_D": block_d, "WIDE": wide, **extra}
         sig = {n: "constexpr" if n in constexprs else
                (f"*{dtype}" if n in ("o_ptr", "out_ptr", "g_ptr", "go_ptr") else "*fp32")
                if n.endswith("_ptr") else "i32" for n in fn.arg_names}
@@ -324,7 +416,7 @@ _PTX_SCRIPT = textwrap.dedent(
         ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
                              target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
         # fma in the PTX, and f32 multiplies/adds without .rn, which ptxas itself may fuse into an fma.
-        name = f"{'on' if fusion else 'off'}/{fn.__name__}/{dtype}"
+        name = f"{'on' if fusion else 'off'}/{fn.__name__}/{dtype}" + ("/wide" if wide else "")
         results[name] = (len(re.findall(r"\bfma\.rn(\.ftz)?\.f32\b", ptx))
                          + len(re.findall(r"\b(mul|add|sub)(\.ftz)?\.f32\b", ptx)))
     print(json.dumps(results))
@@ -335,5 +427,5 @@ _PTX_SCRIPT = textwrap.dedent(
 def test_no_fma_in_compiled_merge_kernels():
     counts = sm90.run_script(_PTX_SCRIPT, what="the merge kernels")
     off = {name: n for name, n in counts.items() if name.startswith("off/")}
-    assert len(off) == 4 and not any(off.values()), f"fused multiply-adds (contract section 1): {off}"
+    assert len(off) == 6 and not any(off.values()), f"fused multiply-adds (contract section 1): {off}"
     assert counts["on/merge_fwd_kernel/bf16"], "with fp fusion on nothing was contracted: the check is blind"

@@ -7,6 +7,7 @@
 - bit-level properties: deterministic, batch-invariant (a row alone = the row in a batch), stacked = list =
   non-contiguous stack, empty partials change no bit, eager == torch.compile (section 6);
 - all-empty rows, NaN outputs of empty partials, lses near 1e11 (sections 4, 5).
+- element offsets past 2**31 (a strided stack read in place: the 64-bit offset kernels, section 8).
 
 ``SAFEOPS_GPU_SMALL=1`` shrinks the shapes. ``SAFEOPS_TEST_SEED=<int>`` replays the random inputs.
 """
@@ -239,3 +240,40 @@ def test_reference_agrees(gen, monkeypatch):
     ref = safeops.merge_attention(outs, lses)
     _assert_merge_close(*kernel, outs, lses, "kernel:")
     _assert_merge_close(*ref, outs, lses, "reference:")
+
+
+@pytest.mark.skipif(SMALL, reason="SAFEOPS_GPU_SMALL: a 4.3 GB buffer (too slow under compute-sanitizer)")
+def test_offsets_past_2_31(gen):
+    """Contract section 8: a stack read in place whose head-dim stride puts element offsets past 2**31 (the
+    launcher then picks the 64-bit offset kernels), forward and backward, gives the same bits as contiguous
+    copies (32-bit kernels), and a slice of rows matches the float64 merge. One 4.3 GB bf16 buffer holds
+    the stack and the incoming gradient, both with head-dim stride ``stride``, (d - 1) * stride >= 2**31."""
+    from safeops.ops import merge_launch
+
+    p, r, d = 2, 2**22, 64
+    stride = 2**31 // (d - 1) + 1
+    assert (d - 1) * stride >= 2**31 and (p + 1) * r <= stride  # the two views never overlap
+    buf = torch.empty((d - 1) * stride + (p + 1) * r, dtype=torch.bfloat16, device=DEV)
+    outs = buf.as_strided((p, r, d), (r, 1, stride))
+    g_out = buf.as_strided((r, d), (1, stride), p * r)
+    outs.copy_(_randn(gen, p, r, d, dtype=torch.bfloat16))
+    g_out.copy_(_randn(gen, r, d, dtype=torch.bfloat16))
+    lses = _randn(gen, p, r, std=5.0)
+    lses[0, ::7] = NEG_INF
+    lses[:, 3] = NEG_INF  # an all-empty row
+    g_lse = _randn(gen, r)
+    outs_c, g_out_c = outs.contiguous(), g_out.contiguous()
+    assert merge_launch._wide(d, outs.stride(2)) and merge_launch._wide(d, g_out.stride(1))
+    assert not merge_launch._wide(d, outs_c.stride(2), g_out_c.stride(1))
+
+    wide = safeops.merge_attention(outs, lses)
+    narrow = safeops.merge_attention(outs_c, lses)
+    assert torch.equal(wide[0], narrow[0]) and torch.equal(wide[1], narrow[1])
+    rows = slice(0, 8192)
+    _assert_merge_close(wide[0][rows], wide[1][rows], outs_c[:, rows], lses[:, rows], "offsets past 2**31:")
+    bwd = torch.ops.safeops.merge_attention_backward.default
+    for glse in (g_lse, None):
+        d_wide = bwd(g_out, glse, outs, lses)
+        d_narrow = bwd(g_out_c, glse, outs_c, lses)
+        assert torch.equal(d_wide[0], d_narrow[0]) and torch.equal(d_wide[1], d_narrow[1])
+    del buf, outs, g_out

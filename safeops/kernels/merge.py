@@ -18,12 +18,27 @@ of the lses) and ``g``/``g_lse`` the incoming gradients:
 where ``g . out = sum_j a_j (g . out_j)`` is the fp32 output, recomputed here, not the rounded one.
 Rows are independent and the loop order over partials and head-dim tiles is fixed, so a row's bits do not
 depend on how many rows a launch has (contract section 6).
+
+Offsets (contract section 8): row offsets are 64-bit and partials are reached by bumping 64-bit pointers;
+head-dim offsets ``col * stride`` are 32-bit unless ``WIDE``, which the launcher sets when ``(D - 1) *
+stride`` reaches 2**31 for a head-dim stride (a view whose head dim is outermost in memory, say). ``WIDE``
+changes only the addressing, never the arithmetic, so both variants give the same bits.
 """
 
 import triton
 import triton.language as tl
 
 NEG_INF = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def _cols(d0, BLOCK_D: tl.constexpr, WIDE: tl.constexpr):
+    """The head-dim indices of the tile at ``d0``: 64-bit when WIDE, so ``cols * stride`` cannot wrap."""
+    cols = d0 + tl.arange(0, BLOCK_D)
+    if WIDE:
+        return cols.to(tl.int64)
+    else:
+        return cols
 
 
 @triton.jit
@@ -51,7 +66,7 @@ def merge_fwd_kernel(
     o_ptr, lse_ptr, out_ptr, lse_out_ptr,
     P, R, D,
     s_op, s_or, s_od, s_lp, s_lr, s_outr, s_outd,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
@@ -59,7 +74,7 @@ def merge_fwd_kernel(
     empty = s == 0.0
     inv_s = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, s))
     for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
+        cols = _cols(d0, BLOCK_D, WIDE)
         tile_ok = row_ok[:, None] & (cols < D)[None, :]
         acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
         lse_p = lse_ptr + rows * s_lr
@@ -87,7 +102,7 @@ def merge_bwd_kernel(
     o_ptr, lse_ptr, g_ptr, glse_ptr, go_ptr, gl_ptr,
     P, R, D,
     s_op, s_or, s_od, s_lp, s_lr, s_gr, s_gd, s_glr, s_gop, s_gor, s_god,
-    HAS_GLSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_GLSE: tl.constexpr, WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
@@ -106,7 +121,7 @@ def merge_bwd_kernel(
         a = tl.where(excluded, 0.0, tl.exp(lse - m_safe) * inv_s)
         dot = tl.zeros((BLOCK_R,), tl.float32)
         for d0 in range(0, D, BLOCK_D):
-            cols = d0 + tl.arange(0, BLOCK_D)
+            cols = _cols(d0, BLOCK_D, WIDE)
             tile_ok = row_ok[:, None] & (cols < D)[None, :]
             g = tl.load(g_ptr + rows[:, None] * s_gr + cols[None, :] * s_gd, mask=tile_ok,
                         other=0.0).to(tl.float32)

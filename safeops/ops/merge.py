@@ -73,6 +73,9 @@ def _merge_function(below):
         def forward(ctx, outs, lses, keyset):
             out, lse = below(keyset, (outs, lses))
             ctx.save_for_backward(outs, lses)
+            # An unused output's gradient stays None: autograd would materialize it as a plain tensor even
+            # for DTensor outputs, which the DTensor backward op cannot take (and zeros cost a pass).
+            ctx.set_materialize_grads(False)
             return out, lse
 
         @staticmethod

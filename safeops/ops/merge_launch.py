@@ -49,6 +49,20 @@ def block_sizes(d: int, device: torch.device) -> tuple[int, int, int]:
     return block_r, block_d, 4
 
 
+def _wide(d: int, *head_strides: int) -> bool:
+    """Whether head-dim offsets ``col * stride`` (col < d) can reach 2**31 for one of the tensors' head-dim
+    strides: then the kernels compute them in 64 bits (contract section 8). They are the kernels' only
+    32-bit index products (row offsets are 64-bit, partials are reached by bumping pointers), so e.g. a
+    contiguous stack of more than 2**31 elements stays on the 32-bit code, which the common case runs.
+    Same bits either way."""
+    return (d - 1) * max(head_strides) >= 2**31  # torch strides are >= 0
+
+
+def _check_head_dim(d: int) -> None:
+    if d >= 2**31 - 2**16:
+        raise ValueError(f"outs: a head dim of {d} is not supported (at most 2**31 - 2**16)")
+
+
 def _launch_options(num_warps: int) -> dict:
     # Fusion off, as for every safeops kernel: w_i * o_i + acc must not become an fma with one rounding less
     # on some GPUs and not others (contract section 6: the same bits everywhere).
@@ -63,11 +77,13 @@ def forward(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     lse_out = lse.new_empty((R,))
     if R == 0:
         return out, lse_out
+    _check_head_dim(D)
     block_r, block_d, num_warps = block_sizes(D, o.device)
     launch(kernels().merge_fwd_kernel, (triton.cdiv(R, block_r),),
             o, lse, out, lse_out, P, R, D,
             o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            BLOCK_R=block_r, BLOCK_D=block_d, **_launch_options(num_warps))
+            WIDE=_wide(D, o.stride(2), out.stride(1)), BLOCK_R=block_r, BLOCK_D=block_d,
+            **_launch_options(num_warps))
     return out, lse_out
 
 
@@ -80,6 +96,7 @@ def backward(grad_out: torch.Tensor, grad_lse: torch.Tensor | None, o: torch.Ten
     gl = lse.new_empty((P, R))
     if R == 0:
         return go, gl
+    _check_head_dim(D)
     block_r, block_d, num_warps = block_sizes(D, o.device)
     has_glse = grad_lse is not None
     glse = grad_lse if has_glse else lse
@@ -87,5 +104,6 @@ def backward(grad_out: torch.Tensor, grad_lse: torch.Tensor | None, o: torch.Ten
             o, lse, grad_out, glse, go, gl, P, R, D,
             o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
             grad_out.stride(0), grad_out.stride(1), glse.stride(-1), go.stride(0), go.stride(1), go.stride(2),
-            HAS_GLSE=has_glse, BLOCK_R=block_r, BLOCK_D=block_d, **_launch_options(num_warps))
+            HAS_GLSE=has_glse, WIDE=_wide(D, o.stride(2), grad_out.stride(1), go.stride(2)), BLOCK_R=block_r,
+            BLOCK_D=block_d, **_launch_options(num_warps))
     return go, gl
