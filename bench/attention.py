@@ -362,8 +362,12 @@ FWD_CANDIDATES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4
 # dk/dv: block_m queries per step, block_n keys per program. Run 4: D=128 (32, 64, 4, 3) 270 TFLOP/s whole
 # backward, (32, 128, 8, 2) 249, (64, 64, 4, 2) 247, 4 warps with 128 keys ~135; D=64 (32, 128, 4, 2) 213.
 # Offline D=128 (Triton 3.6 ptxas -v): all below 0-8 B spill; (64, 64, 4, 3) spills 348 B (left out).
+# Session 4 adds D=64 candidates around the shipped (32, 128, 4, 2), re-swept after the EVEN specialization
+# changed the kernels' register use.
 DKDV_CANDIDATES = [(32, 64, 4, 3), (32, 64, 4, 4), (16, 64, 4, 4), (16, 64, 4, 3), (16, 128, 8, 3),
-                   (32, 128, 8, 3), (32, 64, 8, 3), (32, 64, 4, 3, False, True)]
+                   (32, 128, 8, 3), (32, 64, 8, 3), (32, 64, 4, 3, False, True), (32, 128, 4, 2),
+                   (32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2),
+                   (16, 128, 4, 2)]
 # dq: block_m queries per program, block_n keys per step. Run 4: D=64 (64, 64, 4, 2) 195 / causal 165 (TMA
 # 168); D=128 not measured (default (128, 64, 8, 2): 1 CTA/SM at 131072 B smem; 4-warp tiles allow 2).
 # Offline D=128: no spills below; (64, 128, 4, 2) spills 356 B (left out).

@@ -18,7 +18,9 @@ Implementations:
 - torch.compile + safeops.register(): the hand-written expression compiled while safeops is registered
   (the pre-grad rewrite turns it into the safeops op; a variant of ours, showing compiled code gets it);
 - torch eager: the expression above, op by op;
-- torch.compile: the same expression compiled by stock Inductor (dynamic=False, one compile per shape).
+- torch.compile: the same expression compiled by stock Inductor (dynamic=False, one compile per shape);
+- copy of x (same bytes): ``x.clone()`` moves what the op must move (read 2 bytes, write 2 per element) at
+  the same shape: the per-shape bound (small shapes do not reach the large-copy bandwidth); not a peer.
 
 Every output (y and y_t) is checked bit for bit against eager once per shape before it is timed.
 
@@ -87,7 +89,12 @@ def reference(case: H.Case, t: dict):
     return expression(t["x"], t["s"])
 
 
+_COPY_BOUND = object()  # marks the same-bytes copy's output (nothing to check against eager)
+
+
 def check(case: H.Case, out, ref) -> str | None:
+    if out[0] is _COPY_BOUND:
+        return None
     y, y_t = out[0], out[1]
     if y.shape != ref[0].shape or y_t.shape != ref[1].shape:
         return f"shapes {tuple(y.shape)}, {tuple(y_t.shape)}"
@@ -113,6 +120,13 @@ def build_safeops(case: H.Case, t: dict, hardware_convert: bool | None = None, c
     if hardware_convert is None and config is None:
         return lambda: safeops.cast_transpose(x, s, FP8, rowwise=rowwise)
     return lambda: launch.cast_transpose(x, s, FP8, rowwise, config=config, hardware_convert=hardware_convert)
+
+
+def build_copy_bound(case: H.Case, t: dict):
+    x = t["x"]
+    if x.element_size() != 2:
+        raise H.Refused("the same-bytes copy needs a 2-byte input (bf16 / fp16)")
+    return lambda: (_COPY_BOUND, x.clone())
 
 
 def build_eager(case: H.Case, t: dict):
@@ -161,6 +175,7 @@ def build_benchmark(cases: list[H.Case], only: set[str] | None = None) -> H.Benc
               directions=DIRECTIONS)
     bench.add("torch eager", build_eager, tag="e", directions=DIRECTIONS)
     bench.add("torch.compile", build_compiled, tag="c", directions=DIRECTIONS)
+    bench.add("copy of x (same bytes)", build_copy_bound, role="variant", directions=DIRECTIONS)
     if only:
         bench.impls = [i for i in bench.impls if i.name in only]
     return bench
