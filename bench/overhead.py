@@ -32,8 +32,19 @@ at the benchmark's shapes the host time per public call next to the kernel's tim
 GPU route's Python runs on the CPU (SAFEOPS_BACKEND=triton, launches replaced by no-ops, the GPU-only
 checks told this is a GPU). ``--cast`` runs only these tables.
 
+``--attention`` runs only the attention tables, at the shapes of bench/model.py's Llama layer (q (1, 32, S,
+64), k / v (1, 4, S, 64) bf16 with the strides the layer gives them, causal), layer by layer: transformers'
+attention function as the model calls it (module, mask and keyword arguments captured from a small
+LlamaForCausalLM), ``safeops.attention`` forward and forward + backward through autograd, the registered
+ops, their implementations, and the launcher's forward and backward (cached plans, and the general path that
+makes every decision again). On the GPU: torch's SDPA (and transformers' sdpa function) as the yardstick at
+S = 256 (host-bound), then host vs GPU time per call at S = 4096, and a bit check of the plans against the
+general path. With ``--cpu``: the GPU route's Python on CPU tensors (S = 32; launches replaced by no-ops,
+the launcher's GPU-only branches told it is a GPU).
+
     python bench/overhead.py [--calls 2000] [--cast]
     python bench/overhead.py --cpu [--calls 3000] [--cast]
+    python bench/overhead.py --attention [--cpu] [--calls N]
 """
 
 from __future__ import annotations
@@ -505,12 +516,313 @@ def cast_cpu(calls: int) -> None:
             os.environ["SAFEOPS_BACKEND"] = saved_env
 
 
+# ---------------------------------------------------------------------------------------------------
+# Attention at the Llama layer's shapes (bench/model.py: q (1, 32, 4096, 64), k / v (1, 4, 4096, 64) bf16,
+# causal)
+# ---------------------------------------------------------------------------------------------------
+
+ATTN_SHAPE = {"hq": 32, "hkv": 4, "d": 64}
+
+
+def _llama_qkv(device, s: int, requires_grad: bool = False):
+    """q (1, 32, S, 64), k and v (1, 4, S, 64), bf16, with the strides a Llama layer gives them: its
+    projections' (B, S, H, D) outputs seen as (B, H, S, D) (``.view(...).transpose(1, 2)``; RoPE keeps that
+    layout). Returns the leaves (B, S, H, D) too, for gradients."""
+    leaves = []
+    for h in (ATTN_SHAPE["hq"], ATTN_SHAPE["hkv"], ATTN_SHAPE["hkv"]):
+        t = torch.empty(1, s, h, ATTN_SHAPE["d"], dtype=torch.bfloat16, device=device)
+        if t.device.type != "meta":
+            t.normal_()
+        leaves.append(t.requires_grad_(requires_grad))
+    q, k, v = (t.transpose(1, 2) for t in leaves)
+    return q, k, v, leaves
+
+
+_CAPTURE = "safeops_overhead_capture"
+
+
+def _hf_call():
+    """(module, attention_mask, kwargs) a Llama layer passes to its attention function in a training step
+    like bench/model.py's (no padding): captured from one forward of a small LlamaForCausalLM with the same
+    head layout, through a recording attention function registered with transformers (it runs sdpa). None
+    when transformers is missing."""
+    try:
+        from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:
+        return None
+    seen = []
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        seen.append((module, attention_mask, kwargs))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(_CAPTURE, capture)
+    AttentionMaskInterface.register(_CAPTURE, sdpa_mask)
+    d, hq, hkv = ATTN_SHAPE["d"], ATTN_SHAPE["hq"], ATTN_SHAPE["hkv"]
+    config = LlamaConfig(hidden_size=hq * d, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=hq, num_key_value_heads=hkv, vocab_size=64,
+                         max_position_embeddings=64)
+    config._attn_implementation = _CAPTURE
+    model = LlamaForCausalLM(config)
+    model.train()
+    ids = torch.randint(0, 64, (1, 16))
+    model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+    return seen[0]
+
+
+def _attention_cases(q, k, v, leaves, g, hf, prefix: str = "") -> list:
+    """The layers of one attention call, outermost first: HF attention function, public function, registered
+    ops, their implementations, the launcher (forward and backward, cached state). ``q, k, v`` are views of
+    ``leaves`` (which may require grad): forward-only cases get them detached."""
+    qr, kr, vr = q, k, v
+    q, k, v = (t.detach() for t in (q, k, v))
+    from safeops.ops import attention as attn_ops
+    from safeops.ops import attention_launch as L
+
+    s = q.shape[2]
+    scale = ATTN_SHAPE["d"] ** -0.5
+    # The options safeops.attention passes for is_causal bf16: (mask, mask_kind, cu_q, cu_k, max_q, max_k,
+    # is_causal, scale, softcap, window_left, window_right, precision).
+    options = (None, 0, None, None, s, s, True, scale, None, -1, 0, 0)
+    out, m, l = L.forward(q, k, v, *options)
+    go = g.transpose(1, 2)  # the gradient reaching the op: the HF function's transpose(1, 2) undone
+    op = torch.ops.safeops.attention.default
+    op_bwd = torch.ops.safeops.attention_backward.default
+    qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+
+    def fwd_bwd(f, grad=g):
+        return lambda: torch.autograd.grad(f(), leaves, grad)
+
+    def no_grad(fn):
+        def run():
+            with torch.no_grad():
+                return fn()
+        return run
+
+    cases = []
+    if hf is not None:
+        from safeops import transformers as safe_tf
+
+        module, mask, kwargs = hf
+        cases += [
+            (f"{prefix}HF attention_forward (safeops.transformers)",
+             lambda: safe_tf.attention_forward(module, q, k, v, mask, **kwargs)),
+            (f"{prefix}fwd+bwd HF attention_forward",
+             fwd_bwd(lambda: safe_tf.attention_forward(module, qr, kr, vr, mask, **kwargs)[0])),
+        ]
+    cases += [
+        (f"{prefix}safeops.attention", lambda: safeops.attention(q, k, v, is_causal=True)),
+        (f"{prefix}fwd+bwd safeops.attention",
+         fwd_bwd(lambda: safeops.attention(qr, kr, vr, is_causal=True), go)),
+        (f"{prefix}op, inputs no grad", lambda: op(q, k, v, *options)),
+        (f"{prefix}op, inputs require grad", lambda: op(qg, kg, vg, *options)),
+        (f"{prefix}op, require grad, no_grad()", no_grad(lambda: op(qg, kg, vg, *options))),
+        (f"{prefix}backward op", lambda: op_bwd(go, q, k, v, out, m, l, *options)),
+        (f"{prefix}op impl (_forward_impl)", lambda: attn_ops._forward_impl(q, k, v, *options)),
+        (f"{prefix}backward impl (_backward_impl)",
+         lambda: attn_ops._backward_impl(go, q, k, v, out, m, l, *options)),
+        (f"{prefix}launcher forward", lambda: L.forward(q, k, v, *options)),
+        (f"{prefix}launcher backward", lambda: L.backward(go, q, k, v, out, m, l, *options)),
+    ]
+    general_fwd = getattr(L, "_forward_general", None)
+    if general_fwd is not None:  # the launcher without its plans (every decision made again)
+        cases += [
+            (f"{prefix}launcher forward, uncached (_forward_general)",
+             lambda: general_fwd(q, k, v, *options)),
+            (f"{prefix}launcher backward, uncached (_backward_general)",
+             lambda: L._backward_general(go, q, k, v, out, m, l, *options)),
+        ]
+    return cases
+
+
+def _sdpa_cases(q, k, v, leaves, g, hf) -> list:
+    import torch.nn.functional as F
+
+    scale = ATTN_SHAPE["d"] ** -0.5
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+    cases = [("F.scaled_dot_product_attention (enable_gqa)", sdpa),
+             ("fwd+bwd F.scaled_dot_product_attention",
+              lambda: torch.autograd.grad(sdpa(), leaves, g.transpose(1, 2)))]
+    if hf is not None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        module, mask, kwargs = hf
+        cases += [
+            ("HF sdpa_attention_forward", lambda: sdpa_attention_forward(module, q, k, v, mask, **kwargs)),
+            ("fwd+bwd HF sdpa_attention_forward",
+             lambda: torch.autograd.grad(sdpa_attention_forward(module, q, k, v, mask, **kwargs)[0], leaves,
+                                         g)),
+        ]
+    return cases
+
+
+def _empty_function_fwd_bwd(q, k, v, leaves, g):
+    """Forward + backward through autograd of an autograd.Function that only allocates its outputs: the floor
+    under any custom attention's fwd+bwd row (autograd.grad, graph building, the engine)."""
+
+    class Empty(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            ctx.save_for_backward(q, k, v)
+            return torch.empty_like(q)
+
+        @staticmethod
+        def backward(ctx, grad):
+            q, k, v = ctx.saved_tensors
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    go = g.transpose(1, 2)
+    return lambda: torch.autograd.grad(Empty.apply(q, k, v), leaves, go)
+
+
+def _keyed_noop_launch(kernel, grid, *args, **kwargs) -> None:
+    """``safeops.ops._launch.launch``'s per-call work on CUDA (its cache key over every argument and the
+    lookup), without the launch: what the uncached launcher pays per kernel on the GPU besides Triton."""
+    key = (kernel, grid, 0, tuple(
+        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args),
+        tuple(kwargs.items()))
+    _NOOP_PLANS.setdefault(key, None)
+
+
+_NOOP_PLANS: dict = {}
+
+
+def attention_cpu(calls: int, s: int = 32) -> None:
+    """The Python part of a GPU attention call on the CPU: CPU tensors of the Llama layer's head layout and
+    strides at a short sequence (``s``: the host work does not depend on it, and the torch ops the launcher
+    runs besides the kernels -- allocations, the GQA partials' sum and copy -- then cost about their CUDA
+    dispatch; meta tensors would not do: their allocations cost ~25 us each), SAFEOPS_BACKEND=triton, the
+    launcher's GPU-only branches told this is a GPU (GPU configs, split, grids), the kernels replaced by
+    no-ops, the launcher's generic ``launch`` by its CUDA key-building without the launch, and the plans'
+    KernelLaunch calls by no-ops."""
+    from safeops.ops import attention_launch as L
+
+    saved_env = os.environ.get("SAFEOPS_BACKEND")
+    os.environ["SAFEOPS_BACKEND"] = "triton"
+    patches = [(L, "_kernels", _NoKernels()), (L, "launch", _keyed_noop_launch),
+               (L, "_gpu", lambda device: True), (L, "_check_device", lambda q: None),
+               (_launch.KernelLaunch, "__call__", lambda self, *args: None)]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, value in patches:
+        setattr(obj, name, value)
+    try:
+        hf = _hf_call()
+        q, k, v, leaves = _llama_qkv("cpu", s, requires_grad=True)
+        g = torch.randn(1, s, ATTN_SHAPE["hq"], ATTN_SHAPE["d"], dtype=torch.bfloat16)
+        if hf is not None:
+            print(f"  (HF call as captured from LlamaForCausalLM: attention_mask {hf[1]!r}, "
+                  f"kwargs {sorted(hf[2])}, module.is_causal {getattr(hf[0], 'is_causal', None)})")
+        print("attention, the GPU path's Python on the CPU (launches replaced by no-ops): "
+              f"q (1, 32, {s}, 64), k / v (1, 4, {s}, 64) bf16 with a Llama layer's strides, causal")
+        qn, kn, vn = (t.detach() for t in (q, k, v))
+        _print(_attention_cases(q, k, v, leaves, g, hf), calls, 10)
+        parts = [torch.zeros(1, ATTN_SHAPE["hq"], s, ATTN_SHAPE["d"]) for _ in range(2)]
+        split = ATTN_SHAPE["hq"] // ATTN_SHAPE["hkv"]
+
+        def sums():  # what the backward does with the GQA split's fp32 partials (CPU arithmetic here)
+            for part, t in zip(parts, (kn, vn), strict=True):
+                torch.empty_like(t).copy_(L._sum_split(part, split, False))
+
+        _print([
+            ("  pieces: fwd+bwd of an empty autograd.Function", _empty_function_fwd_bwd(q, k, v, leaves, g)),
+            ("  pieces: GQA partials' 2 sums + 2 copies", sums),
+            ("  pieces: torch.empty_like(q)", lambda: torch.empty_like(qn)),
+            ("  pieces: eager_fast_path(q, k, v, ...)",
+             lambda: softmax_ops.eager_fast_path(qn, kn, vn, None, None, None)),
+            ("  pieces: _config.use_triton (reads the env)", lambda: safeops._config.use_triton(qn)),
+        ], calls, 10)
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+        if saved_env is None:
+            os.environ.pop("SAFEOPS_BACKEND", None)
+        else:
+            os.environ["SAFEOPS_BACKEND"] = saved_env
+
+
+def attention_gpu(calls: int) -> None:
+    """Host time per attention call on the GPU: layer by layer at S = 256 (the kernels take a few
+    microseconds, so back-to-back calls are host-bound and the wall time per call is the host's), next to
+    torch's SDPA; then at the Llama layer's S = 4096 the CPU time of back-to-back calls (no synchronisation
+    inside) next to the GPU time (do_bench) of the same call; and a check that the cached launcher gives
+    the uncached one's bits."""
+    import triton.testing
+
+    dev = "cuda"
+    hf = _hf_call()
+    if hf is not None:
+        module, mask, kwargs = hf
+        hf = (module.to(dev), mask, kwargs)
+    s = 256
+    q, k, v, leaves = _llama_qkv(dev, s, requires_grad=True)
+    g = torch.randn(1, s, ATTN_SHAPE["hq"], ATTN_SHAPE["d"], dtype=torch.bfloat16, device=dev)
+    print(f"attention, host time per call ({calls} back-to-back calls, best of 3): q (1, 32, {s}, 64), "
+          "k / v (1, 4, S, 64) bf16, causal, Llama strides")
+    print("yardstick: torch SDPA")
+    _print(_sdpa_cases(q, k, v, leaves, g, hf), calls)
+    print("safeops")
+    _print(_attention_cases(q, k, v, leaves, g, hf), calls)
+    print("at the Llama layer's shape (S = 4096): host = CPU time per call of 20 back-to-back calls (no sync "
+          "inside), gpu = do_bench of the same call")
+    s = 4096
+    q, k, v, leaves = _llama_qkv(dev, s, requires_grad=True)
+    g = torch.randn(1, s, ATTN_SHAPE["hq"], ATTN_SHAPE["d"], dtype=torch.bfloat16, device=dev)
+    big = _sdpa_cases(q, k, v, leaves, g, hf) + [
+        c for c in _attention_cases(q, k, v, leaves, g, hf) if "HF" in c[0] or "safeops.attention" in c[0]]
+    for name, fn in big:
+        host = _host_us(fn, 20)
+        gpu_us = triton.testing.do_bench(fn, warmup=5, rep=50) * 1e3
+        print(f"  {name:48s} host {host:8.1f} us, gpu {gpu_us:8.1f} us", flush=True)
+    _check_attention_plans(dev)
+
+
+def _check_attention_plans(dev: str, s: int = 1024) -> None:
+    """The cached launcher gives the uncached launcher's bits (forward and backward)."""
+    from safeops.ops import attention_launch as L
+
+    if not hasattr(L, "_forward_general"):
+        return
+    print("checks")
+    for causal, window in ((True, -1), (False, -1), (True, 100)):
+        q, k, v, _ = _llama_qkv(dev, s)
+        options = (None, 0, None, None, s, s, causal, 0.125, None, window, 0 if causal else -1, 0)
+        ref = L._forward_general(q, k, v, *options)
+        for _ in range(2):
+            out = L.forward(q, k, v, *options)
+        g = torch.randn_like(ref[0])
+        dref = L._backward_general(g, q, k, v, *ref, *options)
+        for _ in range(2):
+            dgot = L.backward(g, q, k, v, *ref, *options)
+        same = all(torch.equal(a, b) for a, b in zip((*ref, *dref), (*out, *dgot), strict=True))
+        verdict = "identical" if same else "DIFFER"
+        plans = [p for table in L._tables() for p in table.values() if p is not L._GENERAL]
+        names = ("run", "delta", "dkdv", "dq")
+        runs = [getattr(p, name) for p in plans for name in names if hasattr(p, name)]
+        direct = sum(isinstance(r, _launch.KernelLaunch) and bool(r._compiled) for r in runs)
+        print(f"  causal {causal} window {window}: cached plan bits {verdict} to the uncached launcher; "
+              f"plan launches compiled-direct {direct}/{len(runs)}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=None)
     p.add_argument("--cpu", action="store_true", help="measure the Python part on the CPU (no GPU needed)")
     p.add_argument("--cast", action="store_true", help="only the fp8 cast + transpose tables")
+    p.add_argument("--attention", action="store_true", help="only the attention tables (Llama layer shapes)")
     args = p.parse_args()
+    if args.attention:
+        if args.cpu:
+            attention_cpu(args.calls or 300)
+        elif not torch.cuda.is_available():
+            sys.exit("bench/overhead.py: needs a CUDA GPU (or --cpu)")
+        else:
+            attention_gpu(args.calls or 1000)
+        return
     if args.cpu:
         if not args.cast:
             cpu(args.calls or 3000)

@@ -40,6 +40,8 @@ import logging
 
 import torch
 
+import safeops
+
 from . import nn as safe_nn
 
 __all__ = ["NAME", "attention_forward", "register", "enable", "is_registered"]
@@ -98,9 +100,9 @@ def attention_forward(
     if dropout > 0.0:
         out = safe_nn.materialized_attention(query, key, value, attn_mask=attention_mask, is_causal=causal,
                                              scale=scaling, softcap=softcap, dropout_p=float(dropout))[0]
-    else:
-        out = safe_nn._attention(query, key, value, attn_mask=attention_mask, is_causal=causal, scale=scaling,
-                                 softcap=softcap, window=window)
+    else:  # safeops.attention looked up per call (patchable); None softcap / window are its defaults
+        out = safeops.attention(query, key, value, attn_mask=attention_mask, is_causal=causal, scale=scaling,
+                                softcap=softcap, window=window)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -381,6 +381,24 @@ def test_transposed_layout(backend, seed):
     assert out.shape == (1, 2, 37, 24)
 
 
+@pytest.mark.parametrize("layout", ["bshd", "expanded"])
+def test_strided_incoming_gradient_same_bits(backend, seed, layout):
+    """The backward reads the incoming gradient in place (Hugging Face's (B, S, H, D) memory seen as
+    (B, H, S, D)), or copies it when the head dim is not unit-stride (an expanded gradient): the same bits
+    as a contiguous gradient either way."""
+    q, k, v = qkv(seed, b=2, hq=4, hkv=2)
+    g = seed.randn(2, 4, 37, 24)
+    if layout == "bshd":
+        strided = g.transpose(1, 2).contiguous().transpose(1, 2)
+    else:  # one row broadcast over batch, heads and rows: strides (0, 0, 0, 1) for a unit head dim
+        g = g[:1, :1, :1].expand_as(g)
+        strided = g
+    assert not strided.is_contiguous()
+    grads = [_run(q, k, v, grad)[2:] for grad in (g.contiguous(), strided)]
+    for name, a, b in zip(("dq", "dk", "dv"), *grads, strict=True):
+        assert torch.equal(a, b), name
+
+
 # ------------------------------------------------------------------------------------------------------
 # Registration: gradcheck, opcheck, torch.compile
 # ------------------------------------------------------------------------------------------------------

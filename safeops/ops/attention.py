@@ -23,9 +23,10 @@ kernels.
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from .. import _config, reference
-from ._launch import define_op
+from ._launch import _any_requires_grad, define_op
 from .softmax import eager_fast_path, no_double_backward
 
 PRECISIONS = {"ieee": 0, "tf32": 1, "tf32x3": 2}
@@ -102,16 +103,27 @@ BACKWARD_SCHEMA = (f"(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Ten
                    f"{_OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor)")
 
 
+_launcher = None
+
+
+def _launch_module():
+    """safeops.ops.attention_launch, imported on first use (it imports Triton) and then kept."""
+    global _launcher
+    if _launcher is None:
+        from . import attention_launch
+
+        _launcher = attention_launch
+    return _launcher
+
+
 def _forward_impl(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                   scale, softcap, window_left, window_right, precision):
     if _runs_reference(q):
         return _reference_forward(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, is_causal, scale,
                                   softcap, window_left, window_right)
-    from . import attention_launch
-
-    return attention_launch.forward(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, is_causal, scale, softcap, window_left, window_right,
-                                    precision)
+    return (_launcher or _launch_module()).forward(
+        q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+        softcap, window_left, window_right, precision)
 
 
 def _forward_fake(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
@@ -125,11 +137,9 @@ def _backward_impl(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seq
     if row_max.dtype == torch.float64 or not _config.use_triton(q):
         return _reference_backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seqlens_q,
                                    cu_seqlens_k, is_causal, scale, softcap, window_left, window_right)
-    from . import attention_launch
-
-    return attention_launch.backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seqlens_q,
-                                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, softcap,
-                                     window_left, window_right, precision)
+    return (_launcher or _launch_module()).backward(
+        grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, is_causal, scale, softcap, window_left, window_right, precision)
 
 
 def _backward_fake(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seqlens_q, cu_seqlens_k,
@@ -159,8 +169,10 @@ def _attention_function(below):
         def backward(ctx, grad_out, grad_max, grad_sum):
             q, k, v, out, row_max, row_sum, mask, cu_q, cu_k = ctx.saved_tensors
             mask_kind, _, _, max_q, max_k, is_causal, scale, softcap, wl, wr, precision = ctx.options
+            # grad_out as it comes (the launcher takes any strides with a unit head-dim stride, copying
+            # only otherwise): with Hugging Face's (B, S, H, D) layout a .contiguous() here was a full copy.
             dq, dk, dv = attention_backward_op(
-                grad_out.contiguous(), q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q,
+                grad_out, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q,
                 max_k, is_causal, scale, softcap, wl, wr, precision)
             # No gradient for the mask (an additive float mask is treated as a constant), the cu_seqlens or
             # the keyset.
@@ -230,13 +242,19 @@ class _EagerAttention(torch.autograd.Function):
         q, k, v, out, row_max, row_sum, mask, cu_q, cu_k = ctx.saved_tensors
         no_double_backward(ctx, (q, k, v, grad_out))
         mask_kind, _, _, max_q, max_k, is_causal, scale, softcap, wl, wr, precision = ctx.options
-        dq, dk, dv = _backward_impl(grad_out.contiguous(), q, k, v, out, row_max, row_sum, mask, mask_kind,
+        dq, dk, dv = _backward_impl(grad_out, q, k, v, out, row_max, row_sum, mask, mask_kind,
                                     cu_q, cu_k, max_q, max_k, is_causal, scale, softcap, wl, wr, precision)
         return (dq, dk, dv) + (None,) * len(_OPTION_NAMES)
 
 
 def forward(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, *options):
-    """``(out, row_max, row_sum)``: the eager fast path when it applies, else the registered op."""
+    """``(out, row_max, row_sum)``: the eager fast path when it applies, else the registered op. With nothing
+    to record for autograd (no input requires grad, or grad mode off, and no forward-mode AD level) the fast
+    path calls the implementation directly: what ``_EagerAttention.apply`` returns then, without its
+    per-call cost."""
     if eager_fast_path(q, k, v, mask, cu_seqlens_q, cu_seqlens_k):
-        return _EagerAttention.apply(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, *options)
+        if ((torch.is_grad_enabled() and _any_requires_grad(q, k, v, mask))
+                or getattr(_forward_ad, "_current_level", 0) >= 0):  # a dual level: jvp must raise as before
+            return _EagerAttention.apply(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, *options)
+        return _forward_impl(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, *options)
     return attention_op(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, *options)

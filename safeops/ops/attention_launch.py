@@ -21,9 +21,10 @@ from types import SimpleNamespace
 
 import torch
 from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
 from .. import _config, reference
-from ._launch import ensure_tma_allocator, launch
+from ._launch import KernelLaunch, ensure_tma_allocator, launch
 
 _kernels = None
 
@@ -51,8 +52,9 @@ class AttnConfig:
 # (head-dim block, element size, masked by causal/window) -> config, bf16 / fp16.
 # D=64 / D=128: the best of the H200 sweep (run 4: Triton 3.6, B=4 H=16 S=4K; see scratch/notes_attention.md):
 # fwd (128, 64, 8, 3) 405 / 482 TFLOP/s (the old (128, 128, 8, 3/2) 325 / 402); dk/dv D=64 (32, 128, 4, 2),
-# D=128 (32, 64, 4, 3); dq D=64 (64, 64, 4, 2); dq D=128 not measured yet (first guess). Causal entries equal
-# the dense ones (the causal sweep agreed at D=64). D=16/32 and D=256 are offline picks (no spills, fit).
+# D=128 (32, 64, 4, 3); dq D=64 (64, 64, 4, 2), D=128 (128, 64, 8, 3) (three stages: +3% dense, +9% causal
+# over two in bench/attn_bwd_variants.py, session 3). Causal entries equal the dense ones (the causal sweep
+# agreed at D=64). D=16/32 and D=256 are offline picks (no spills, fit).
 # Every entry (and its mask variants below) is compiled for sm_90 by tests/test_attention_configs.py.
 def _both(cfg: AttnConfig) -> dict[bool, AttnConfig]:
     return {False: cfg, True: cfg}
@@ -70,7 +72,7 @@ DKDV_CONFIGS = _table({32: AttnConfig(32, 128, 4, 2), 64: AttnConfig(32, 128, 4,
 # dq kernel: block_m queries per program, block_n keys per step. (128, 32, 4, 2) at D=16 crashed ptxas
 # (SIGSEGV, Triton 3.6's ptxas 12.8) on the H200: not used.
 DQ_CONFIGS = _table({32: AttnConfig(64, 64, 4, 2), 64: AttnConfig(64, 64, 4, 2),
-                     128: AttnConfig(128, 64, 8, 2), 256: AttnConfig(64, 32, 8, 1)})
+                     128: AttnConfig(128, 64, 8, 3), 256: AttnConfig(64, 32, 8, 1)})
 # A dense attn_mask is loaded tile by tile beside K/V, and the pipeliner stages its tiles through shared
 # memory too: (kind, head-dim block, smallest mask element size) -> the config to use instead; kind is
 # "fwd" / "dkdv" / "dq" for bf16 / fp16 and "fp32-fwd" / "fp32-dkdv" / "fp32-dq" for fp32 inputs. Run 4 hit
@@ -80,6 +82,9 @@ DQ_CONFIGS = _table({32: AttnConfig(64, 64, 4, 2), 64: AttnConfig(64, 64, 4, 2),
 MASK_CONFIGS: dict[tuple[str, int, int], AttnConfig] = {
     ("fwd", 128, 8): AttnConfig(128, 64, 8, 2),
     ("fwd", 256, 4): AttnConfig(128, 32, 8, 2),
+    # dq D=128: three K/V stages take 163840 B unmasked, 180224 with a 2-byte mask; a 4-byte
+    # mask tile per stage would not fit (offline sm_90 compile, Triton 3.6).
+    ("dq", 128, 4): AttnConfig(128, 64, 8, 2),
 }
 # fp32 inputs, by (head-dim block, ieee): smaller tiles. "ieee" dots are FMA loops (no tensor cores) and
 # spill with larger tiles (offline sm_90 compile, Triton 3.6); tf32 / tf32x3 use the tensor cores.
@@ -186,7 +191,9 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _launch(kernel, grid: tuple, *args, **kwargs) -> None:
+def _launch(kernel, grid: tuple, *args, record: list | None = None, **kwargs) -> None:
+    if record is not None:  # building a plan (see "Plans" below): the launch as the general path makes it
+        record.append((kernel, grid, args, kwargs))
     if kwargs.get("USE_TMA"):  # descriptors' scratch is set up per launch by JITFunction.run
         kernel[grid](*args, **kwargs)
     else:
@@ -337,10 +344,10 @@ def _sum_split(part: torch.Tensor, split: int, varlen: bool) -> torch.Tensor:
     return part.view(b, h // split, split, s, d).sum(2)
 
 
-def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale, softcap, wl, wr, precision,
-            *, out_dtype: torch.dtype | None = None):
-    """``out_dtype`` (internal): the output's dtype when it is not q's, e.g. fp32 partials that are merged
-    before the one rounding (safeops.distributed); the kernel stores in its output pointer's type."""
+def _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale, softcap, wl, wr,
+                     precision, *, out_dtype: torch.dtype | None = None, record: list | None = None):
+    """The forward with every decision made again (``forward`` keeps them in plans); ``record`` (a list)
+    receives the launch as ``(kernel, grid, args, kwargs)``."""
     from .attention import _fake_forward
 
     _check_device(q)
@@ -371,16 +378,18 @@ def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale
         **_common_constexprs(p, mask_kind, softcap), REVERSE=p.has_wr,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         WARP_SPECIALIZE=cfg.warp_specialize and _gpu(q.device), USE_TMA=_use_tma(cfg, k_, v_),
-        **_launch_options(cfg),
+        **_launch_options(cfg), record=record,
     )
     if out_ is not out:
         out.copy_(out_)
     return out, row_max, row_sum
 
 
-def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal,
-             scale, softcap, wl, wr, precision, *, grad_dtype: torch.dtype | None = None):
-    """``grad_dtype`` (internal): dq, dk, dv in this dtype instead of the inputs' (see ``forward``)."""
+def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q, max_k,
+                      is_causal, scale, softcap, wl, wr, precision, *, grad_dtype: torch.dtype | None = None,
+                      record: list | None = None):
+    """The backward with every decision made again (``backward`` keeps them in plans); ``record``: see
+    ``_forward_general``."""
     _check_device(q)
     if grad_dtype is None:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -407,7 +416,7 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
         o_, g_, delta, p.cu_q, p.cu_k, *_bhs(o_, p.varlen), *_bhs(g_, p.varlen), *st,
         p.hq, p.max_q, p.max_k,
         HEAD_DIM_V=p.dv, VARLEN=p.varlen, BLOCK_M=dcfg.block_m, BLOCK_DV=common["BLOCK_DV"],
-        **_launch_options(dcfg),
+        **_launch_options(dcfg), record=record,
     )
     kv = config("dkdv", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
     split = dkdv_split(p.hq // p.hkv, k.numel() + v.numel())
@@ -423,7 +432,7 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
         *_bhs(dk_, p.varlen), *_bhs(dv_, p.varlen), *st, *p.mask_strides,
         p.hq, n_bh, p.max_q, p.max_k, p.window_left, p.window_right, c1, c2, scale_ds,
         **common, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, NUM_STAGES=kv.num_stages,
-        USE_TMA=_use_tma(kv, q_, g_), SPLIT=split, EVEN=_even(p, kv), **_launch_options(kv),
+        USE_TMA=_use_tma(kv, q_, g_), SPLIT=split, EVEN=_even(p, kv), **_launch_options(kv), record=record,
     )
     if split > 1:
         dk_, dv_ = (_sum_split(t, split, p.varlen) for t in (dk_, dv_))
@@ -436,11 +445,245 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
         p.hq, p.batch * p.hq, p.max_q, p.max_k, n_m_blocks, p.window_left, p.window_right, c1, c2, scale_ds,
         **common, REVERSE=p.has_wr,
         BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, NUM_STAGES=qc.num_stages, USE_TMA=_use_tma(qc, k_, v_),
-        EVEN=_even(p, qc), **_launch_options(qc),
+        EVEN=_even(p, qc), **_launch_options(qc), record=record,
     )
     for result, written in ((dq, dq_), (dk, dk_), (dv, dv_)):
         if written is not result:
             result.copy_(written)
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------------------------
+# Plans: a call's decisions kept per signature, so a repeated call only allocates its outputs and launches.
+# ------------------------------------------------------------------------------------------------------
+# Everything ``_forward_general`` / ``_backward_general`` decide -- configs, grids, constexprs, scalars,
+# strides, the GQA split, EVEN, TMA, the checks -- is a function of the key below: the shapes, strides,
+# dtypes and 16-byte alignment of every tensor argument, the device, the options, and the module's settings
+# (kernels, overrides, caps; ``_settings``). The first call of a key runs the general path, recording its
+# launches, and keeps them as a plan: the scalar arguments, constexprs and options exactly as the general
+# path passed them, and a launch object (on CUDA a ``KernelLaunch``: the compiled kernel launched directly).
+# A later call allocates the outputs as the general path does (same shapes, strides, dtypes) and launches
+# with the same arguments, so the kernels and their bits are the same. Layouts the plan does not cover
+# (inputs that need a copy to unit head-dim stride, empty tensors, TMA launches) run the general path on
+# every call. Editing a config table in place is not seen: call ``clear_plans()`` after that.
+
+_GENERAL = "general"
+_PLANS_MAX = 1024
+_fwd_plans: dict = {}
+_bwd_plans: dict = {}
+_plans_settings: list = [None]
+
+
+def clear_plans() -> None:
+    _fwd_plans.clear()
+    _bwd_plans.clear()
+    _plans_settings[0] = None
+
+
+def _settings() -> tuple:
+    """What plans depend on beyond their keys; plans are dropped when any of it is replaced."""
+    return (kernels, _kernels, _config.fp_fusion, tuple(_override.items()), DKDV_SPLIT_MAX_BYTES,
+            BACKWARD_HEAD_GROUP, DELTA_BLOCK_M, INTERPRETER_CONFIG, config, dkdv_split, _gpu, _check_device,
+            _use_tma, launch)
+
+
+def _tables() -> tuple[dict, dict]:
+    settings = _settings()
+    if _plans_settings[0] != settings:
+        clear_plans()
+        _plans_settings[0] = settings
+    return _fwd_plans, _bwd_plans
+
+
+class _GridLaunch:
+    """``kernel[grid](*args, **kwargs)`` (the interpreter, CPU / meta tensors, recorders)."""
+
+    __slots__ = ("kernel", "grid", "kwargs")
+
+    def __init__(self, kernel, grid: tuple, kwargs: dict):
+        self.kernel, self.grid, self.kwargs = kernel, grid, kwargs
+
+    def __call__(self, *args) -> None:
+        self.kernel[self.grid](*args, **self.kwargs)
+
+
+def _launcher(kernel, grid: tuple, kwargs: dict, device: torch.device):
+    """What ``_launch`` does for a non-TMA launch, once per plan: on CUDA one KernelLaunch (as
+    ``safeops.ops._launch.launch`` keeps one per argument signature), else ``kernel[grid]``."""
+    if (device.type == "cuda" and isinstance(kernel, JITFunction)
+            and not isinstance(kernel, InterpretedFunction)):
+        return KernelLaunch(kernel, grid, kwargs)
+    return _GridLaunch(kernel, grid, kwargs)
+
+
+def _split_args(args: tuple, n: int) -> tuple | None:
+    """The scalars after the ``n`` leading tensor arguments, or None if the launch is not of that form."""
+    head, tail = args[:n], args[n:]
+    if len(head) != n or not all(isinstance(a, torch.Tensor) for a in head):
+        return None
+    if any(isinstance(a, torch.Tensor) for a in tail):
+        return None
+    return tail
+
+
+def _sig(t: torch.Tensor | None) -> tuple | None:
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.data_ptr() % 16
+
+
+class _FwdPlan:
+    __slots__ = ("run", "scalars", "out_like_q", "out_shape", "out_dtype", "stat_shape", "acc", "mask_bool",
+                 "varlen")
+
+
+class _BwdPlan:
+    __slots__ = ("delta", "delta_scalars", "dkdv", "dkdv_scalars", "dq", "dq_scalars", "split", "part_shape",
+                 "mask_bool", "varlen", "grad_dtype")
+
+
+def _forward_plan(q, k, v, mask, cu_q, out_dtype, result, record) -> _FwdPlan | str:
+    out, row_max, row_sum = result
+    if len(record) != 1:
+        return _GENERAL
+    kernel, grid, args, kwargs = record[0]
+    scalars = _split_args(args, 9)
+    if (kwargs.get("USE_TMA") or scalars is None or args[0] is not q or args[1] is not k or args[2] is not v
+            or args[3] is not out or args[4] is not row_max or args[5] is not row_sum):
+        return _GENERAL
+    plan = _FwdPlan()
+    plan.run = _launcher(kernel, grid, kwargs, q.device)
+    plan.scalars = scalars
+    plan.out_like_q = (out_dtype is None or out_dtype == q.dtype) and q.shape[-1] == v.shape[-1]
+    plan.out_shape, plan.out_dtype = tuple(out.shape), out.dtype
+    plan.stat_shape, plan.acc = tuple(row_max.shape), row_max.dtype
+    plan.mask_bool = mask is not None and mask.dtype == torch.bool
+    plan.varlen = cu_q is not None
+    return plan
+
+
+def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale, softcap, wl, wr, precision,
+            *, out_dtype: torch.dtype | None = None):
+    """``(out, row_max, row_sum)``. ``out_dtype`` (internal): the output's dtype when it is not q's, e.g.
+    fp32 partials that are merged before the one rounding (safeops.distributed); the kernel stores in its
+    output pointer's type."""
+    plans = _tables()[0]
+    key = (q.device, q.shape, q.stride(), q.dtype, q.data_ptr() % 16, k.shape, k.stride(), k.dtype,
+           k.data_ptr() % 16, v.shape, v.stride(), v.dtype, v.data_ptr() % 16, _sig(mask), mask_kind,
+           _sig(cu_q), _sig(cu_k), max_q, max_k, is_causal, scale, softcap, wl, wr, precision, out_dtype)
+    plan = plans.get(key)
+    if plan is None:
+        record: list = []
+        result = _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale,
+                                  softcap, wl, wr, precision, out_dtype=out_dtype, record=record)
+        if len(plans) >= _PLANS_MAX:
+            plans.clear()
+        plans[key] = _forward_plan(q, k, v, mask, cu_q, out_dtype, result, record)
+        return result
+    if plan is _GENERAL:
+        return _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale, softcap,
+                                wl, wr, precision, out_dtype=out_dtype)
+    device = q.device
+    if plan.out_like_q:
+        out = torch.empty_like(q)
+    else:
+        out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=device)
+    row_max = torch.empty(plan.stat_shape, dtype=plan.acc, device=device)
+    row_sum = torch.empty(plan.stat_shape, dtype=plan.acc, device=device)
+    mask_arg = q if mask is None else mask.view(torch.uint8) if plan.mask_bool else mask
+    if plan.varlen:
+        plan.run(q, k, v, out, row_max, row_sum, mask_arg, cu_q, cu_k, *plan.scalars)
+    else:
+        plan.run(q, k, v, out, row_max, row_sum, mask_arg, q, q, *plan.scalars)
+    return out, row_max, row_sum
+
+
+def _backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype, result, record
+                   ) -> _BwdPlan | str:
+    dq, dk, dv = result
+    if len(record) != 3:
+        return _GENERAL
+    (dk_d, grid_d, args_d, kw_d), (dk_k, grid_k, args_k, kw_k), (dk_q, grid_q, args_q, kw_q) = record
+    delta_scalars, dkdv_scalars, dq_scalars = _split_args(args_d, 5), _split_args(args_k, 12), _split_args(
+        args_q, 11)
+    if (delta_scalars is None or dkdv_scalars is None or dq_scalars is None or kw_k.get("USE_TMA")
+            or kw_q.get("USE_TMA") or kw_d.get("USE_TMA")):
+        return _GENERAL
+    delta = args_d[2]
+    inputs = (q, k, v, grad)
+    same = (args_d[0] is out and args_d[1] is grad
+            and all(a is t for a, t in zip(args_k[:4], inputs, strict=True))
+            and all(a is t for a, t in zip(args_q[:4], inputs, strict=True))
+            and args_k[6] is row_max and args_k[7] is row_sum and args_k[8] is delta and args_q[4] is dq
+            and args_q[5] is row_max and args_q[6] is row_sum and args_q[7] is delta)
+    if not same:
+        return _GENERAL
+    split = kw_k["SPLIT"]
+    if split == 1:
+        if args_k[4] is not dk or args_k[5] is not dv:
+            return _GENERAL
+    elif not (args_k[4].shape == args_k[5].shape and args_k[4].dtype == args_k[5].dtype == torch.float32
+              and args_k[4].is_contiguous() and args_k[5].is_contiguous()):
+        return _GENERAL
+    plan = _BwdPlan()
+    plan.delta = _launcher(dk_d, grid_d, kw_d, q.device)
+    plan.dkdv = _launcher(dk_k, grid_k, kw_k, q.device)
+    plan.dq = _launcher(dk_q, grid_q, kw_q, q.device)
+    plan.delta_scalars, plan.dkdv_scalars, plan.dq_scalars = delta_scalars, dkdv_scalars, dq_scalars
+    plan.split, plan.part_shape = split, tuple(args_k[4].shape)
+    plan.mask_bool = mask is not None and mask.dtype == torch.bool
+    plan.varlen = cu_q is not None
+    plan.grad_dtype = grad_dtype
+    return plan
+
+
+def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal,
+             scale, softcap, wl, wr, precision, *, grad_dtype: torch.dtype | None = None):
+    """``(dq, dk, dv)``. ``grad_dtype`` (internal): dq, dk, dv in this dtype instead of the inputs' (see
+    ``forward``)."""
+    plans = _tables()[1]
+    key = (q.device, grad.shape, grad.stride(), grad.dtype, grad.data_ptr() % 16, q.shape, q.stride(),
+           q.dtype, q.data_ptr() % 16, k.shape, k.stride(), k.dtype, k.data_ptr() % 16, v.shape, v.stride(),
+           v.dtype, v.data_ptr() % 16, out.shape, out.stride(), out.dtype, out.data_ptr() % 16, _sig(row_max),
+           _sig(row_sum), _sig(mask), mask_kind, _sig(cu_q), _sig(cu_k), max_q, max_k, is_causal, scale,
+           softcap, wl, wr, precision, grad_dtype)
+    plan = plans.get(key)
+    if plan is None:
+        record: list = []
+        result = _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q,
+                                   max_k, is_causal, scale, softcap, wl, wr, precision, grad_dtype=grad_dtype,
+                                   record=record)
+        if len(plans) >= _PLANS_MAX:
+            plans.clear()
+        plans[key] = _backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype, result,
+                                    record)
+        return result
+    if plan is _GENERAL:
+        return _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q,
+                                 max_k, is_causal, scale, softcap, wl, wr, precision, grad_dtype=grad_dtype)
+    device = q.device
+    if grad_dtype is None:
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    else:
+        dq, dk, dv = (torch.empty(t.shape, dtype=grad_dtype, device=device) for t in (q, k, v))
+    delta = torch.empty_like(row_max)
+    mask_arg = q if mask is None else mask.view(torch.uint8) if plan.mask_bool else mask
+    if not plan.varlen:
+        cu_q = cu_k = q
+    plan.delta(out, grad, delta, cu_q, cu_k, *plan.delta_scalars)
+    split = plan.split
+    if split > 1:  # fp32 partials per slice of each kv head's query group, summed below
+        dk_ = torch.empty(plan.part_shape, dtype=torch.float32, device=device)
+        dv_ = torch.empty(plan.part_shape, dtype=torch.float32, device=device)
+    else:
+        dk_, dv_ = dk, dv
+    plan.dkdv(q, k, v, grad, dk_, dv_, row_max, row_sum, delta, mask_arg, cu_q, cu_k, *plan.dkdv_scalars)
+    if split > 1:
+        dk_, dv_ = _sum_split(dk_, split, plan.varlen), _sum_split(dv_, split, plan.varlen)
+    plan.dq(q, k, v, grad, dq, row_max, row_sum, delta, mask_arg, cu_q, cu_k, *plan.dq_scalars)
+    if split > 1:
+        dk.copy_(dk_)
+        dv.copy_(dv_)
     return dq, dk, dv
 
 
