@@ -243,12 +243,21 @@ def test_reference_agrees(gen, monkeypatch):
 
 
 @pytest.mark.skipif(SMALL, reason="SAFEOPS_GPU_SMALL: a 4.3 GB buffer (too slow under compute-sanitizer)")
-def test_offsets_past_2_31(gen):
-    """Contract section 8: a stack read in place whose head-dim stride puts element offsets past 2**31 (the
-    launcher then picks the 64-bit offset kernels), forward and backward, gives the same bits as contiguous
-    copies (32-bit kernels), and a slice of rows matches the float64 merge. One 4.3 GB bf16 buffer holds
-    the stack and the incoming gradient, both with head-dim stride ``stride``, (d - 1) * stride >= 2**31."""
+@pytest.mark.parametrize("gpu_wide", [
+    pytest.param(False, id="copies"),
+    pytest.param(True, id="wide-kernels", marks=pytest.mark.xfail(
+        strict=False, reason="failed on the H200 on 2026-11-30 (message not captured); the launcher copies "
+                             "instead until this passes (merge_launch.GPU_WIDE)")),
+])
+def test_offsets_past_2_31(gen, monkeypatch, gpu_wide):
+    """Contract section 8: a stack whose head-dim stride puts element offsets past 2**31, forward and
+    backward, gives the same bits as contiguous copies (32-bit kernels), and a slice of rows matches the
+    float64 merge. One 4.3 GB bf16 buffer holds the stack and the incoming gradient, both with head-dim
+    stride ``stride``, (d - 1) * stride >= 2**31. ``copies``: what the launcher ships (it copies such
+    tensors); ``wide-kernels``: the 64-bit offset kernels reading them in place (merge_launch.GPU_WIDE)."""
     from safeops.ops import merge_launch
+
+    monkeypatch.setattr(merge_launch, "GPU_WIDE", gpu_wide)
 
     p, r, d = 2, 2**22, 64
     stride = 2**31 // (d - 1) + 1
