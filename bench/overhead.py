@@ -50,6 +50,7 @@ the launcher's GPU-only branches told it is a GPU).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import threading
@@ -485,28 +486,17 @@ def _host_us(fn, calls: int = 200) -> float:
     return best
 
 
-def cast_cpu(calls: int) -> None:
-    """The Python part of a GPU ``safeops.cast_transpose`` call, on the CPU: SAFEOPS_BACKEND=triton with
-    the kernel launches replaced by no-ops and the launcher's GPU-only checks told this is a GPU, so the
-    calls take the GPU's route (bf16: the v2 kernel's plan; fp16: the v1 kernel's)."""
-    from safeops.ops import cast_transpose_launch as ct_launch
-    from safeops.ops import cast_transpose_variants as ct_variants
-
+@contextlib.contextmanager
+def _gpu_route_on_cpu(patches: list):
+    """SAFEOPS_BACKEND=triton and ``setattr(obj, name, value)`` for each patch inside the block (the GPU
+    route's Python run on the CPU), everything restored after."""
     saved_env = os.environ.get("SAFEOPS_BACKEND")
     os.environ["SAFEOPS_BACKEND"] = "triton"
-    patches = [(_launch.KernelLaunch, "__call__", lambda self, *args: None),
-               (ct_launch, "_interpreted", lambda: False), (ct_launch, "_check_device", lambda x: None)]
-    patches.append((ct_variants, "_on_gpu", lambda x: True))
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, value in patches:
         setattr(obj, name, value)
     try:
-        x = torch.randn(256, 512).to(torch.bfloat16)
-        s = torch.tensor(0.5)
-        rows = torch.rand(256, 1) + 0.5
-        print("fp8 cast + transpose, the GPU route's Python on the CPU (kernel launches replaced by no-ops), "
-              "256 x 512 bf16 -> e4m3fn")
-        _print(_cast_cases(x, s, rows), calls, 10)
+        yield
     finally:
         for obj, name, value in saved:
             setattr(obj, name, value)
@@ -514,6 +504,25 @@ def cast_cpu(calls: int) -> None:
             os.environ.pop("SAFEOPS_BACKEND", None)
         else:
             os.environ["SAFEOPS_BACKEND"] = saved_env
+
+
+def cast_cpu(calls: int) -> None:
+    """The Python part of a GPU ``safeops.cast_transpose`` call, on the CPU: SAFEOPS_BACKEND=triton with
+    the kernel launches replaced by no-ops and the launcher's GPU-only checks told this is a GPU, so the
+    calls take the GPU's route (bf16: the v2 kernel's plan; fp16: the v1 kernel's)."""
+    from safeops.ops import cast_transpose_launch as ct_launch
+    from safeops.ops import cast_transpose_variants as ct_variants
+
+    patches = [(_launch.KernelLaunch, "__call__", lambda self, *args: None),
+               (ct_launch, "_interpreted", lambda: False), (ct_launch, "_check_device", lambda x: None)]
+    patches.append((ct_variants, "_on_gpu", lambda x: True))
+    with _gpu_route_on_cpu(patches):
+        x = torch.randn(256, 512).to(torch.bfloat16)
+        s = torch.tensor(0.5)
+        rows = torch.rand(256, 1) + 0.5
+        print("fp8 cast + transpose, the GPU route's Python on the CPU (kernel launches replaced by no-ops), "
+              "256 x 512 bf16 -> e4m3fn")
+        _print(_cast_cases(x, s, rows), calls, 10)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -702,15 +711,10 @@ def attention_cpu(calls: int, s: int = 32) -> None:
     KernelLaunch calls by no-ops."""
     from safeops.ops import attention_launch as L
 
-    saved_env = os.environ.get("SAFEOPS_BACKEND")
-    os.environ["SAFEOPS_BACKEND"] = "triton"
     patches = [(L, "_kernels", _NoKernels()), (L, "launch", _keyed_noop_launch),
                (L, "_gpu", lambda device: True), (L, "_check_device", lambda q: None),
                (_launch.KernelLaunch, "__call__", lambda self, *args: None)]
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
-    for obj, name, value in patches:
-        setattr(obj, name, value)
-    try:
+    with _gpu_route_on_cpu(patches):
         hf = _hf_call()
         q, k, v, leaves = _llama_qkv("cpu", s, requires_grad=True)
         g = torch.randn(1, s, ATTN_SHAPE["hq"], ATTN_SHAPE["d"], dtype=torch.bfloat16)
@@ -736,13 +740,6 @@ def attention_cpu(calls: int, s: int = 32) -> None:
              lambda: softmax_ops.eager_fast_path(qn, kn, vn, None, None, None)),
             ("  pieces: _config.use_triton (reads the env)", lambda: safeops._config.use_triton(qn)),
         ], calls, 10)
-    finally:
-        for obj, name, value in saved:
-            setattr(obj, name, value)
-        if saved_env is None:
-            os.environ.pop("SAFEOPS_BACKEND", None)
-        else:
-            os.environ["SAFEOPS_BACKEND"] = saved_env
 
 
 def attention_gpu(calls: int) -> None:

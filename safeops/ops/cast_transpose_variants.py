@@ -71,17 +71,12 @@ VARIANTS = (
 del V
 
 
-_kernels = None
-
-
 def kernels():
-    """The kernel module, imported on first use (importing safeops must not compile anything)."""
-    global _kernels
-    if _kernels is None:
-        from ..kernels import cast_transpose as module
+    """The kernel module, as the shipped launcher loads it (on first use: importing safeops must not compile
+    anything); imported at call time, that module imports this one."""
+    from .cast_transpose_launch import kernels as shipped
 
-        _kernels = module
-    return _kernels
+    return shipped()
 
 
 def _interpreted() -> bool:
