@@ -47,14 +47,16 @@ FIELDS = ["S", "causal", "impl", "fwd_ms", "fwdbwd_ms", "fwd_tflops_per_gpu", "f
           "ring_bwd_ms", "compute_bwd_ms", "comm_bwd_ms", "overlap_bwd", "note"]
 
 
-def _time_ms(fn, reps: int, warmup: int = 2) -> float:
-    """Median CUDA-event time of ``fn`` over ``reps`` runs, the slowest rank's (all ranks run it)."""
+def _time_ms(fn, reps: int, warmup: int = 2, collective: bool = True) -> float:
+    """Median CUDA-event time of ``fn`` over ``reps`` runs, the slowest rank's (all ranks run it); with
+    ``collective=False`` this rank's alone (no barrier, no all-reduce)."""
+    collective = collective and dist.is_initialized()
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
-        if dist.is_initialized():
+        if collective:
             dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -62,9 +64,11 @@ def _time_ms(fn, reps: int, warmup: int = 2) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    ms = torch.tensor(sorted(times)[len(times) // 2], device="cuda" if torch.cuda.is_available() else "cpu")
-    if dist.is_initialized():
-        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    median = sorted(times)[len(times) // 2]
+    if not collective:
+        return median
+    ms = torch.tensor(median, device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
     return float(ms)
 
 
@@ -197,8 +201,8 @@ def _single_gpu_row(args, s: int, causal: bool, rank: int, flops: float) -> dict
     fwd = fwdbwd = 0.0
     if rank == 0:
         q, k, v = _inputs((1, args.heads, s, args.d), (1, args.kv_heads, s, args.d), seed=0)
-        fwd = _time_ms_local(lambda: single(q, k, v), args.reps)
-        fwdbwd = _time_ms_local(_fwd_bwd(single, q, k, v), args.reps)
+        fwd = _time_ms(lambda: single(q, k, v), args.reps, collective=False)
+        fwdbwd = _time_ms(_fwd_bwd(single, q, k, v), args.reps, collective=False)
     pair = torch.tensor([fwd, fwdbwd], device="cuda")
     dist.broadcast(pair, 0)
     torch.cuda.empty_cache()
@@ -247,22 +251,6 @@ def _worker(rank: int, args, init_file: str) -> None:
             _report(rows, args)
     finally:
         dist.destroy_process_group()
-
-
-def _time_ms_local(fn, reps: int) -> float:
-    """Like _time_ms, on this rank only (no collective)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def _fmt(x, spec="{:.2f}") -> str:

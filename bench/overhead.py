@@ -226,6 +226,21 @@ def _check_direct_launch(x: torch.Tensor) -> None:
               f"new compiled kernels {new}; plans launching directly {sum(direct)}/{len(direct)}", flush=True)
 
 
+def _general_calls(x: torch.Tensor, g: torch.Tensor, m: torch.Tensor, l: torch.Tensor):
+    """The softmax launcher's general (uncached) forward and backward on a 64-row ``x``, as zero-argument
+    calls."""
+    def general_fwd():
+        out = torch.empty_like(x)
+        rm, rs = x.new_empty(64, dtype=torch.float32), x.new_empty(64, dtype=torch.float32)
+        return softmax_launch._forward_general(0, x, 1, None, None, None, out, rm, rs)
+
+    def general_bwd():
+        return softmax_launch._backward_general(0, g, x, m, l, 1, None, None, None, False,
+                                                torch.empty_like(x), x.new_zeros((), dtype=torch.float32))
+
+    return general_fwd, general_bwd
+
+
 def gpu(calls: int, device: str = "cuda") -> None:
     """The GPU tables (``device="cpu"`` runs them under Triton's interpreter: a smoke test of this script)."""
     x = torch.randn(64, 1024, device=device, dtype=torch.bfloat16)
@@ -237,14 +252,7 @@ def gpu(calls: int, device: str = "cuda") -> None:
     def fwd_bwd(f):
         return lambda: torch.autograd.grad(f(xg), xg, g)
 
-    def general_fwd():
-        out = torch.empty_like(x)
-        rm, rs = x.new_empty(64, dtype=torch.float32), x.new_empty(64, dtype=torch.float32)
-        return softmax_launch._forward_general(0, x, 1, None, None, None, out, rm, rs)
-
-    def general_bwd():
-        return softmax_launch._backward_general(0, g, x, m, l, 1, None, None, None, False,
-                                                torch.empty_like(x), x.new_zeros((), dtype=torch.float32))
+    general_fwd, general_bwd = _general_calls(x, g, m, l)
 
     def launcher_fwd():
         return softmax_launch.forward(0, x, 1, None, None, None, x.dtype)
@@ -313,14 +321,7 @@ def cpu(calls: int) -> None:
         g = torch.randn_like(x)
         mask = torch.rand(1, 1024) > 0.1
 
-        def general_fwd():
-            out = torch.empty_like(x)
-            rm, rs = x.new_empty(64, dtype=torch.float32), x.new_empty(64, dtype=torch.float32)
-            return softmax_launch._forward_general(0, x, 1, None, None, None, out, rm, rs)
-
-        def general_bwd():
-            return softmax_launch._backward_general(0, g, x, m, l, 1, None, None, None, False,
-                                                    torch.empty_like(x), x.new_zeros((), dtype=torch.float32))
+        general_fwd, general_bwd = _general_calls(x, g, m, l)
 
         print("launcher's Python (kernels replaced by no-ops), 64 x 1024 bf16")
         _print([

@@ -62,11 +62,15 @@ _SCRIPT = textwrap.dedent(
                   VARLEN=False, PRECISION=3, BLOCK_D=L.block_dim(d), BLOCK_DV=L.block_dim(d))
     cuda = torch.device("cuda")
     results = {}
+    # The backward kernels twice: with bounds masks, and EVEN (whole blocks, what most GPU launches compile).
     for kind, fn, extra in (("fwd", k.attn_fwd_kernel, {"REVERSE": True, "WARP_SPECIALIZE": False,
                                                         "USE_TMA": False}),
                             ("dkdv", k.attn_bwd_dkdv_kernel, {"USE_TMA": False}),
-                            ("dq", k.attn_bwd_dq_kernel, {"REVERSE": True, "USE_TMA": False})):
-        cfg = L.config(kind, L.block_dim(d), torch.bfloat16, True, cuda)
+                            ("dkdv-even", k.attn_bwd_dkdv_kernel, {"USE_TMA": False, "EVEN": True}),
+                            ("dq", k.attn_bwd_dq_kernel, {"REVERSE": True, "USE_TMA": False}),
+                            ("dq-even", k.attn_bwd_dq_kernel,
+                             {"REVERSE": True, "USE_TMA": False, "EVEN": True})):
+        cfg = L.config(kind.removesuffix("-even"), L.block_dim(d), torch.bfloat16, True, cuda)
         constexprs = {**common, **extra, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                       "NUM_STAGES": cfg.num_stages}
         results[kind] = counts(compile_ptx(fn, constexprs, cfg))
@@ -87,7 +91,7 @@ def counts_off():
 def test_no_contraction_in_attention_kernels(counts_off):
     offenders = {kind: c for kind, c in counts_off.items() if c["fma"] or c["loose"]}
     assert not offenders, f"f32 fma or non-.rn mul/add in attention kernels (contract section 1): {offenders}"
-    assert set(counts_off) == {"fwd", "dkdv", "dq"}
+    assert set(counts_off) == {"fwd", "dkdv", "dkdv-even", "dq", "dq-even"}
 
 
 def test_bf16_dots_use_wgmma(counts_off):

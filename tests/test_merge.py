@@ -221,6 +221,24 @@ def test_stacked_and_list_agree(backend, seed):
     assert torch.equal(a[0], c[0]) and torch.equal(a[1], c[1])
 
 
+def test_strided_incoming_gradient_same_bits(backend, seed):
+    """The backward reads the incoming output gradient in place whatever its strides: the same bits as a
+    contiguous gradient (a transposed layout, and one row broadcast with stride 0)."""
+    outs, lses = seed.randn(3, 2, 4, 5, 16), seed.randn(3, 2, 4, 5, std=3.0)
+    g = seed.randn(2, 4, 5, 16)
+    grads = []
+    for grad in (g, g.transpose(1, 2).contiguous().transpose(1, 2), g[:1, :1, :1].expand_as(g)):
+        o, l = outs.clone().requires_grad_(True), lses.clone().requires_grad_(True)
+        out, _ = safeops.merge_attention(o, l)
+        out.backward(grad)
+        grads.append((o.grad, l.grad))
+    g_bcast = g[:1, :1, :1].expand_as(g).contiguous()
+    o, l = outs.clone().requires_grad_(True), lses.clone().requires_grad_(True)
+    safeops.merge_attention(o, l)[0].backward(g_bcast)
+    assert torch.equal(grads[1][0], grads[0][0]) and torch.equal(grads[1][1], grads[0][1])
+    assert torch.equal(grads[2][0], o.grad) and torch.equal(grads[2][1], l.grad)
+
+
 def test_row_alone_matches_row_in_batch(backend, seed):
     """Batch invariance (contract section 6): a row merged alone gets the same bits as inside a batch."""
     outs, lses = seed.randn(4, 3, 9, 40), seed.randn(4, 3, 9, std=3.0)

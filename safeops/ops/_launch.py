@@ -145,6 +145,19 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     plan(*args)
 
 
+def check_triton_device(t: torch.Tensor, arg: str, kernel) -> None:
+    """The launchers' device check for a non-CUDA tensor ``t`` (argument ``arg``): a CPU tensor needs
+    Triton's interpreter (``kernel``, any of the launcher's kernels, is interpreted); anything else raises."""
+    if t.device.type != "cpu":
+        raise ValueError(f"{arg}: Triton kernels need a CUDA tensor (or, interpreted, a CPU one), "
+                         f"not {t.device}")
+    if not isinstance(kernel, InterpretedFunction):
+        raise ValueError(
+            f"{arg}: SAFEOPS_BACKEND=triton with a CPU tensor needs Triton's interpreter; set "
+            "TRITON_INTERPRET=1 before importing triton, or use SAFEOPS_BACKEND=auto to run CPU tensors on "
+            "the reference")
+
+
 def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Global scratch for device-side TMA descriptors (Triton asks for it at each launch that needs it)."""
     return torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))

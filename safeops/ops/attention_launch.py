@@ -24,7 +24,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from .. import _config, reference
-from ._launch import KernelLaunch, ensure_tma_allocator, launch
+from ._launch import KernelLaunch, check_triton_device, ensure_tma_allocator, launch
 
 _kernels = None
 
@@ -157,14 +157,8 @@ def _launch_options(cfg: AttnConfig) -> dict:
 
 
 def _check_device(q: torch.Tensor) -> None:
-    if _gpu(q.device):
-        return
-    if q.device.type != "cpu":
-        raise ValueError(f"q: Triton kernels need a CUDA tensor (or, interpreted, a CPU one), not {q.device}")
-    if not isinstance(kernels().attn_fwd_kernel, InterpretedFunction):
-        raise ValueError(
-            "q: SAFEOPS_BACKEND=triton with a CPU tensor needs Triton's interpreter; set TRITON_INTERPRET=1 "
-            "before importing triton, or use SAFEOPS_BACKEND=auto to run CPU tensors on the reference")
+    if not _gpu(q.device):
+        check_triton_device(q, "q", kernels().attn_fwd_kernel)
 
 
 def _f32(x: float) -> float:

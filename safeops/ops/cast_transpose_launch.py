@@ -15,7 +15,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from .. import _config, reference
 from . import cast_transpose_variants as _variants
-from ._launch import KernelLaunch
+from ._launch import KernelLaunch, check_triton_device
 
 _kernels = None
 
@@ -102,15 +102,8 @@ def _interpreted() -> bool:
 
 
 def _check_device(x: torch.Tensor) -> None:
-    if x.device.type == "cuda":
-        return
-    if x.device.type != "cpu":
-        raise ValueError(f"x: Triton kernels need a CUDA tensor (or, interpreted, a CPU one), not {x.device}")
-    if not _interpreted():
-        raise ValueError(
-            "x: SAFEOPS_BACKEND=triton with a CPU tensor needs Triton's interpreter; set TRITON_INTERPRET=1 "
-            "before importing triton, or use SAFEOPS_BACKEND=auto to run CPU tensors on the reference"
-        )
+    if x.device.type != "cuda":
+        check_triton_device(x, "x", kernels().cast_transpose_kernel)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ def _merge_function(below):
             outs, lses = ctx.saved_tensors
             if grad_out is None:
                 grad_out = outs.new_zeros(outs.shape[1:])
-            grad_outs, grad_lses = merge_attention_backward_op(grad_out.contiguous(), grad_lse, outs, lses)
+            grad_outs, grad_lses = merge_attention_backward_op(grad_out, grad_lse, outs, lses)
             return grad_outs, grad_lses, None
 
     return Recorded_merge_attention
@@ -117,7 +117,7 @@ class _EagerMerge(torch.autograd.Function):
         no_double_backward(ctx, (outs, lses, grad_out, grad_lse))
         if grad_out is None:
             grad_out = outs.new_zeros(outs.shape[1:])
-        return _backward_impl(grad_out.contiguous(), grad_lse, outs, lses)
+        return _backward_impl(grad_out, grad_lse, outs, lses)  # any strides: the launcher takes them
 
 
 def forward(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

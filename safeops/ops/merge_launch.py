@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 import triton
-from triton.runtime.interpreter import InterpretedFunction
 
 from .. import _config
-from ._launch import launch
+from ._launch import check_triton_device, launch
 
 _kernels = None
 
@@ -27,16 +26,8 @@ def kernels():
 
 
 def _check_device(o: torch.Tensor) -> None:
-    if o.device.type == "cuda":
-        return
-    if o.device.type != "cpu":
-        raise ValueError(f"outs: Triton kernels need a CUDA tensor (or, interpreted, a CPU one), "
-                         f"not {o.device}")
-    if not isinstance(kernels().merge_fwd_kernel, InterpretedFunction):
-        raise ValueError(
-            "outs: SAFEOPS_BACKEND=triton with a CPU tensor needs Triton's interpreter; set "
-            "TRITON_INTERPRET=1 before importing triton, or use SAFEOPS_BACKEND=auto to run CPU tensors on "
-            "the reference")
+    if o.device.type != "cuda":
+        check_triton_device(o, "outs", kernels().merge_fwd_kernel)
 
 
 def block_sizes(d: int, device: torch.device) -> tuple[int, int, int]:

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from triton.runtime.interpreter import InterpretedFunction
 
 from .. import _config
-from ._launch import KernelLaunch
+from ._launch import KernelLaunch, check_triton_device
 from ._rows import Rows, rows_of
 
 _kernels = None
@@ -30,15 +29,8 @@ def kernels():
 
 
 def _check_device(x: torch.Tensor) -> None:
-    if x.device.type == "cuda":
-        return
-    if x.device.type != "cpu":
-        raise ValueError(f"x: Triton kernels need a CUDA tensor (or, interpreted, a CPU one), not {x.device}")
-    if not isinstance(kernels().softmax_fwd_rows_kernel, InterpretedFunction):
-        raise ValueError(
-            "x: SAFEOPS_BACKEND=triton with a CPU tensor needs Triton's interpreter; set TRITON_INTERPRET=1 "
-            "before importing triton, or use SAFEOPS_BACKEND=auto to run CPU tensors on the reference"
-        )
+    if x.device.type != "cuda":
+        check_triton_device(x, "x", kernels().softmax_fwd_rows_kernel)
 
 
 # Longest row a single program keeps entirely in registers, by element size in bytes.
