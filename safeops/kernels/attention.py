@@ -32,6 +32,8 @@ flash kernel; the row sum ``l`` is accumulated from the fp32 probabilities.
 import triton
 import triton.language as tl
 
+from safeops.kernels.reduce import row_sum_tree
+
 NEG_INF = tl.constexpr(float("-inf"))
 LOG2E = tl.constexpr(1.4426950408889634)
 # Values that change with the problem size are not specialised: one compiled kernel per configuration.
@@ -344,7 +346,8 @@ def attn_bwd_delta_kernel(
     d_base = do_ptr + pid_b.to(tl.int64) * sdb + pid_h.to(tl.int64) * sdh + q_start.to(tl.int64) * sds
     o = tl.load(o_base + offs_m[:, None] * sos + offs_dv[None, :], mask=ok, other=0.0).to(tl.float32)
     do = tl.load(d_base + offs_m[:, None] * sds + offs_dv[None, :], mask=ok, other=0.0).to(tl.float32)
-    delta = tl.sum(o * do, 1)
+    # A fixed addition order: tl.sum's would follow the memory layout of dO, which is read in place.
+    delta = row_sum_tree(o * do, BLOCK_M, BLOCK_DV)
     st = pid_b.to(tl.int64) * stb + pid_h.to(tl.int64) * sth + (q_start + offs_m).to(tl.int64) * sts
     tl.store(delta_ptr + st, delta, mask=offs_m < q_len)
 

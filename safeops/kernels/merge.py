@@ -28,6 +28,8 @@ changes only the addressing, never the arithmetic, so both variants give the sam
 import triton
 import triton.language as tl
 
+from safeops.kernels.reduce import row_sum_tree
+
 NEG_INF = tl.constexpr(float("-inf"))
 
 
@@ -127,7 +129,8 @@ def merge_bwd_kernel(
                         other=0.0).to(tl.float32)
             o = tl.load(o_base + rows[:, None] * s_or + cols[None, :] * s_od, mask=tile_ok,
                         other=0.0).to(tl.float32)
-            dot += tl.sum(g * o, axis=1)
+            # A fixed addition order: tl.sum's would follow the layout of o and g (contract section 6).
+            dot += row_sum_tree(g * o, BLOCK_R, BLOCK_D)
             go = tl.where(excluded[:, None], 0.0, a[:, None] * g)
             tl.store(go_base + rows[:, None] * s_gor + cols[None, :] * s_god,
                      go.to(go_ptr.dtype.element_ty), mask=tile_ok)

@@ -49,21 +49,6 @@ def _wide(d: int, *head_strides: int) -> bool:
     return (d - 1) * max(head_strides) >= 2**31  # torch strides are >= 0
 
 
-# The 64-bit kernels (WIDE) match the 32-bit ones bit for bit under Triton's interpreter, but their one GPU
-# test (tests/test_merge_gpu.py::test_offsets_past_2_31) failed on the H200 on 2026-11-30 with its message
-# cut off by the run's time limit. Until it passes there, a CUDA call that would need them copies the
-# tensors whose head-dim stride is too large (a contiguous copy has head-dim stride 1, and rows and partials
-# are addressed in 64 bits anyway), which runs the 32-bit kernels the rest of the GPU suite checks.
-GPU_WIDE = False
-
-
-def _unwide(t: torch.Tensor, d: int) -> torch.Tensor:
-    """``t``, or on CUDA a contiguous copy when its head-dim stride needs the 64-bit kernels (GPU_WIDE)."""
-    if t.device.type == "cuda" and not GPU_WIDE and _wide(d, t.stride(-1)):
-        return t.contiguous()
-    return t
-
-
 def _check_head_dim(d: int) -> None:
     if d >= 2**31 - 2**16:
         raise ValueError(f"outs: a head dim of {d} is not supported (at most 2**31 - 2**16)")
@@ -84,7 +69,6 @@ def forward(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     if R == 0:
         return out, lse_out
     _check_head_dim(D)
-    o = _unwide(o, D)
     block_r, block_d, num_warps = block_sizes(D, o.device)
     launch(kernels().merge_fwd_kernel, (triton.cdiv(R, block_r),),
             o, lse, out, lse_out, P, R, D,
@@ -104,7 +88,6 @@ def backward(grad_out: torch.Tensor, grad_lse: torch.Tensor | None, o: torch.Ten
     if R == 0:
         return go, gl
     _check_head_dim(D)
-    o, grad_out = _unwide(o, D), _unwide(grad_out, D)
     block_r, block_d, num_warps = block_sizes(D, o.device)
     has_glse = grad_lse is not None
     glse = grad_lse if has_glse else lse

@@ -1,0 +1,47 @@
+"""A row sum whose order of additions is fixed by the program, not by the compiler's layout.
+
+``tl.sum(x, axis=1)`` adds each thread's elements in turn and then combines threads with shuffles; which
+elements a thread holds is the blocked layout Triton's coalescing pass picks from the memory layout of the
+loads feeding ``x`` (which dimension is contiguous, and the vector width the pointer alignment allows). So
+the same values read from a transposed view, or from a differently aligned one, can be added in a
+different order and round differently (measured on the H200: merge_attention's lse gradient for a stack
+with head-dim stride > 1 against its contiguous copy, 15-18% of rows off by an ulp). Contract section 6
+asks for the same bits whatever the layout.
+
+:func:`row_sum_tree` adds columns pairwise, ``(0 + 1), (2 + 3), ...``, then the pair sums pairwise, and so
+on: the tree is spelled out with reshapes and splits, every addition is an elementwise fp32 add of two
+tensors, and elementwise arithmetic means the same thing in every layout (and under the interpreter).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _halve(x, R: tl.constexpr, N: tl.constexpr):
+    """(R, N) -> (R, N // 2): column j is x[:, 2j] + x[:, 2j + 1]."""
+    a, b = tl.split(tl.reshape(x, (R, N // 2, 2)))
+    return a + b
+
+
+@triton.jit
+def row_sum_tree(x, R: tl.constexpr, N: tl.constexpr):
+    """Sum over axis 1 of an (R, N) tensor, N a power of two up to 256, as a fixed pairwise tree."""
+    tl.static_assert(N <= 256, "row_sum_tree: at most 256 columns")
+    if N >= 256:
+        x = _halve(x, R, 256)
+    if N >= 128:
+        x = _halve(x, R, 128)
+    if N >= 64:
+        x = _halve(x, R, 64)
+    if N >= 32:
+        x = _halve(x, R, 32)
+    if N >= 16:
+        x = _halve(x, R, 16)
+    if N >= 8:
+        x = _halve(x, R, 8)
+    if N >= 4:
+        x = _halve(x, R, 4)
+    if N >= 2:
+        x = _halve(x, R, 2)
+    return tl.reshape(x, (R,))

@@ -1,0 +1,59 @@
+"""safeops.kernels.reduce.row_sum_tree: the fixed pairwise order of additions, checked bit for bit against
+the same tree evaluated with numpy float32 adds (an independent emulation of the documented order), on the
+interpreter here and on the GPU, where the input's memory layout (contiguous rows, or a transposed view
+whose rows Triton lays out along the other dimension) must not change a bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+from conftest import INTERPRETER
+
+from safeops.kernels.reduce import row_sum_tree
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(DEV == "cpu" and not INTERPRETER, reason="needs CUDA or Triton's interpreter")
+
+
+@triton.jit
+def _row_sum_kernel(x_ptr, out_ptr, s_r, s_c, R: tl.constexpr, N: tl.constexpr):
+    rows = tl.arange(0, R)
+    cols = tl.arange(0, N)
+    x = tl.load(x_ptr + rows[:, None] * s_r + cols[None, :] * s_c)
+    tl.store(out_ptr + rows, row_sum_tree(x, R, N))
+
+
+def _pairwise(x: np.ndarray) -> np.ndarray:
+    """Columns (0 + 1), (2 + 3), ..., then the pair sums the same way, in float32."""
+    x = x.astype(np.float32)
+    while x.shape[1] > 1:
+        x = (x[:, 0::2] + x[:, 1::2]).astype(np.float32)
+    return x[:, 0]
+
+
+def _values(r: int, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # Magnitudes over many binades, so that a different order of additions rounds differently.
+    return torch.randn(r, n, generator=g) * torch.exp2(torch.randint(-20, 20, (r, n), generator=g).float())
+
+
+@pytest.mark.parametrize("n", [1, 2, 16, 64, 256])
+@pytest.mark.parametrize("layout", ["rows", "transposed"])
+def test_row_sum_tree_order(n, layout, seed):
+    r = 32
+    x = _values(r, n, seed.value)
+    expected = torch.from_numpy(_pairwise(x.numpy()))
+    # "transposed": an (r, n) view with row stride 1, which Triton lays out along the rows.
+    src = x.to(DEV) if layout == "rows" else x.t().contiguous().to(DEV).t()
+    out = torch.empty(r, device=DEV)
+    _row_sum_kernel[(1,)](src, out, src.stride(0), src.stride(1), R=r, N=n)
+    assert torch.equal(out.cpu(), expected), seed
+    if n >= 16:  # the order matters for these values: the naive left-to-right sum differs somewhere
+        naive = x.numpy().astype(np.float32)
+        acc = naive[:, 0].copy()
+        for j in range(1, n):
+            acc = (acc + naive[:, j]).astype(np.float32)
+        assert not np.array_equal(acc, expected.numpy()), seed
