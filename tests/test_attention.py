@@ -374,6 +374,95 @@ def test_tma_loads_same_bits(triton_backend, seed):
     assert torch.equal(plain, tma), f"varlen; {seed}"
 
 
+# ------------------------------------------------------------------------------------------------------
+# The forward's EVEN specialization (whole blocks: no bounds masks, no partial-last-block loop)
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fwd_even(triton_backend, monkeypatch):
+    """The ``EVEN`` flag of every forward launch the launcher's general path makes (a spy on its launch);
+    plans are cleared before and after, so a forced ``_even`` is seen and does not outlive the test."""
+    from safeops.ops import attention_launch as L
+
+    seen: list[bool] = []
+    launch = L._launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        if kernel is L.kernels().attn_fwd_kernel:
+            seen.append(kwargs["EVEN"])
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(L, "_launch", spy)
+    L.kernels()  # loaded first: loading it later would drop the plans (a setting of theirs)
+    L.clear_plans()
+    yield seen
+    L.clear_plans()
+
+
+# Sequence lengths are multiples of the interpreter's 16 x 16 blocks; "d" 24 pads the head dim to 32.
+EVEN_CASES = {
+    "dense_fp32": dict(dtype=torch.float32),
+    "causal": dict(is_causal=True, sk=48),
+    "window_padded_d": dict(window=(20, 7), d=24),
+    "gqa_causal_softcap": dict(is_causal=True, softcap=2.0, group=2),
+    "bool_mask_window": dict(attn_mask="bool", window=(25, None)),
+}
+
+
+@pytest.mark.parametrize("case", list(EVEN_CASES))
+def test_forward_even_same_bits(fwd_even, seed, monkeypatch, case):
+    """Whole blocks: the launcher compiles the forward EVEN (no bounds masks, no tail loop), and it gives
+    the bits of the generic kernel (``_even`` forced False), on the general path and on a plan's launch;
+    both agree with the float64 oracle."""
+    from safeops.ops import attention_launch as L
+
+    options = dict(EVEN_CASES[case])
+    dtype, group = options.pop("dtype", torch.float16), options.pop("group", 1)
+    sk, d = options.pop("sk", 64), options.pop("d", 16)
+    q, k, v = qkv(seed, b=1, hq=2 * group, hkv=2, sq=48, sk=sk, d=d, dtype=dtype)
+    if "attn_mask" in options:
+        options["attn_mask"] = _mask(options["attn_mask"], seed, 1, 2 * group, 48, sk)
+    even = check_against_oracle(q, k, v, seed, grads=False, **options)[:2]
+    planned = _run(q, k, v, **options)[:2]  # the same signature again: the plan's launch
+    assert fwd_even == [True], f"EVEN not chosen for whole blocks: {fwd_even}"
+    monkeypatch.setattr(L, "_even", lambda p, cfg: False)
+    L.clear_plans()
+    generic = _run(q, k, v, **options)[:2]
+    assert fwd_even == [True, False]
+    for name, a, b, c in zip(("out", "lse"), even, planned, generic, strict=True):
+        assert torch.equal(a, b), f"{name}: plan launch differs; {seed}"
+        assert torch.equal(a, c), f"{name}: EVEN differs from the generic kernel; {seed}"
+
+
+@pytest.mark.parametrize("sq,sk", [(40, 64), (48, 56)])
+def test_forward_ragged_is_not_even(fwd_even, seed, sq, sk):
+    """A partial last query or key block: the generic kernel (EVEN False), still right."""
+    q, k, v = qkv(seed, b=1, hq=2, hkv=1, sq=sq, sk=sk, d=16, dtype=torch.float16)
+    check_against_oracle(q, k, v, seed, grads=False, is_causal=True)
+    assert fwd_even == [False]
+
+
+def test_forward_varlen_not_even_matches_dense_even(fwd_even, seed):
+    """Packed sequences are never EVEN (each has its own length); a sequence of whole blocks run alone is:
+    the two kernels give it the same bits."""
+    lq, lk = [32, 16], [48, 32]
+    qs = [seed.randn(1, 2, n, 16, dtype=torch.float16) for n in lq]
+    ks = [seed.randn(1, 1, n, 16, dtype=torch.float16) for n in lk]
+    vs = [seed.randn(1, 1, n, 16, dtype=torch.float16) for n in lk]
+    cat = [torch.cat([t[0].transpose(0, 1) for t in ts]) for ts in (qs, ks, vs)]
+    cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32)
+    out, lse = safeops.attention_varlen(*cat, cu_q, cu_k, max(lq), max(lk), return_lse=True, is_causal=True)
+    assert fwd_even == [False]
+    for b in range(2):
+        o, ls = safeops.attention(qs[b], ks[b], vs[b], return_lse=True, is_causal=True)
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        assert torch.equal(out[rows], o[0].transpose(0, 1)), f"sequence {b}; {seed}"
+        assert torch.equal(lse[:, rows], ls[0]), f"sequence {b}; {seed}"
+    assert fwd_even == [False, True, True]
+
+
 def test_transposed_layout(backend, seed):
     """(B, S, H, D) memory transposed to (B, H, S, D), as Hugging Face passes it: read in place."""
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in qkv(seed, hq=2, hkv=2))

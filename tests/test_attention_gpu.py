@@ -365,3 +365,73 @@ def test_tma_same_bits(d, rng):
             got = _run(q, k, v, g, **options)
         for i, (a, b) in enumerate(zip(plain, got, strict=True)):
             assert torch.equal(a, b), f"output {i} differs with TMA loads ({options})"
+
+
+EVEN_CASES = {
+    "plain": dict(),
+    "causal": dict(is_causal=True),
+    "window_softcap_gqa": dict(window=(300, 17), softcap=30.0, group=4),
+    "bool_mask_causal": dict(attn_mask="bool", is_causal=True),
+}
+
+
+@pytest.mark.parametrize("d,case", [(128, c) for c in EVEN_CASES] + [(64, "plain"), (64, "causal")])
+def test_even_same_bits(d, case, rng, monkeypatch):
+    """Whole blocks (the shipped configs at S=1024): the launcher compiles the EVEN kernels (no bounds masks,
+    no partial-last-block loop; forward, dk/dv, dq), and they give the bits of the generic kernels
+    (``_even`` forced False): out, lse, dq, dk, dv."""
+    from safeops.ops import attention_launch as L
+
+    options = dict(EVEN_CASES[case])
+    group = options.pop("group", 1)
+    b, hkv, s = 2, 2, 1024
+    q = rng.randn(b, hkv * group, s, d, dtype=torch.bfloat16)
+    k, v = (rng.randn(b, hkv, s, d, dtype=torch.bfloat16) for _ in range(2))
+    g = rng.randn(b, hkv * group, s, d, dtype=torch.bfloat16)
+    if "attn_mask" in options:
+        options["attn_mask"] = _mask(options["attn_mask"], rng, b, hkv * group, s, s)
+    seen = []
+    launch = L._launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        seen.append(kwargs.get("EVEN"))
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(L, "_launch", spy)
+    L.kernels()
+    L.clear_plans()
+    try:
+        even = _run(q, k, v, g, **options)
+        assert seen == [True, None, True, True], f"launches' EVEN: {seen}"  # fwd, delta, dk/dv, dq
+        monkeypatch.setattr(L, "_even", lambda p, cfg: False)
+        L.clear_plans()
+        generic = _run(q, k, v, g, **options)
+        assert seen[4:] == [False, None, False, False], f"launches' EVEN: {seen}"
+    finally:
+        L.clear_plans()
+    for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), even, generic, strict=True):
+        assert torch.equal(a, e), f"{name}: EVEN differs from the generic kernels; {rng}"
+
+
+@pytest.mark.parametrize("layout", ["bshd", "expanded", "odd-row-stride"])
+def test_incoming_gradient_layout_same_bits(rng, layout):
+    """Contract section 6: the backward reads the incoming gradient in place, so its memory layout reaches
+    the kernels; the result must not depend on it. ``odd-row-stride``: rows of D + 1 elements (a slice of
+    a wider buffer), where Triton cannot vectorise the loads and lays the delta kernel's tile out
+    differently from a contiguous gradient's (tl.sum's addition order would follow)."""
+    b, h, s, d = 2, 4, 1000, 64
+    q, k, v = (rng.randn(b, h, s, d, dtype=torch.bfloat16) for _ in range(3))
+    g = rng.randn(b, h, s, d, dtype=torch.bfloat16)
+    if layout == "bshd":
+        strided = g.transpose(1, 2).contiguous().transpose(1, 2)
+    elif layout == "expanded":
+        g = g[:1, :1, :1].expand_as(g)
+        strided = g
+    else:
+        strided = torch.empty(b, h, s, d + 1, dtype=g.dtype, device=DEV)[..., :d]
+        strided.copy_(g)
+    assert not strided.is_contiguous() and torch.equal(strided, g)
+    ref = _run(q, k, v, g.contiguous(), is_causal=True)
+    got = _run(q, k, v, strided, is_causal=True)
+    for name, a, c in zip(("out", "lse", "dq", "dk", "dv"), ref, got, strict=True):
+        assert torch.equal(a, c), f"{name} ({layout}); {rng}"

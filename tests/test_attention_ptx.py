@@ -62,9 +62,11 @@ _SCRIPT = textwrap.dedent(
                   VARLEN=False, PRECISION=3, BLOCK_D=L.block_dim(d), BLOCK_DV=L.block_dim(d))
     cuda = torch.device("cuda")
     results = {}
-    # The backward kernels twice: with bounds masks, and EVEN (whole blocks, what most GPU launches compile).
+    # Every kernel twice: with bounds masks, and EVEN (whole blocks, what most GPU launches compile).
     for kind, fn, extra in (("fwd", k.attn_fwd_kernel, {"REVERSE": True, "WARP_SPECIALIZE": False,
-                                                        "USE_TMA": False}),
+                                                        "USE_TMA": False, "EVEN": False}),
+                            ("fwd-even", k.attn_fwd_kernel, {"REVERSE": True, "WARP_SPECIALIZE": False,
+                                                             "USE_TMA": False, "EVEN": True}),
                             ("dkdv", k.attn_bwd_dkdv_kernel, {"USE_TMA": False}),
                             ("dkdv-even", k.attn_bwd_dkdv_kernel, {"USE_TMA": False, "EVEN": True}),
                             ("dq", k.attn_bwd_dq_kernel, {"REVERSE": True, "USE_TMA": False}),
@@ -91,7 +93,7 @@ def counts_off():
 def test_no_contraction_in_attention_kernels(counts_off):
     offenders = {kind: c for kind, c in counts_off.items() if c["fma"] or c["loose"]}
     assert not offenders, f"f32 fma or non-.rn mul/add in attention kernels (contract section 1): {offenders}"
-    assert set(counts_off) == {"fwd", "dkdv", "dkdv-even", "dq", "dq-even"}
+    assert set(counts_off) == {"fwd", "fwd-even", "dkdv", "dkdv-even", "dq", "dq-even"}
 
 
 def test_bf16_dots_use_wgmma(counts_off):

@@ -167,27 +167,26 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, mask_ptr, offs_
                MASKED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
                SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
-               WARP_SPECIALIZE: tl.constexpr, USE_TMA: tl.constexpr):
+               WARP_SPECIALIZE: tl.constexpr, USE_TMA: tl.constexpr, EVEN: tl.constexpr = False):
+    """Key blocks [lo, hi) of one query block. ``MASKED``: the blocks need masking (window, causal diagonal,
+    the partial last block). ``EVEN``: every key block is whole (the launcher's promise), so a masked step
+    masks for the window / causal diagonal / attn_mask alone: no key-row bounds on the K/V loads or scores."""
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
         offs_n = start_n + offs_n0
         kv_ok = offs_n < seqlen_k
-        k_mask = offs_d[None, :] < HEAD_DIM
-        v_mask = offs_dv[None, :] < HEAD_DIM_V
-        if MASKED:
-            k_mask = k_mask & kv_ok[:, None]
-            v_mask = v_mask & kv_ok[:, None]
         if USE_TMA:
             # The descriptor's shape is this sequence's (keys, head dim): out-of-range rows and the padded
             # head dim read as zeros.
             k = k_desc.load([start_n, 0])
-        elif BLOCK_D == HEAD_DIM and not MASKED:
-            k = tl.load(k_ptrs + start_n * sks)
         else:
-            k = tl.load(k_ptrs + start_n * sks, mask=k_mask, other=0.0)
+            # Key rows masked only in a masked step of a launch that is not EVEN; head-dim columns only
+            # where the head dim is padded to the block.
+            k = _load_step(k_ptrs + start_n * sks, kv_ok, offs_d[None, :] < HEAD_DIM, BLOCK_D == HEAD_DIM,
+                           MASKED, EVEN)
         s = _dot(q, _prep(tl.trans(k), PRECISION), tl.zeros([q.shape[0], BLOCK_N], tl.float32), PRECISION)
         z = _scores(s, C1, C2, SOFTCAP)
         z = _apply_masks(z, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
-                         mask_ptr, smi, smj, MASKED, MASK_KIND, HAS_WL, HAS_WR)
+                         mask_ptr, smi, smj, MASKED, MASK_KIND, HAS_WL, HAS_WR, EVEN)
         m_new = tl.maximum(m_i, tl.max(z, 1))
         # Guarded rescale: while a row has seen only excluded keys, m_new = -inf and the base is 0, so
         # neither exp2(m_i - base) nor exp2(z - base) is -inf - -inf.
@@ -198,10 +197,9 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, mask_ptr, offs_
         acc = acc * alpha[:, None]
         if USE_TMA:
             v = v_desc.load([start_n, 0])
-        elif BLOCK_DV == HEAD_DIM_V and not MASKED:
-            v = tl.load(v_ptrs + start_n * svs)
         else:
-            v = tl.load(v_ptrs + start_n * svs, mask=v_mask, other=0.0)
+            v = _load_step(v_ptrs + start_n * svs, kv_ok, offs_dv[None, :] < HEAD_DIM_V,
+                           BLOCK_DV == HEAD_DIM_V, MASKED, EVEN)
         acc = _dot(_prep(p.to(v.dtype), PRECISION), _prep(v, PRECISION), acc, PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -252,7 +250,12 @@ def attn_fwd_kernel(
     VARLEN: tl.constexpr, PRECISION: tl.constexpr, REVERSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False, USE_TMA: tl.constexpr = False,
+    EVEN: tl.constexpr = False,
 ):
+    """o, m, l of one query block, looping over the visible key blocks. ``EVEN`` (the launcher's promise: not
+    varlen, seqlen_q % BLOCK_M == 0 and seqlen_k % BLOCK_N == 0): every block is whole, so the q / o / m / l
+    rows and the K/V steps need no bounds masks and, without a right window, the masked tail [b, hi) (the
+    partial last key block) is empty and not compiled. Same arithmetic in the same order: the same bits."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     if REVERSE:
@@ -275,8 +278,8 @@ def attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_ok = offs_m < q_len
-    q = tl.load(q_base + offs_m[:, None] * sqs + offs_d[None, :],
-                mask=q_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    q = _load_step(q_base + offs_m[:, None] * sqs + offs_d[None, :], q_ok, offs_d[None, :] < HEAD_DIM,
+                   BLOCK_D == HEAD_DIM, True, EVEN)
     q = _prep(q, PRECISION)
     k_ptrs = k_base + offs_n0[:, None] * sks + offs_d[None, :]
     v_ptrs = v_base + offs_n0[:, None] * svs + offs_dv[None, :]
@@ -297,30 +300,39 @@ def attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     lo, a, b, hi = _block_ranges(m0, BLOCK_M, BLOCK_N, k_len, window_left, window_right, HAS_WL, HAS_WR)
     # Masked blocks before the fully visible ones (window start), the fully visible ones, then masked
-    # blocks after them (causal diagonal, window end, the partial last block).
+    # blocks after them (causal diagonal, window end, the partial last block: none when EVEN).
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, mask_base, offs_m, offs_n0,
                                offs_d, offs_dv,
                                lo, a, q_len, k_len, sks, svs, smi, smj, window_left, window_right, C1, C2,
                                HEAD_DIM, HEAD_DIM_V, True, MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION,
-                               BLOCK_D, BLOCK_DV, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE, USE_TMA)
+                               BLOCK_D, BLOCK_DV, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE, USE_TMA, EVEN)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, mask_base, offs_m, offs_n0,
                                offs_d, offs_dv,
                                a, b, q_len, k_len, sks, svs, smi, smj, window_left, window_right, C1, C2,
                                HEAD_DIM, HEAD_DIM_V, False, MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION,
-                               BLOCK_D, BLOCK_DV, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE, USE_TMA)
+                               BLOCK_D, BLOCK_DV, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE, USE_TMA, EVEN)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, mask_base, offs_m, offs_n0,
                                offs_d, offs_dv,
-                               b, hi, q_len, k_len, sks, svs, smi, smj, window_left, window_right, C1, C2,
+                               b, _tail_end(b, hi, HAS_WR, EVEN), q_len, k_len, sks, svs, smi, smj,
+                               window_left, window_right, C1, C2,
                                HEAD_DIM, HEAD_DIM_V, True, MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION,
-                               BLOCK_D, BLOCK_DV, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE, USE_TMA)
+                               BLOCK_D, BLOCK_DV, BLOCK_N, NUM_STAGES, WARP_SPECIALIZE, USE_TMA, EVEN)
     # Empty rows (l = 0) give 0, not 0/0.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_base = o_ptr + pid_b.to(tl.int64) * sob + pid_h.to(tl.int64) * soh + q_start.to(tl.int64) * sos
-    tl.store(o_base + offs_m[:, None] * sos + offs_dv[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=q_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    o_ptrs = o_base + offs_m[:, None] * sos + offs_dv[None, :]
     st = pid_b.to(tl.int64) * stb + pid_h.to(tl.int64) * sth + (q_start + offs_m).to(tl.int64) * sts
-    tl.store(m_ptr + st, m_i, mask=q_ok)
-    tl.store(l_ptr + st, l_i, mask=q_ok)
+    if EVEN:  # every row of the block is in range
+        if BLOCK_DV == HEAD_DIM_V:
+            tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty))
+        else:
+            tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=offs_dv[None, :] < HEAD_DIM_V)
+        tl.store(m_ptr + st, m_i)
+        tl.store(l_ptr + st, l_i)
+    else:
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=q_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+        tl.store(m_ptr + st, m_i, mask=q_ok)
+        tl.store(l_ptr + st, l_i, mask=q_ok)
 
 
 @triton.jit(do_not_specialize=SIZE_ARGS)

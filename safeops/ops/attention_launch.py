@@ -321,10 +321,11 @@ def _backward_grid(n_blocks: int, n_bh: int, masked: bool) -> tuple[int, int, in
 
 
 def _even(p: _Problem, cfg: AttnConfig) -> bool:
-    """The backward kernels' ``EVEN``: every query block (block_m) and key block (block_n) of the launch is
-    whole (not varlen; both sequence lengths multiples of the blocks). The kernels then compile without the
-    bounds masks and the empty masked tail loop; the arithmetic per block and its order are unchanged, so the
-    bits are the same either way (a compile-time specialization, like Triton's own on integer arguments)."""
+    """The ``EVEN`` of the forward, dk/dv and dq kernels (each with its own config): every query block
+    (block_m) and key block (block_n) of the launch is whole (not varlen; both sequence lengths multiples of
+    the blocks). The kernels then compile without the bounds masks and the empty masked tail loop; the
+    arithmetic per block and its order are unchanged, so the bits are the same either way (a compile-time
+    specialization, like Triton's own on integer arguments)."""
     return not p.varlen and p.max_q % cfg.block_m == 0 and p.max_k % cfg.block_n == 0
 
 
@@ -372,7 +373,7 @@ def _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_caus
         **_common_constexprs(p, mask_kind, softcap), REVERSE=p.has_wr,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         WARP_SPECIALIZE=cfg.warp_specialize and _gpu(q.device), USE_TMA=_use_tma(cfg, k_, v_),
-        **_launch_options(cfg), record=record,
+        EVEN=_even(p, cfg), **_launch_options(cfg), record=record,
     )
     if out_ is not out:
         out.copy_(out_)
