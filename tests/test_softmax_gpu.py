@@ -972,3 +972,27 @@ def test_huge_more_than_2_31_elements(n, rng):
                        f"softmax bf16 ({rows}, {n}) row {r} (offset {r * n}) {rng}")
     del x, out
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("x_dtype,out_dtype", [(torch.bfloat16, torch.float32),
+                                               (torch.float32, torch.bfloat16)])
+def test_backward_plan_not_shared_across_gradient_dtypes(op, x_dtype, out_dtype, rng):
+    """A cached backward launch plan must not serve a call whose incoming gradient has another dtype: the
+    kernel is compiled for the gradient's pointer type. (Found on the H200: after an ``out_dtype`` call,
+    the same-shape default call reused the plan and read the bf16 gradient as fp32: NaN / garbage.)"""
+    x = rng.randn((5, 1000), x_dtype, std=3.0)
+    fns = {"softmax": safeops.softmax, "log_softmax": safeops.log_softmax}
+
+    def grad_of(dtype):
+        xx = x.detach().clone().requires_grad_(True)
+        out = fns[op](xx, dim=-1, dtype=dtype) if dtype is not None else fns[op](xx, dim=-1)
+        g = torch.linspace(-1.0, 1.0, out.numel(), device=DEV).reshape(out.shape).to(out.dtype)
+        return torch.autograd.grad(out, xx, g)[0]
+
+    softmax_launch.clear_plans()
+    fresh = grad_of(None)  # the default call with nothing cached
+    softmax_launch.clear_plans()
+    grad_of(out_dtype)  # caches a plan for a gradient of out_dtype
+    again = grad_of(None)
+    assert torch.equal(again, fresh), f"{op}: x {x_dtype}, after an out_dtype={out_dtype} call; {rng}"

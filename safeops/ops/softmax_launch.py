@@ -452,7 +452,9 @@ def backward(
     need_dscale = bool(need_dscale and scale_tensor is not None)
     if kind == 2:
         grad = grad.contiguous()
-    key = (kind, dim, x.shape, x.stride(), x.dtype, x.get_device(), grad.stride(),
+    # grad.dtype: the incoming gradient has the forward output's dtype, which need not be x's (dtype=...);
+    # a kernel compiled for one pointer type must never be launched with another (reads garbage).
+    key = (kind, dim, x.shape, x.stride(), x.dtype, x.get_device(), grad.stride(), grad.dtype, dx.dtype,
            None if mask is None else mask.stride(), 0 if scale_tensor is None else scale_tensor.dtype,
            scale is None, need_dscale, _alignment(grad, x, dx, mask, scale_tensor, row_max, row_sum))
     plan = _plans(_BACKWARD).get(key)
