@@ -28,20 +28,7 @@ def _halve(x, R: tl.constexpr, N: tl.constexpr):
 def row_sum_tree(x, R: tl.constexpr, N: tl.constexpr):
     """Sum over axis 1 of an (R, N) tensor, N a power of two up to 256, as a fixed pairwise tree."""
     tl.static_assert(N <= 256, "row_sum_tree: at most 256 columns")
-    if N >= 256:
-        x = _halve(x, R, 256)
-    if N >= 128:
-        x = _halve(x, R, 128)
-    if N >= 64:
-        x = _halve(x, R, 64)
-    if N >= 32:
-        x = _halve(x, R, 32)
-    if N >= 16:
-        x = _halve(x, R, 16)
-    if N >= 8:
-        x = _halve(x, R, 8)
-    if N >= 4:
-        x = _halve(x, R, 4)
-    if N >= 2:
-        x = _halve(x, R, 2)
+    for level in tl.static_range(8):  # unrolled at compile time: each level halves the columns
+        if (N >> level) >= 2:
+            x = _halve(x, R, N >> level)
     return tl.reshape(x, (R,))
