@@ -39,6 +39,10 @@
 #   python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
 #       --platform any -d .whl transformers==5.24.0
+# and pytest-xdist (the GPU suite is compile-bound: one process does not finish inside a 10-minute call, four
+# workers do; the 2-GPU tests need the nvidia-h200-x2 kind):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform any -d .whl pytest-xdist execnet
 
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -125,8 +129,8 @@ EOF
     compute-sanitizer --version 2>/dev/null | tail -1 || echo "compute-sanitizer: not found"
 }
 
-pytest_opts() {  # options shared by the test steps
-    local opts=(-q -rfEs -p no:cacheprovider "--maxfail=${MAXFAIL:-30}")
+pytest_opts() {  # options shared by the test steps; $1 names the JUnit XML (failure messages survive a timeout)
+    local opts=(-q -rfEs -p no:cacheprovider "--maxfail=${MAXFAIL:-30}" "--junitxml=$OUT/junit_$1.xml")
     local workers=${PYTEST_WORKERS:-4}
     if [ "$workers" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
         opts+=(-n "$workers")
@@ -148,11 +152,11 @@ for s in "${STEPS[@]}"; do
         ;;
     tests)
         # shellcheck disable=SC2046
-        step tests "$(limit_for "${T_TESTS:-300}")" python3 -m pytest -m gpu tests $(pytest_opts) ${PYTEST_ARGS:-}
+        step tests "$(limit_for "${T_TESTS:-300}")" python3 -m pytest -m gpu tests $(pytest_opts tests) ${PYTEST_ARGS:-}
         ;;
     alltests)
         # shellcheck disable=SC2046
-        step alltests "$(limit_for "${T_ALLTESTS:-400}")" python3 -m pytest tests $(pytest_opts) ${PYTEST_ARGS:-}
+        step alltests "$(limit_for "${T_ALLTESTS:-400}")" python3 -m pytest tests $(pytest_opts alltests) ${PYTEST_ARGS:-}
         ;;
     sanitize)
         step sanitize "$(limit_for "${T_SANITIZE:-420}")" env SAFEOPS_GPU_SMALL=1 \
