@@ -728,7 +728,7 @@ def recording():
 
 _COMPILE_WORKER = textwrap.dedent(
     r"""
-    import importlib.util, json, multiprocessing, os, sys
+    import importlib.util, json, multiprocessing, os, sys, types
     from concurrent.futures import ProcessPoolExecutor
 
     import triton
@@ -744,6 +744,13 @@ _COMPILE_WORKER = textwrap.dedent(
     def kernels(path):
         global _module
         if _module is None:  # the package's module name: it is part of Triton's cache key
+            # The kernel module imports its siblings (safeops.kernels.reduce): bare package modules make those
+            # importable without running safeops/__init__ (torch, and Triton's interpreter on a CPU machine).
+            kernels_dir = os.path.dirname(path)
+            for name, where in (("safeops", os.path.dirname(kernels_dir)), ("safeops.kernels", kernels_dir)):
+                package = types.ModuleType(name)
+                package.__path__ = [where]
+                sys.modules[name] = package
             spec = importlib.util.spec_from_file_location("safeops.kernels.attention", path)
             _module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(_module)
