@@ -206,3 +206,109 @@ def test_plan_bits_on_the_interpreter(triton_backend, seed):
             assert torch.equal(a.view(torch.int16) if a.dtype == BF16 else a,
                                b.view(torch.int16) if b.dtype == BF16 else b)
     assert all(p is not L._GENERAL for t in L._tables() for p in t.values())
+
+
+# ------------------------------------------------------------------------------------------------------
+# Plan keys: two calls that differ only in one property the compiled kernel depends on (an output's or the
+# incoming gradient's dtype, a pointer's 16-byte alignment) get two plans, each launching what the general
+# path launches for its own call. On a GPU a plan keeps the compiled kernel (safeops.ops._launch): a key
+# that missed such a property would launch a kernel compiled for the other call's pointers (the softmax
+# backward's grad.dtype bug, found on the H200). Under the interpreter the kernel is re-specialized on every
+# call, so only the plans' keys and launches show it here.
+# ------------------------------------------------------------------------------------------------------
+
+
+def _unaligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with the same shape and strides whose data pointer is off 16 bytes by one element."""
+    buf = torch.empty(t.untyped_storage().nbytes() // t.element_size() + 1, dtype=t.dtype)
+    out = buf[1:].as_strided(t.shape, t.stride())
+    out.copy_(t)
+    assert out.data_ptr() % 16 and out.stride() == t.stride()
+    return out
+
+
+def _alternate(launches, calls: dict, rounds: int = 2) -> None:
+    """Calls each ``name -> (fn, general)`` pair alternately; each call must record the general path's
+    launches for its own arguments (first call of a key: plan built; later: plan used)."""
+    for _ in range(rounds):
+        for name, (fn, general) in calls.items():
+            launches.clear()
+            general()
+            ref = _describe(launches, {})
+            launches.clear()
+            fn()
+            assert _describe(launches, {}) == ref, f"{name}: the plan's launches differ from the general path"
+
+
+def test_plan_keys_see_the_incoming_gradient_dtype(gpu_route):
+    """Forward calls that differ only in the output dtype (fp32 partials, safeops.distributed), backward
+    calls that differ only in grad's dtype (white-box: the kernels take grad in q's dtype, but the key must
+    not rely on that) or only in dq / dk / dv's dtype get a plan each."""
+    launches = gpu_route
+    q, k, v, g, options, _, _ = _case("llama")
+    out, m, l = L.forward(q, k, v, *options)
+    g32 = g.float()
+    fwd = {"default": (lambda: L.forward(q, k, v, *options), lambda: L._forward_general(q, k, v, *options)),
+           "fp32 out": (lambda: L.forward(q, k, v, *options, out_dtype=F32),
+                        lambda: L._forward_general(q, k, v, *options, out_dtype=F32))}
+    bwd = {name: (lambda gr=gr: L.backward(gr, q, k, v, out, m, l, *options),
+                  lambda gr=gr: L._backward_general(gr, q, k, v, out, m, l, *options))
+           for name, gr in (("bf16 grad", g), ("fp32 grad", g32))}
+    _alternate(launches, {**fwd, **bwd})
+    fwd_plans, bwd_plans = L._tables()
+    assert len(fwd_plans) == 2 and len(bwd_plans) == 2
+    assert all(p is not L._GENERAL for p in (*fwd_plans.values(), *bwd_plans.values()))
+    assert L.forward(q, k, v, *options, out_dtype=F32)[0].dtype == F32
+    assert L.backward(g32, q, k, v, out, m, l, *options, grad_dtype=F32)[0].dtype == F32
+    assert len(bwd_plans) == 3  # grad_dtype is in the key too
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v", "grad", "out"])
+def test_plan_keys_see_pointer_alignment(gpu_route, which):
+    """The same shapes, strides and dtypes with one tensor 16-byte aligned or not: two plans (Triton
+    specializes every pointer on its alignment, TMA and EVEN aside)."""
+    launches = gpu_route
+    q, k, v, g, options, _, _ = _case("contiguous")
+    out = L.forward(q, k, v, *options)[0]
+    aligned = {"q": q, "k": k, "v": v, "grad": g, "out": out}
+    off = dict(aligned, **{which: _unaligned(aligned[which])})
+    calls = {}
+    for name, t in (("aligned", aligned), ("unaligned", off)):
+        m, l = L._forward_general(t["q"], t["k"], t["v"], *options)[1:]
+        calls[name + " fwd"] = (lambda t=t: L.forward(t["q"], t["k"], t["v"], *options),
+                                lambda t=t: L._forward_general(t["q"], t["k"], t["v"], *options))
+        args = (t["grad"], t["q"], t["k"], t["v"], t["out"], m, l, *options)
+        calls[name + " bwd"] = (lambda args=args: L.backward(*args),
+                                lambda args=args: L._backward_general(*args))
+    L.clear_plans()
+    _alternate(launches, calls)
+    fwd_plans, bwd_plans = L._tables()
+    assert len(fwd_plans) == (2 if which in ("q", "k", "v") else 1)
+    assert len(bwd_plans) == 2
+
+
+def test_plan_dtype_change_bits_on_the_interpreter(triton_backend, seed):
+    """On the interpreter: the fp32-partials forward / backward (fp32 out, fp32 dq / dk / dv, as
+    safeops.distributed runs them) and the default ones, alternated on the same shapes, each give the bits
+    of the same call with no plans kept."""
+    q, k, v = _llama(32, 2, 1, 16, BF16)
+    g = torch.randn(2, 32, 2, 16).to(BF16).transpose(1, 2)
+    options = (None, 0, None, None, 32, 32, True, 0.25, None, -1, 0, 0)
+
+    def run(fp32: bool):
+        out, m, l = L.forward(q, k, v, *options, out_dtype=F32 if fp32 else None)
+        grads = L.backward(g, q, k, v, out.to(BF16), m, l, *options, grad_dtype=F32 if fp32 else None)
+        return out, m, l, *grads
+
+    fresh = {}
+    for fp32 in (True, False):
+        L.clear_plans()
+        fresh[fp32] = run(fp32)
+    L.clear_plans()
+    for fp32 in (True, False, True, False):
+        for a, b in zip(run(fp32), fresh[fp32], strict=True):
+            assert a.dtype == b.dtype
+            assert torch.equal(a.view(torch.int16) if a.dtype == BF16 else a,
+                               b.view(torch.int16) if b.dtype == BF16 else b), f"fp32={fp32}"
+    assert [r.dtype for r in fresh[True][:1] + fresh[True][3:]] == [F32] * 4
+    assert [len(t) for t in L._tables()] == [2, 2]

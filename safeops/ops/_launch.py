@@ -17,9 +17,17 @@ list is checked once against what Triton's own binder produces; when anything th
 (``TRITON_INTERPRET=1``) always launches through ``kernel[grid](...)``.
 
 Set ``safeops.ops._launch.DIRECT = False`` to launch every kernel through ``JITFunction.run``.
+
+A cheap guard backs the callers' keys up: a direct launch first compares the dtypes of its tensor arguments
+(the pointers' element types the kernel was compiled for) with the first launch's; on any difference it
+launches through ``JITFunction.run`` instead, which specializes for what it is given (same bits as a
+correct key would give), and counts it in ``guard_fallbacks`` (a caller's key then misses a dtype: a bug to
+fix there; the GPU tests check the count stays 0).
 """
 
 from __future__ import annotations
+
+from operator import attrgetter, itemgetter
 
 import torch
 import triton
@@ -28,6 +36,9 @@ from triton.runtime.jit import JITFunction
 
 # Launch compiled kernels directly once a KernelLaunch has made its first launch (see the module docstring).
 DIRECT = True
+# Direct launches refused by the dtype guard (launched through JITFunction.run instead); should stay 0.
+guard_fallbacks = 0
+_dtype_of = attrgetter("dtype")
 
 _runtime: dict = {}
 
@@ -62,10 +73,12 @@ class KernelLaunch:
 
     Build one per call signature (everything that decides the kernel's specialization must be in the
     caller's cache key: shapes, strides, dtypes, 16-byte alignment of every pointer, the options), then
-    call it with the positional runtime arguments, exactly as ``kernel[grid](*args, **kwargs)``.
+    call it with the positional runtime arguments, exactly as ``kernel[grid](*args, **kwargs)``. A direct
+    launch whose tensor arguments' dtypes differ from the first launch's goes through ``JITFunction.run``
+    (the guard; ~0.1 us per tensor argument on the direct path).
     """
 
-    __slots__ = ("kernel", "grid", "kwargs", "_tail", "_compiled", "_direct_ok")
+    __slots__ = ("kernel", "grid", "kwargs", "_tail", "_compiled", "_direct_ok", "_tensors", "_dtypes")
 
     def __init__(self, kernel, grid: tuple, kwargs: dict):
         self.kernel = kernel
@@ -74,19 +87,32 @@ class KernelLaunch:
         self._tail: tuple | None = None  # the values of the parameters after the positional arguments
         self._compiled: dict = {}  # current device -> (compiled kernel, its launcher, grid x, y, z)
         self._direct_ok = not isinstance(kernel, InterpretedFunction)
+        self._tensors = None  # args -> tuple of the tensor arguments (by the first launch's positions)
+        self._dtypes: tuple = ()  # their dtypes at the first launch: what the kept kernel was compiled for
 
     def __call__(self, *args) -> None:
+        global guard_fallbacks
         if self._compiled and DIRECT:
             device_of, stream_of, runtime = _runtime["value"]
             device = device_of()
             entry = self._compiled.get(device)
             if entry is not None:
-                compiled, run, g0, g1, g2 = entry
-                full = (*args, *self._tail)
-                stream = stream_of(device)
-                run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata,
-                    compiled.launch_metadata(self.grid, stream, *full),
-                    runtime.launch_enter_hook, runtime.launch_exit_hook, *full)
+                # The guard: the tensor arguments' dtypes are those the kept kernel was compiled for.
+                try:
+                    same = tuple(map(_dtype_of, self._tensors(args))) == self._dtypes
+                except (AttributeError, IndexError):  # a tensor position holds something else; args short
+                    same = False
+                if same:
+                    compiled, run, g0, g1, g2 = entry
+                    full = (*args, *self._tail)
+                    stream = stream_of(device)
+                    run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata,
+                        compiled.launch_metadata(self.grid, stream, *full),
+                        runtime.launch_enter_hook, runtime.launch_exit_hook, *full)
+                    return
+                # Not what the kept kernel was compiled for: JITFunction.run specializes (nothing kept).
+                guard_fallbacks += 1
+                self.kernel[self.grid](*args, **self.kwargs)
                 return
         compiled = self.kernel[self.grid](*args, **self.kwargs)
         if self._direct_ok and DIRECT:
@@ -112,10 +138,26 @@ class KernelLaunch:
             for name in ("function", "packed_metadata", "launch_metadata"):
                 getattr(compiled, name)
             g = (*self.grid, 1, 1)
+            positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+            dtypes = tuple(args[i].dtype for i in positions)
+            if self._compiled and dtypes != self._dtypes:
+                return  # another device's kernel is kept, for other dtypes: keep that one only
+            self._tensors = _picker(positions)
+            self._dtypes = dtypes
             self._compiled[device] = (compiled, run, g[0], g[1], g[2])
         except Exception:  # noqa: BLE001 - an unknown Triton: every launch goes through JITFunction.run
             self._direct_ok = False
             self._compiled.clear()
+
+
+def _picker(positions: tuple):
+    """``args -> tuple(args[i] for i in positions)``, in C (itemgetter): a slice when the tensors lead the
+    argument list (every launcher here passes them first), else the positions."""
+    if positions == tuple(range(len(positions))):
+        return itemgetter(slice(0, len(positions)))
+    if len(positions) > 1:
+        return itemgetter(*positions)
+    return itemgetter(slice(positions[0], positions[0] + 1))
 
 
 # Launches keyed by their exact argument signature, for launchers that do not keep plans of their own: the

@@ -479,7 +479,7 @@ def _settings() -> tuple:
     """What plans depend on beyond their keys; plans are dropped when any of it is replaced."""
     return (kernels, _kernels, _config.fp_fusion, tuple(_override.items()), DKDV_SPLIT_MAX_BYTES,
             BACKWARD_HEAD_GROUP, DELTA_BLOCK_M, INTERPRETER_CONFIG, config, dkdv_split, _gpu, _check_device,
-            _use_tma, launch)
+            _use_tma, launch, FWD_CONFIGS, DKDV_CONFIGS, DQ_CONFIGS, MASK_CONFIGS, FP32_FWD, FP32_BWD)
 
 
 def _tables() -> tuple[dict, dict]:

@@ -268,7 +268,7 @@ def clear_routes() -> None:
 def _settings() -> tuple:
     return (SHIPPED_VARIANT, HARDWARE_CONVERT, LARGE_NUMEL, CONFIGS.get("large"), CONFIGS.get("small"),
             INTERPRETER_CONFIG, tile_config, _wide, _interpreted, _check_device, _config.fp_fusion,
-            _variants.unsupported, _variants._on_gpu)
+            _variants.unsupported, _variants._on_gpu, _kernels)  # _kernels: the routes keep its kernels
 
 
 def _new_route(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool):
@@ -368,7 +368,8 @@ def _general(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: 
         if t.data_ptr() % 16 == 0:
             align |= 1 << i
     key = (x.shape, x.stride(), x.dtype, x.device, scale.dtype, scale.stride(0) if rowwise else 0, dtype,
-           rowwise, config, hardware_convert, _config.fp_fusion, _wide, align)  # _wide: tests patch it
+           rowwise, config, hardware_convert, _config.fp_fusion, _wide, align,  # _wide: tests patch it
+           _kernels)  # the plan keeps its kernel
     plan = _plans.get(key)
     if plan is None:
         plan = _plan(x, scale, dtype, rowwise, config, hardware_convert, pack, tensors)

@@ -236,8 +236,11 @@ def forward(
         out = torch.empty_like(x, dtype=out_dtype)
     if x.numel() == 0:
         return _forward_general(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_sum)
+    # Every tensor argument's dtype, strides and alignment, or what decides them: out (out_dtype; strides
+    # follow x's), row_max / row_sum (fp32, fresh), mask (its dtype: the op takes bool, viewed as uint8).
     key = (kind, dim, x.shape, x.stride(), x.dtype, x.get_device(), out_dtype,
-           None if mask is None else mask.stride(), 0 if scale_tensor is None else scale_tensor.dtype,
+           None if mask is None else (mask.stride(), mask.dtype),
+           0 if scale_tensor is None else scale_tensor.dtype,
            scale is None, _alignment(x, out, mask, scale_tensor, row_max, row_sum))
     plan = _plans(_FORWARD).get(key)
     if plan is None:
@@ -454,8 +457,10 @@ def backward(
         grad = grad.contiguous()
     # grad.dtype: the incoming gradient has the forward output's dtype, which need not be x's (dtype=...);
     # a kernel compiled for one pointer type must never be launched with another (reads garbage).
+    # row_max / row_sum: their dtypes too (fp32 from the forward; the op does not check them).
     key = (kind, dim, x.shape, x.stride(), x.dtype, x.get_device(), grad.stride(), grad.dtype, dx.dtype,
-           None if mask is None else mask.stride(), 0 if scale_tensor is None else scale_tensor.dtype,
+           row_max.dtype, row_sum.dtype, None if mask is None else (mask.stride(), mask.dtype),
+           0 if scale_tensor is None else scale_tensor.dtype,
            scale is None, need_dscale, _alignment(grad, x, dx, mask, scale_tensor, row_max, row_sum))
     plan = _plans(_BACKWARD).get(key)
     if plan is None:
