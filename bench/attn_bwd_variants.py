@@ -63,6 +63,20 @@ ROOT = HERE.parent
 NEG_INF = tl.constexpr(float("-inf"))
 
 
+def _load_reduce():
+    """safeops/kernels/reduce.py by path (triton only), so --compile-only works without torch / safeops."""
+    import importlib.util
+
+    path = ROOT / "safeops" / "kernels" / "reduce.py"
+    spec = importlib.util.spec_from_file_location("safeops_kernels_reduce", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+row_sum_tree = _load_reduce().row_sum_tree
+
+
 # ------------------------------------------------------------------------------------------------------
 # Kernels (triton only: this part also runs under /tmp/t36 for --compile-only, where torch is missing)
 # ------------------------------------------------------------------------------------------------------
@@ -83,7 +97,7 @@ def v_delta_kernel(o_ptr, do_ptr, delta_ptr, n_heads, seqlen, so_b, so_h, so_s, 
     d_base = do_ptr + pid_b.to(tl.int64) * sd_b + pid_h.to(tl.int64) * sd_h
     o = tl.load(o_base + offs_m[:, None] * so_s + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
     do = tl.load(d_base + offs_m[:, None] * sd_s + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
-    delta = tl.sum(o * do, 1)
+    delta = row_sum_tree(o * do, BLOCK_M, HEAD_DIM)  # the shipped fixed order
     st = pid_b.to(tl.int64) * st_b + pid_h.to(tl.int64) * st_h + offs_m.to(tl.int64) * st_s
     tl.store(delta_ptr + st, delta, mask=offs_m < seqlen)
 
