@@ -14,8 +14,11 @@ from conftest import INTERPRETER
 
 from safeops.kernels.reduce import row_sum_tree
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(DEV == "cpu" and not INTERPRETER, reason="needs CUDA or Triton's interpreter")
+DEVICES = [
+    pytest.param("cpu", id="interpreter", marks=pytest.mark.skipif(
+        not INTERPRETER, reason="needs Triton's interpreter (TRITON_INTERPRET=1; CPU machines)")),
+    pytest.param("cuda", id="gpu", marks=pytest.mark.gpu),
+]
 
 
 @triton.jit
@@ -40,15 +43,16 @@ def _values(r: int, n: int, seed: int) -> torch.Tensor:
     return torch.randn(r, n, generator=g) * torch.exp2(torch.randint(-20, 20, (r, n), generator=g).float())
 
 
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("n", [1, 2, 16, 64, 256])
 @pytest.mark.parametrize("layout", ["rows", "transposed"])
-def test_row_sum_tree_order(n, layout, seed):
+def test_row_sum_tree_order(dev, n, layout, seed):
     r = 32
     x = _values(r, n, seed.value)
     expected = torch.from_numpy(_pairwise(x.numpy()))
     # "transposed": an (r, n) view with row stride 1, which Triton lays out along the rows.
-    src = x.to(DEV) if layout == "rows" else x.t().contiguous().to(DEV).t()
-    out = torch.empty(r, device=DEV)
+    src = x.to(dev) if layout == "rows" else x.t().contiguous().to(dev).t()
+    out = torch.empty(r, device=dev)
     _row_sum_kernel[(1,)](src, out, src.stride(0), src.stride(1), R=r, N=n)
     assert torch.equal(out.cpu(), expected), seed
     if n >= 16:  # the order matters for these values: the naive left-to-right sum differs somewhere
