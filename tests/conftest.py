@@ -120,3 +120,23 @@ def pytest_runtest_makereport(item, call):
     if value is not None and report.failed:
         report.sections.append(("safeops seed", f"{SEED_ENV}={value} pytest '{item.nodeid}'"))
     return report
+
+
+# --------------------------------------------------------------------------------------------------
+# bench/ experiment files that tests exercise on the CPU
+# --------------------------------------------------------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bench_module(name: str):
+    """``bench/<name>.py`` imported once by path (bench/ is not a package), registered as ``name``."""
+    import importlib.util
+    import sys
+
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]

@@ -15,7 +15,6 @@ an experiment for the GPU), so it cannot rot before the GPU run:
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -24,18 +23,13 @@ import sys
 
 import pytest
 import torch
+from conftest import bench_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "bench", "attn_bwd_ordered.py")
 
 
 def _module():
-    if "attn_bwd_ordered" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("attn_bwd_ordered", BENCH)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["attn_bwd_ordered"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["attn_bwd_ordered"]
+    return bench_module("attn_bwd_ordered")
 
 
 def test_interpreted_oracle_determinism_and_wait_order(monkeypatch):

@@ -6,7 +6,6 @@ table run on the CPU; two variants compile for sm_90 with fp contraction absent 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,18 +13,13 @@ import sys
 
 import pytest
 import torch
+from conftest import bench_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "bench", "attn_fwd_variants.py")
 
 
 def _module():
-    if "attn_fwd_variants" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("attn_fwd_variants", BENCH)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["attn_fwd_variants"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["attn_fwd_variants"]
+    return bench_module("attn_fwd_variants")
 
 
 def test_every_variant_matches_oracle_and_shipped_bits(monkeypatch):
