@@ -40,9 +40,11 @@ fixed:
   gpu-scope release of the counter (``atom.exch.release.gpu``, one thread; ptxas: MEMBAR.ALL.GPU + ATOMG
   .STRONG.GPU): the barrier puts every thread's stores before the release in causality order and the release
   is cumulative. Reader (SPIN=1, the GPU default): EVERY thread spins on ``ld.acquire.gpu`` itself (inline
-  PTX; SASS LDG.E.STRONG.GPU + CCTL.IVALL), then ``bar.sync``, then reads the tile with ``ld.global.cg``
-  (L2). SPIN=0 (the interpreter, and a GPU control with stages 1): Triton's scalar ``atomic_add(cnt, 0,
-  sem="acquire", scope="gpu")`` in a ``while`` loop.
+  PTX; SASS LDG.E.STRONG.GPU + CCTL.IVALL), then a barrier that counts the threads whose bounded spin ran
+  out (``bar.red.popc``, so any thread's give-up is reported), then reads the tile with ``ld.global.cg.v2``
+  (L2; ``.v2`` pairs of adjacent columns, checked in the PTX by ``ptx_pairs_ok``). SPIN=0 (the
+  interpreter, and a GPU control with stages 1): Triton's scalar ``atomic_add(cnt, 0, sem="acquire",
+  scope="gpu")`` in a ``while`` loop.
 - Triton's software pipeliner is the hazard (Triton 3.6, checked offline): (a) a ``debug_barrier`` in the
   loop body stops it pipelining the loop at all (no cp.async for q / dO); (b) a ``tl.load`` of the dq tile
   is pipelined like any load: a cp.async prefetch issued in the PREVIOUS iteration, before the spin (a
@@ -50,11 +52,12 @@ fixed:
   after the tile's read and store); (d) ``dot(ds, k) + x`` is folded into ``dot(ds, k, acc=x)``; (e) a
   side-effecting inline-asm load is re-emitted once per layout it is used in. So with stages > 1
   (``ASM_SYNC``) the barriers, the tile's read-and-add and its stores are inline PTX, chained by data: spin
-  -> barrier (returns the value) -> read (takes it as an operand) -> add (inside the asm) -> stores ->
-  barrier -> release (its value goes through the barrier). ``loop_order`` checks the final TritonGPU IR of
-  every compiled config (``--compile-only`` prints it; the GPU run refuses a config that fails it). With
-  stages == 1 plain Triton loads / stores / ``debug_barrier`` are used (no pipeliner, order kept).
-  Details, PTX / SASS excerpts and the PTX memory-model argument: scratch/notes_bwd_ordered.md.
+  -> counting barrier (returns the count) -> read (takes it as an operand) -> add (inside the asm) ->
+  stores -> barrier -> release (its value goes through the barrier). ``loop_order`` checks the final
+  TritonGPU IR of every compiled config (``--compile-only`` prints it; the GPU run refuses a config that
+  fails it). With stages == 1 plain Triton loads / stores / ``debug_barrier`` are used (no pipeliner, order
+  kept). Details, PTX / SASS excerpts and the PTX memory-model argument: scratch/notes_bwd_ordered.md and
+  scratch/review_bwd_ordered.md.
 
 dk/dv: the same per-step arithmetic as the shipped dk/dv kernel; the shipped one steps 32 queries at a time,
 this one BLOCK (64 / 128): the bits agree if the accumulating wgmma chain over the query dimension adds the
@@ -70,17 +73,21 @@ fixed: deterministic and batch-invariant (the order depends only on the query bl
 
 GPU run: precompiles every config in a spawn process pool (Triton ``warmup``, the timed launch's exact
 specialization) while the shipped kernels compile in a thread; then a guard (``--no-guard`` skips it): each
-config launches once on B=1 H=8 S=1024 in a SUBPROCESS with a timeout, so a deadlock is reported instead of
-hanging the run; then, for B4 H16 S4K and B1 H32 S4K (Llama-1B's 32 query heads as MHA, as the shipped
-launcher's GQA split runs them), causal, bf16, each D: the shipped backward (time, oracle), each config
-(oracle on one head with tests/oracle.py's bounds, 3 runs -> identical bits, dk/dv bits vs the shipped,
-status / counters after the runs, time of the whole backward: delta + fused kernel), cuDNN (sdpa). TFLOP/s =
+config launches once on B=1 H=32 S=4096 (many more programs than fit at once, so dispatch order matters)
+with a short spin bound, into NaN-filled buffers, in a SUBPROCESS with a timeout, so a deadlock is reported
+instead of hanging the run (a hung config is marked and a fresh child runs the rest); then, for B4 H16 S4K
+and B1 H32 S4K (Llama-1B's 32 query heads as MHA, as the shipped launcher's GQA split runs them), causal,
+bf16, each D: the shipped backward (time, oracle), each config (oracle on one head with tests/oracle.py's
+bounds, 3 runs into NaN-filled outputs and dq buffer -> identical bits and nothing left NaN, dk/dv bits vs
+the shipped, status / counters after the runs, time of the whole backward: delta + fused kernel), cuDNN
+(sdpa). TFLOP/s =
 2.5 x forward flops, halved for causal. Writes DIR/attn_bwd_ordered.md. Notes: scratch/notes_bwd_ordered.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import math
 import os
 import re
@@ -136,39 +143,94 @@ def _barrier(token, ASM_SYNC: tl.constexpr):
     return token
 
 
+# CTA barrier that also counts the threads whose wait ran out (bar.red.popc: every thread gets the count):
+# $1 the value this thread's spin read last, $2 the target. A barrier like bar.sync (same memory ordering).
+_BAR_COUNT_ASM = tl.constexpr("""{
+.reg .pred %p;
+setp.ne.s32 %p, $1, $2;
+bar.red.popc.u32 $0, 0, %p;
+}""")
+
+
 @triton.jit
 def _wait(cnt_ptr, target, max_spin, status_ptr, SPIN: tl.constexpr, ASM_SYNC: tl.constexpr):
-    """Wait until the counter equals ``target`` (acquire), then a CTA barrier; returns the value seen (a
-    token for the tile loads). A bounded wait that runs out counts an error in ``status[0]`` and returns."""
+    """Wait until the counter equals ``target`` (acquire), then a CTA barrier; returns a token for the tile
+    loads (the number of threads whose wait ran out, 0 normally). A bounded wait that runs out counts an
+    error in ``status[0]`` and returns. SPIN 1: every thread spins itself and the barrier counts the threads
+    that gave up (``bar.red.popc``), so a give-up by ANY thread is reported (the scalar status atomic runs
+    on thread 0 only); the barrier is inline PTX whatever ASM_SYNC (the pipeliner does not see it and the
+    count carries the data chain to the tile read)."""
     if SPIN == 1:
         seen = tl.inline_asm_elementwise(_SPIN_ASM, "=r,l,r,r", [cnt_ptr, target, max_spin], dtype=tl.int32,
                                          is_pure=False, pack=1)
-    else:
+        bad = tl.inline_asm_elementwise(_BAR_COUNT_ASM, "=r,r,r", [seen, target], dtype=tl.int32,
+                                        is_pure=False, pack=1)
+    else:  # Triton's scalar atomic: thread 0 reads, the value is broadcast to all threads (uniform)
         seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
         n = 1
         while (seen != target) & (n < max_spin):
             seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
             n += 1
-    if seen != target:
+        bad = _barrier((seen != target).to(tl.int32), ASM_SYNC)
+    if bad != 0:
         tl.atomic_add(status_ptr, 1, sem="relaxed")
-    return _barrier(seen, ASM_SYNC)
+    return bad
+
+
+# buffer + part for TWO elements per asm (pack=2), one ``ld.global.cg.v2.f32``. It relies on the pair being
+# adjacent in memory and 8-byte aligned: in the wgmma accumulator layout a thread's elements 2k, 2k+1 are
+# adjacent columns (an even column: aligned), and Triton packs a thread's elements in order, but its docs
+# leave the grouping unspecified, so the second pointer ($3) is named in a PTX comment and
+# ``ptx_pairs_ok`` checks, in the PTX of every compiled config (offline and before any GPU launch), that
+# it is the first + 4 bytes (a runtime check with a scalar fallback cost 88 bytes of spills at D=64).
+# $0 $1: results; $2 $3: pointers; $4 $5: part (bits); $6 $7: token (unused).
+_READ_ADD_V2 = tl.constexpr("""{
+// v2pair $2 $3
+.reg .f32 %t0, %t1, %u0, %u1;
+ld.global.cg.v2.f32 {%t0, %t1}, [$2];
+mov.b32 %u0, $4;
+mov.b32 %u1, $5;
+add.rn.f32 %u0, %t0, %u0;
+add.rn.f32 %u1, %t1, %u1;
+mov.b32 $0, %u0;
+mov.b32 $1, %u1;
+}""")
+
+# Masked store of two fp32 elements (pack=2) at $2, $2 + 4 (checked as above), one ``st.global.cg.v2.b32``
+# under the AND of the two masks: a pair needs ONE mask value (here the mask is uniform over the tile).
+# $0 $1: dummy results; $2 $3: pointers; $4 $5: values (bits); $6 $7: masks.
+_STORE_V2 = tl.constexpr("""{
+// v2pair $2 $3
+.reg .pred %p;
+setp.ne.s32 %p, $6, 0;
+setp.ne.and.s32 %p, $7, 0, %p;
+@%p st.global.cg.v2.b32 [$2], {$4, $5};
+mov.b32 $0, 0;
+mov.b32 $1, 0;
+}""")
 
 
 @triton.jit
 def _load_add(ptrs, part, token, live, ASM_SYNC: tl.constexpr):
-    """buffer tile + ``part``, the buffer read after the wait. ASM_SYNC: one inline-PTX ``ld.global.cg`` +
-    ``add.rn.f32`` per element, taking the wait's token as an (unused) operand: the software pipeliner can
-    neither hoist it into the previous iteration (it does that to a ``tl.load`` here: a cp.async prefetch
-    before the spin, a read of a stale tile) nor schedule it before the spin. The add inside the asm (and,
-    without ASM_SYNC, the select on ``live``, always true) keeps Triton from folding ``dot(ds, k) + x`` into
-    ``dot(ds, k, acc=x)``, which would put the dq product after the wait and change the summation."""
+    """buffer tile + ``part``, the buffer read after the wait. ASM_SYNC: inline-PTX ``ld.global.cg`` +
+    ``add.rn.f32`` (ASM_SYNC 2: two elements per asm, one ``.v2`` load for an adjacent pair; 1: one element
+    per asm), taking the wait's token as an (unused) operand: the software pipeliner can neither hoist it
+    into the previous iteration (it does that to a ``tl.load`` here: a cp.async prefetch before the spin, a
+    read of a stale tile) nor schedule it before the spin. The add inside the asm (and, without ASM_SYNC, the
+    select on ``live``, always true) keeps Triton from folding ``dot(ds, k) + x`` into ``dot(ds, k,
+    acc=x)``, which would put the dq product after the wait and change the summation."""
     if ASM_SYNC:
         tok = tl.zeros(ptrs.shape, tl.int32) + token
         # (part goes in as its bits: inline_asm_elementwise will not broadcast a pointer with a float)
-        total = tl.inline_asm_elementwise(
-            "{\n.reg .f32 %t, %u;\nld.global.cg.f32 %t, [$1];\nmov.b32 %u, $2;\nadd.rn.f32 %u, %t, %u;\n"
-            "mov.b32 $0, %u;\n}", "=r,l,r,r", [ptrs, part.to(tl.int32, bitcast=True), tok], dtype=tl.float32,
-            is_pure=False, pack=1)
+        if ASM_SYNC == 2:
+            total = tl.inline_asm_elementwise(
+                _READ_ADD_V2, "=r,=r,l,l,r,r,r,r", [ptrs, part.to(tl.int32, bitcast=True), tok],
+                dtype=tl.float32, is_pure=False, pack=2)
+        else:
+            total = tl.inline_asm_elementwise(
+                "{\n.reg .f32 %t, %u;\nld.global.cg.f32 %t, [$1];\nmov.b32 %u, $2;\nadd.rn.f32 %u, %t, %u;\n"
+                "mov.b32 $0, %u;\n}", "=r,l,r,r", [ptrs, part.to(tl.int32, bitcast=True), tok],
+                dtype=tl.float32, is_pure=False, pack=1)
     else:
         total = tl.load(ptrs, cache_modifier=".cg") + tl.where(live, part, 0.0)
     return total
@@ -176,16 +238,23 @@ def _load_add(ptrs, part, token, live, ASM_SYNC: tl.constexpr):
 
 @triton.jit
 def _store_tile(ptrs, x, ok, ASM_SYNC: tl.constexpr):
-    """Masked store of an fp32 (to the buffer, ``.cg``) or 16-bit (dq) tile. ASM_SYNC: one inline-PTX store
-    per element, so every use of the tile made by ``_load_add`` is inline PTX and Triton keeps it in one
-    layout (with a ``tl.store`` consumer it re-emits the side-effecting load once per layout: 3 loads)."""
+    """Masked store of an fp32 (to the buffer, ``.cg``) or 16-bit (dq) tile. ASM_SYNC: inline-PTX stores (fp32
+    with ASM_SYNC 2: ``.v2`` pairs as ``_load_add``; 16-bit, the dq output, written once per query block:
+    one element per asm), so every use of the tile made by ``_load_add`` is inline PTX and Triton keeps it
+    in one layout (with a ``tl.store`` consumer it re-emits the side-effecting load once per layout: 3
+    loads)."""
     if ASM_SYNC:
         okw = ok.to(tl.int32)
         if x.dtype == tl.float32:
-            tl.inline_asm_elementwise(
-                "{\n.reg .pred %p;\nsetp.ne.s32 %p, $3, 0;\n@%p st.global.cg.b32 [$1], $2;\n"
-                "mov.b32 $0, 0;\n}", "=r,l,r,r", [ptrs, x.to(tl.int32, bitcast=True), okw], dtype=tl.int32,
-                is_pure=False, pack=1)
+            if ASM_SYNC == 2:
+                tl.inline_asm_elementwise(_STORE_V2, "=r,=r,l,l,r,r,r,r",
+                                          [ptrs, x.to(tl.int32, bitcast=True), okw], dtype=tl.int32,
+                                          is_pure=False, pack=2)
+            else:
+                tl.inline_asm_elementwise(
+                    "{\n.reg .pred %p;\nsetp.ne.s32 %p, $3, 0;\n@%p st.global.cg.b32 [$1], $2;\n"
+                    "mov.b32 $0, 0;\n}", "=r,l,r,r", [ptrs, x.to(tl.int32, bitcast=True), okw],
+                    dtype=tl.int32, is_pure=False, pack=1)
         else:
             tl.inline_asm_elementwise(
                 "{\n.reg .pred %p;\nsetp.ne.s32 %p, $3, 0;\n@%p st.global.b16 [$1], $2;\nmov.b32 $0, 0;\n}",
@@ -334,16 +403,19 @@ class Cfg:
     group_heads: int = 0  # 0/1: heads one after another; G: block-major inside groups of G heads
     spin: int = 1  # 1: inline-PTX acquire spin (GPU); 0: Triton atomics in a while loop (the interpreter)
     dq_norm: int = 0  # 0: the shipped dq numerics (unnormalised ds, 1/l at the end); 1: dk's ds tile
+    vec: int = 2  # inline-PTX fp32 tile accesses: 2 = .v2 pairs (adjacent, aligned), 1 = one element each
 
     @property
     def asm_sync(self) -> int:
         """Barriers and dq-tile loads as inline PTX: needed for a pipelined loop (stages > 1), where Triton
-        would hoist a tl.load of the tile above the wait; impossible under the interpreter (spin 0)."""
-        return int(self.stages > 1 and self.spin == 1)
+        would hoist a tl.load of the tile above the wait; impossible under the interpreter (spin 0). The
+        value is the elements per asm of the fp32 tile's read-add and store (``vec``); 0: no asm."""
+        return self.vec if self.stages > 1 and self.spin == 1 else 0
 
     def label(self) -> str:
         extra = (f" g{self.group_heads}" if self.group_heads > 1 else "") + \
-            (" spin0" if self.spin == 0 else "") + (" dsnorm" if self.dq_norm else "")
+            (" spin0" if self.spin == 0 else "") + (" dsnorm" if self.dq_norm else "") + \
+            (" scalar" if self.vec == 1 and self.asm_sync else "")
         return f"({self.block},{self.warps}w,{self.stages}s{extra})"
 
 
@@ -356,9 +428,10 @@ CONFIGS = {
 }
 # --configs all adds these: block 128 with the shipped dq numerics (spills 0.8 KB at D=64), no software
 # pipelining (stages 1: plain Triton loads / stores / debug_barrier), the Triton-atomic spin of the
-# interpreter (spin 0) on the GPU.
-EXTRA = {64: [Cfg(128, 8, 2), Cfg(64, 4, 1), Cfg(64, 4, 1, spin=0)],
-         128: [Cfg(64, 8, 1), Cfg(64, 8, 1, spin=0)]}
+# interpreter (spin 0) on the GPU, and the default config with one 32-bit access per asm (scalar, the
+# first version) instead of .v2 pairs.
+EXTRA = {64: [Cfg(128, 8, 2), Cfg(64, 4, 1), Cfg(64, 4, 1, spin=0), Cfg(64, 4, 2, vec=1)],
+         128: [Cfg(64, 8, 1), Cfg(64, 8, 1, spin=0), Cfg(64, 8, 2, vec=1)]}
 MAX_SPIN = 1 << 20  # acquire reads before a wait gives up (about 0.5-1 s); legal waits are microseconds
 DELTA_BLOCK_M = 64  # the shipped launcher's delta block on the GPU
 
@@ -436,9 +509,12 @@ def launch_delta(o, do, delta, block_m: int):
 
 
 def backward(cfg: Cfg, g, q, k, v, o, m, l, scale: float, max_spin: int = MAX_SPIN, ws: Workspace = WORKSPACE,
-             delta=None, wrong_order: bool = False):
+             delta=None, wrong_order: bool = False, poison: bool = False):
     """(dq, dk, dv) of the causal backward: shipped delta kernel + the ordered fused kernel. ``delta``:
-    reuse a precomputed one (timing the fused kernel alone)."""
+    reuse a precomputed one (timing the fused kernel alone). ``poison`` (the checks, not the timing): dq,
+    dk, dv AND the fp32 dq buffer are filled with NaN first, so an output element never written, or a
+    buffer read that comes before this launch's store of it (an ordering bug; with a buffer left over from
+    the previous launch of the same inputs such a read can even give the right bits), shows as NaN."""
     import torch
 
     check_shape(q, cfg)
@@ -449,11 +525,29 @@ def backward(cfg: Cfg, g, q, k, v, o, m, l, scale: float, max_spin: int = MAX_SP
         launch_delta(o, g, delta, DELTA_BLOCK_M if q.is_cuda else 16)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     acc, cnt, status = ws.get(q, cfg.block)
+    if poison:
+        for t in (dq, dk, dv, acc):
+            t.fill_(float("nan"))
     if wrong_order and q.is_cuda:
         raise ValueError("wrong_order is for the interpreter only: on a GPU it waits on later programs")
     launch(cfg, q, k, v, g, dq, dk, dv, m, l, delta, acc, cnt, status, s, d, c1, sds, b * h, max_spin,
            wrong_order=wrong_order)
     return dq, dk, dv
+
+
+def same_bits(x, y) -> bool:
+    """Bit-for-bit equality (torch.equal calls -0.0 == 0.0 and NaN != NaN)."""
+    import torch
+
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    ity = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    return torch.equal(x.contiguous().view(ity), y.contiguous().view(ity))
+
+
+def unwritten(grads) -> int:
+    """Elements still NaN after a ``poison`` run (inputs are finite randn: a real gradient is finite)."""
+    return int(sum(int(t.isnan().sum().item()) for t in grads))
 
 
 def health(cfg: Cfg, q, ws: Workspace = WORKSPACE) -> str:
@@ -532,7 +626,7 @@ def loop_order(ttgir: str) -> tuple[bool, str]:
         return [i for i, ln in enumerate(body) if re.search(pattern, ln)]
 
     spin = where(r"ld\.acquire|atomic_rmw add, acquire")
-    barrier = where(r"bar\.sync|gpu\.barrier")
+    barrier = where(r"bar\.sync|bar\.red|gpu\.barrier")
     load = where(r"ld\.global\.cg|tt\.load .*cacheModifier = cg")
     store = where(r"st\.global\.cg|tt\.store .*cacheModifier = cg")
     release = where(r"atomic_rmw exch, release, gpu")
@@ -557,6 +651,40 @@ def loop_order(ttgir: str) -> tuple[bool, str]:
     return not problems, summary + ("" if not problems else " -- " + "; ".join(problems))
 
 
+def ptx_pairs_ok(ptx: str) -> tuple[bool, str]:
+    """The ``.v2`` tile accesses (``_READ_ADD_V2``, ``_STORE_V2``) assume that the two pointers of each asm
+    pair are ``p`` and ``p + 4``: resolves each pointer register of every ``// v2pair`` comment through the
+    PTX's ``add.s64 reg, reg, imm`` / ``mov.b64`` definitions to (root register, byte offset) and checks same
+    root, offsets differing by 4 and the first a multiple of 8 from the root. Fails closed: a register it
+    cannot resolve, or one defined twice, fails. (True, ...) when there is no ``.v2`` access."""
+    defs: dict[str, tuple[str, int] | None] = {}
+    pattern = r"^\s*(?:add\.s64\s+(%rd\d+),\s*(%rd\d+),\s*(-?\d+)|mov\.b64\s+(%rd\d+),\s*(%rd\d+))\s*;"
+    for m in re.finditer(pattern, ptx, re.M):
+        if m.group(1):
+            dst, src, off = m.group(1), m.group(2), int(m.group(3))
+        else:
+            dst, src, off = m.group(4), m.group(5), 0
+        defs[dst] = None if dst in defs else (src, off)  # defined twice: ambiguous
+
+    def resolve(reg: str) -> tuple[str, int] | None:
+        off = 0
+        for _ in range(64):
+            if reg not in defs:
+                return reg, off
+            d = defs[reg]
+            if d is None:
+                return None
+            reg, off = d[0], off + d[1]
+        return None
+
+    pairs = re.findall(r"// v2pair (%rd\d+) (%rd\d+)", ptx)
+    for p0, p1 in pairs:
+        r0, r1 = resolve(p0), resolve(p1)
+        if r0 is None or r1 is None or r0[0] != r1[0] or r1[1] - r0[1] != 4 or r0[1] % 8:
+            return False, f"v2 pair {p0} {p1} not adjacent/aligned: {r0} {r1}"
+    return True, f"{len(pairs)} v2 pairs adjacent"
+
+
 def ptx_sync_report(ptx: str) -> list[tuple[int, str]]:
     """(line, text) of the PTX instructions that matter for the protocol, in text order: acquire / release
     atomics, barriers, fences, the dq-tile loads and stores, labels and branches (to follow the control
@@ -575,14 +703,19 @@ def compile_stats(job) -> dict:
     ptx = c.asm["ptx"]
     stats = {"ok": True, "shared": c.metadata.shared}
     stats["order_ok"], stats["order"] = loop_order(c.asm["ttgir"])
+    pairs_ok, pairs = ptx_pairs_ok(ptx)
+    if not pairs_ok:
+        stats["order_ok"] = False
+    stats["order"] += "; " + pairs
     with tempfile.TemporaryDirectory() as tmp:
         ptx_path, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx_path, "w") as f:
             f.write(ptx)
         with open(cubin, "wb") as f:
             f.write(c.asm["cubin"])
-        rep = subprocess.run([_bin("ptxas"), "-v", "--gpu-name", "sm_90a", ptx_path, "-o", "/dev/null"],
-                             capture_output=True, text=True).stderr
+        # --fmad=false as Triton's own ptxas call with enable_fp_fusion=False (the counts are of that binary)
+        rep = subprocess.run([_bin("ptxas"), "-v", "--fmad=false", "--gpu-name", "sm_90a", ptx_path, "-o",
+                              "/dev/null"], capture_output=True, text=True).stderr
         r = re.search(r"Used (\d+) registers", rep)
         sp = re.search(r"(\d+) bytes spill stores", rep)
         stats["regs"] = int(r.group(1)) if r else -1
@@ -590,9 +723,13 @@ def compile_stats(job) -> dict:
         sass = subprocess.run([_bin("cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
     for op in ("HGMMA", "HMMA", "LDGSTS", "LDL", "BAR", "MEMBAR", "ATOM", "ATOMG", "RED", "LDG", "STG"):
         stats[op] = len(re.findall(rf"\b{op}\b", sass))
+    # the dq tile's accesses (and the spin): strong (L2: .cg / acquire) global loads / stores by width
+    for op in ("LDG", "STG"):
+        widths = re.findall(rf"\b{op}\.E(?:\.(64|128))?\.STRONG\.GPU\b", sass)
+        stats[op + ".STRONG"] = "/".join(str(widths.count(w)) for w in ("", "64", "128"))
     stats["ld.acquire"] = len(re.findall(r"ld\.acquire", ptx))
     stats["cp.async"] = len(re.findall(r"cp\.async\.(?:ca|cg)", ptx))
-    stats["fma"] = len(re.findall(r"\bfma\.rn\.f32", ptx))
+    stats["fma"] = len(re.findall(r"\bfma\.rn\.f32", ptx)) + len(re.findall(r"\bFFMA\b", sass))
     if want_ptx:
         stats["ptx"] = ptx
         stats["sass_sync"] = [ln.strip() for ln in sass.splitlines()
@@ -620,6 +757,8 @@ def compile_only(items, workers: int, ptx_dir: str = "") -> int:
               f"HGMMA={r['HGMMA']:3d} LDGSTS={r['LDGSTS']:3d} cp.async={r['cp.async']:3d} BAR={r['BAR']:3d} "
               f"MEMBAR={r['MEMBAR']} ATOMG={r['ATOMG']} RED={r['RED']} ld.acquire={r['ld.acquire']} "
               f"LDL={r['LDL']} fma={r['fma']}")
+        print(f"{'':34s} SASS strong (L2) accesses, 32/64/128-bit: LDG {r['LDG.STRONG']} (the spin's "
+              f"acquire + the dq tile reads) STG {r['STG.STRONG']} (the dq tile stores)")
         print(f"{'':34s} loop order {'ok' if r['order_ok'] else 'WRONG'}: {r['order']}")
         bad += not r["order_ok"]
         if ptx_dir:
@@ -681,14 +820,17 @@ def interpret_check(shapes=((1, 2, 64, 32),), dtypes=None, cfgs=INTERP_CFGS, log
             for cfg in cfgs:
                 name = f"B{b} H{h} S{s} D{d} {str(dt)[6:]} {cfg.label()}"
                 reset(cfg, q)
-                got = backward(cfg, g, q, k, v, o, m, l, scale, max_spin=4)
-                again = backward(cfg, g, q, k, v, o, m, l, scale, max_spin=4)
+                got = backward(cfg, g, q, k, v, o, m, l, scale, max_spin=4, poison=True)
+                again = backward(cfg, g, q, k, v, o, m, l, scale, max_spin=4, poison=True)
                 ratio = oracle_check(oracle, got, q, k, v, g, scale)
-                same = all(torch.equal(x, y) for x, y in zip(got, again, strict=True))
-                kv_same = all(torch.equal(x, y) for x, y in zip(got[1:], ref[1:], strict=True))
+                same = all(same_bits(x, y) for x, y in zip(got, again, strict=True))
+                kv_same = all(same_bits(x, y) for x, y in zip(got[1:], ref[1:], strict=True))
+                nan = unwritten(got) + unwritten(again)
                 hl = health(cfg, q)
                 log(f"interp {name}: oracle {ratio:.3f} deterministic {same} dk/dv == shipped {kv_same} "
-                    f"health {hl or 'ok'}")
+                    f"unwritten {nan} health {hl or 'ok'}")
+                if nan:
+                    failures.append(f"{name}: {nan} elements unwritten or read before written (NaN poison)")
                 if ratio > 1.0:
                     failures.append(f"{name}: oracle ratio {ratio:.3f} > 1")
                 if not same:
@@ -699,12 +841,16 @@ def interpret_check(shapes=((1, 2, 64, 32),), dtypes=None, cfgs=INTERP_CFGS, log
                     failures.append(f"{name}: dk/dv bits differ from the shipped backward (same query step)")
             cfg = cfgs[0]
             reset(cfg, q)
-            backward(cfg, g, q, k, v, o, m, l, scale, max_spin=4, wrong_order=True)
+            bad = backward(cfg, g, q, k, v, o, m, l, scale, max_spin=4, wrong_order=True, poison=True)
             hl = health(cfg, q)
+            nan = unwritten(bad)
             reset(cfg, q)
-            log(f"interp ascending key blocks (waits on later ids): {hl or 'NOT DETECTED'}")
+            log(f"interp ascending key blocks (waits on later ids): {hl or 'NOT DETECTED'}; "
+                f"{nan} NaN (reads before the write)")
             if not hl:
                 failures.append("waits on later program ids were not detected")
+            if not nan:
+                failures.append("reads of the dq buffer before its write left no NaN (the poison check)")
     return failures
 
 
@@ -713,7 +859,15 @@ def interpret_check(shapes=((1, 2, 64, 32),), dtypes=None, cfgs=INTERP_CFGS, log
 # ------------------------------------------------------------------------------------------------------
 
 CASES = ((4, 16, 4096), (1, 32, 4096))  # B4 H16 S4K; Llama-1B's 32 query heads at B1 S4K (as MHA)
-GUARD_SHAPE = (1, 8, 1024)  # B x H a multiple of the group_heads configs' 8
+# The guard's problem: many more programs than fit on the GPU at once (B1 H32 S4K: 2048 programs at block 64,
+# 1024 at 128, vs 132-264 resident), so a wait on a program that was not dispatched yet (if dispatch were
+# not in id order) really happens; B x H a multiple of the group_heads configs' 8. A small problem (all
+# programs resident at once) could not deadlock whatever the order.
+GUARD_SHAPE = (1, 32, 4096)
+# The guard's spin bound: a legal wait is a few steps (microseconds; at most ~n_blocks steps down a head's
+# chain); 2^16 acquire reads (~20-70 ms) turns a dispatch-order deadlock into reported timed-out waits in
+# seconds instead of a hang of minutes.
+GUARD_MAX_SPIN = 1 << 16
 
 
 def _warm_job(job):
@@ -746,53 +900,85 @@ def _inputs(b, h, s, d, seed=None, device="cuda", dtype=None):
 
 
 def guard_child(items) -> int:
-    """Runs in a subprocess with a timeout: each config once on a small problem; prints one line per config
-    that finished (a deadlock hangs here, not in the main run)."""
+    """Runs in a subprocess with a timeout: each config once on GUARD_SHAPE with the short GUARD_MAX_SPIN;
+    prints a START line before and a GUARD line after each config, so the parent can tell which config hung
+    (a deadlock hangs here, not in the main run)."""
     import torch
 
     import safeops  # noqa: F401
 
     b, h, s = GUARD_SHAPE
+    inputs = {}
     for d, cfg in items:
+        print(f"START {d} {cfg.label()}", flush=True)
         t = time.time()
         try:
-            q, k, v, g, o, m, l, scale, _ = _inputs(b, h, s, d, seed=0)
-            backward(cfg, g, q, k, v, o, m, l, scale)
+            if d not in inputs:
+                inputs[d] = _inputs(b, h, s, d, seed=0)
+            q, k, v, g, o, m, l, scale, _ = inputs[d]
+            reset(cfg, q)
+            got = backward(cfg, g, q, k, v, o, m, l, scale, max_spin=GUARD_MAX_SPIN, poison=True)
             torch.cuda.synchronize()
-            state = health(cfg, q) or "ok"
-        except Exception as e:
-            state = f"error {type(e).__name__}: {str(e)[:200]} -"
+            nan = unwritten(got)
+            state = health(cfg, q) + (f" {nan} NaN outputs" if nan else "")
+            state = "ok" if not state else state.strip() + " -"
+            reset(cfg, q)
+        except Exception as e:  # a CUDA error is sticky (every later launch here would fail): stop, the
+            # parent runs the rest in a fresh process
+            print(f"GUARD {d} {cfg.label()} {time.time() - t:.2f}s error {type(e).__name__}: "
+                  f"{str(e)[:200]} -", flush=True)
+            return 3
         print(f"GUARD {d} {cfg.label()} {time.time() - t:.2f}s {state}", flush=True)
     return 0
 
 
 def run_guard(args, items, timeout: float) -> dict:
-    """(d, label) -> '' (finished, healthy) or what went wrong; configs the child never reached are marked
-    as not run (a hang in an earlier one)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--guard-child", "--d", args.d,
-           "--block", args.block]
+    """(d, label) -> '' (finished, healthy) or what went wrong. The child runs the configs in order; when it
+    hangs (killed at the time limit) or dies (a CUDA error poisons its context), the config it had STARTED
+    but not finished is marked, and a fresh child runs the rest, within ``timeout`` seconds in all."""
+    base = [sys.executable, str(Path(__file__).resolve()), "--guard-child", "--d", args.d,
+            "--block", args.block]
     if args.configs:
-        cmd += ["--configs", args.configs]
-    out, note = "", ""
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        out = proc.stdout
-        if proc.returncode:
-            note = f"guard child exited {proc.returncode}: {proc.stderr[-400:]}"
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        note = f"guard child TIMED OUT after {timeout:.0f} s (deadlock?)"
-    result = {}
-    for line in out.splitlines():
-        if line.startswith("GUARD "):
-            _, d, rest = line.split(" ", 2)
-            label = rest[:rest.index(")") + 1]
-            state = rest.rsplit(" ", 1)[-1]
-            result[(int(d), label)] = "" if state == "ok" else line
-    for d, cfg in items:
-        result.setdefault((d, cfg.label()), note or "guard: not reached")
-    if note:
-        print(note, flush=True)
+        base += ["--configs", args.configs]
+    todo = [(d, cfg.label()) for d, cfg in items]
+    result: dict = {}
+    deadline = time.time() + timeout
+    while todo:
+        left = deadline - time.time()
+        if left < 10:
+            for key in todo:
+                result[key] = f"guard: not run (the {timeout:.0f} s guard budget was spent)"
+            break
+        out, note = "", ""
+        try:
+            proc = subprocess.run(base + ["--guard-only", repr(todo)], capture_output=True, text=True,
+                                  timeout=left)
+            out = proc.stdout
+            if proc.returncode:
+                note = f"guard child exited {proc.returncode}: {proc.stderr[-300:]}"
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            note = f"guard child TIMED OUT after {left:.0f} s and was killed (deadlock?)"
+        started = []
+        for line in out.splitlines():
+            if line.startswith(("START ", "GUARD ")):
+                kind, d, rest = line.split(" ", 2)
+                key = (int(d), rest[:rest.index(")") + 1])
+                if kind == "START":
+                    started.append(key)
+                else:
+                    result[key] = "" if rest.rsplit(" ", 1)[-1] == "ok" else line
+        hung = [key for key in started if key not in result]
+        for key in hung:
+            result[key] = f"guard: {note or 'no result'}"
+        if note:
+            print(note, flush=True)
+        rest_todo = [key for key in todo if key not in result]
+        if len(rest_todo) == len(todo):  # no progress (the child died before its first config): give up
+            for key in rest_todo:
+                result[key] = f"guard: not reached ({note or 'child ended'})"
+            break
+        todo = rest_todo
     return result
 
 
@@ -853,6 +1039,8 @@ def run_case(b, h, s, d, cfgs, args, H, A, oracle, rows, guard, device="cuda", d
                 compiled = launch(cfg, q, k, v, g, q, k, v, m, l, m, acc, cnt, status, s, d, c1, sds, b * h,
                                   warmup=True)
                 order_ok, order = loop_order(compiled.asm["ttgir"])
+                pairs_ok, pairs = ptx_pairs_ok(compiled.asm["ptx"])
+                order_ok, order = order_ok and pairs_ok, order + "; " + pairs
             else:
                 order_ok, order = True, "interpreter, not compiled"
             if not order_ok:
@@ -860,11 +1048,16 @@ def run_case(b, h, s, d, cfgs, args, H, A, oracle, rows, guard, device="cuda", d
                              "-", "loop order check FAILED: " + order))
                 continue
             reset(cfg, q)
-            runs = [backward(cfg, g, q, k, v, o, m, l, scale) for _ in range(3)]
-            sync()
+            # 3 runs, each into NaN-filled outputs and a NaN-filled dq buffer (see backward's poison)
+            runs = []
+            for _ in range(3):
+                runs.append(backward(cfg, g, q, k, v, o, m, l, scale, poison=True))
+                sync()
             got = runs[0]
-            det = all(torch.equal(x, y) for other in runs[1:] for x, y in zip(got, other, strict=True))
-            kv_same = all(torch.equal(x, y) for x, y in zip(got[1:], ref[1:], strict=True))
+            nan = sum(unwritten(r) for r in runs)
+            det = all(same_bits(x, y) for other in runs[1:] for x, y in zip(got, other, strict=True))
+            det = det and not nan
+            kv_same = all(same_bits(x, y) for x, y in zip(got[1:], ref[1:], strict=True))
             dq_diff = (got[0].float() - ref[0].float()).abs().max().item()
             rat = ratio(got)
             del runs
@@ -876,6 +1069,7 @@ def run_case(b, h, s, d, cfgs, args, H, A, oracle, rows, guard, device="cuda", d
             sync()
             hl = health(cfg, q)
             note = ("ok" if rat <= 1 and det and not hl else "FAILED") + (f"; {hl}" if hl else "") + \
+                (f"; {nan} NaN (unwritten / read before written)" if nan else "") + \
                 f"; order: {order.split(',')[-1].strip()}"
             rows.append((label, name, ms, tflops(ms), ship_ms / ms, kms, rat, "yes" if det else "NO",
                          "same" if kv_same else "diff", f"{dq_diff:.2g}",
@@ -1000,11 +1194,12 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--no-cudnn", action="store_true")
     p.add_argument("--no-guard", action="store_true", help="skip the subprocess deadlock guard")
-    p.add_argument("--guard-timeout", type=float, default=90.0)
+    p.add_argument("--guard-timeout", type=float, default=60.0, help="the guard's budget (s), all configs")
     p.add_argument("--compile-only", action="store_true", help="offline sm_90 compile stats (no GPU)")
     p.add_argument("--ptx", default="", help="with --compile-only: write PTX + sync listings to this folder")
     p.add_argument("--interpret-check", action="store_true", help="CPU: oracle + determinism, interpreter")
     p.add_argument("--guard-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--guard-only", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     dims = tuple(int(x) for x in args.d.split(","))
     blocks = tuple(int(x) for x in args.block.split(","))
@@ -1016,6 +1211,9 @@ def main(argv=None) -> int:
         print("interpret check:", "all passed" if not failures else "FAILED: " + "; ".join(failures))
         return 1 if failures else 0
     if args.guard_child:
+        if args.guard_only:
+            keep = set(ast.literal_eval(args.guard_only))
+            items = [(d, c) for d, c in items if (d, c.label()) in keep]
         return guard_child(items)
     return gpu_main(args, items)
 

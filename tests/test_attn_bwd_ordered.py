@@ -3,13 +3,15 @@ an experiment for the GPU), so it cannot rot before the GPU run:
 
 - under Triton's interpreter (programs run one after another in id order), the fused kernel's dq, dk, dv
   are within the float64 oracle's bounds (fp16 and fp32, two block sizes, both dq numerics), two runs give
-  identical bits, dk/dv equal the shipped backward's bits where the query step is the same (16), every
-  wait was already satisfied when reached and the counters are back at zero; the same kernel with the key
-  blocks ascending (each program then waits on a LATER id) must report timed-out waits: the check can fail;
+  identical bits (outputs and dq buffer NaN-filled first: nothing left unwritten or read before written),
+  dk/dv equal the shipped backward's bits where the query step is the same (16), every wait was already
+  satisfied when reached and the counters are back at zero; the same kernel with the key blocks ascending
+  (each program then waits on a LATER id) must report timed-out waits and leave NaN: the checks can fail;
 - the GPU run's per-case code (oracle, determinism, bits, timing, table row) runs on the CPU;
 - one configuration compiles for sm_90 offline and its final loop keeps the protocol's order (five
-  products, spin, barrier, one read of the dq tile, store, barrier, release), with gpu-scope acquire /
-  release in the PTX and no fp contraction.
+  products, spin, counting barrier, one read of the dq tile, store, barrier, release), with gpu-scope
+  acquire / release in the PTX, .v2 tile accesses whose pairs are adjacent, and no fp contraction;
+- the PTX pair check and the deadlock guard's bookkeeping (a hung or crashed child) can fail.
 """
 
 from __future__ import annotations
@@ -102,9 +104,16 @@ def test_default_config_compiles_for_sm90_in_protocol_order():
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["ok"] and r["order_ok"], r.get("order", r)
     assert "5/5 products before the spin" in r["order"], r["order"]
+    assert "v2 pairs adjacent" in r["order"] and not r["order"].startswith("0 "), r["order"]
     assert 0 < r["shared"] <= 232448 and r["fma"] == 0, {k: v for k, v in r.items() if k != "ptx"}
     ptx = r["ptx"]
     assert re.search(r"ld\.acquire\.gpu\.global\.b32", ptx)
+    # the dq tile in .v2 pairs through L2, added with a plain round-to-nearest add (no fma)
+    assert re.search(r"ld\.global\.cg\.v2\.f32", ptx) and re.search(r"st\.global\.cg\.v2\.b32", ptx)
+    assert "add.rn.f32 %u0, %t0, %u0" in ptx
+    # the wait's barrier counts the threads whose spin ran out (every thread's give-up is reported)
+    assert re.search(r"bar\.red\.popc\.u32", ptx)
+    assert r["LDG.STRONG"].split("/")[0] == "1", r["LDG.STRONG"]  # 32-bit strong loads: the spin only
     release = [m.start() for m in re.finditer(r"atom\.global\.gpu\.release\.exch\.b32", ptx)]
     assert len(release) == 2, len(release)  # the diagonal step and the loop
     for pos in release:  # a bar.sync shortly before each release (the barrier of _release)
@@ -134,3 +143,58 @@ def test_loop_order_check_rejects_a_reordered_loop():
     assert not M.loop_order(ir(*([dot] * 5 + [spin, bar, read, read, store, bar, release])))[0]
     assert not M.loop_order(ir(*([dot] * 5 + [spin, bar, read, store, release])))[0]
     assert not M.loop_order(ir(*([dot] * 5 + [spin, read, store, bar, release])))[0]
+
+
+def test_ptx_pair_check_rejects_non_adjacent_pointers():
+    """The .v2 tile accesses assume each asm's two pointers are p and p + 4 (checked in the PTX of every
+    compiled config before the GPU launches it): adjacent pairs pass, a gap, a swapped pair, an odd start
+    and a pointer defined twice (a loop phi) each fail."""
+    M = _module()
+
+    def ptx(second_off: int, first_off: int = 0, extra: str = "") -> str:
+        return (f"\tadd.s64 \t%rd10, %rd9, {first_off};\n\tadd.s64 \t%rd11, %rd9, {second_off};\n{extra}"
+                "\t{\n// v2pair %rd10 %rd11\nld.global.cg.v2.f32 {%t0, %t1}, [%rd10];\n}\n")
+
+    assert M.ptx_pairs_ok(ptx(4))[0]
+    assert M.ptx_pairs_ok(ptx(36, 32))[0]
+    assert not M.ptx_pairs_ok(ptx(8))[0]
+    assert not M.ptx_pairs_ok(ptx(-4))[0]
+    assert not M.ptx_pairs_ok(ptx(8, 4))[0]
+    assert not M.ptx_pairs_ok(ptx(4, extra="\tmov.b64 \t%rd10, %rd3;\n"))[0]
+    assert M.ptx_pairs_ok("no pairs")[0]
+
+
+def test_guard_marks_the_hung_config_and_runs_the_rest(monkeypatch):
+    """run_guard with a stand-in for the child process: the first child finishes config a, hangs in b (killed
+    at the time limit); a second child runs c, which reports timed-out waits, then fails in d with a CUDA
+    error (the child stops: the error is sticky); a third child runs e. a and e pass, b is marked as hung,
+    c and d with their failures (the main run skips all three); no config is silently dropped."""
+    M = _module()
+    items = [(64, M.Cfg(64, 4, 2)), (64, M.Cfg(64, 4, 2, dq_norm=1)), (64, M.Cfg(64, 4, 3)),
+             (64, M.Cfg(64, 4, 2, group_heads=8)), (64, M.Cfg(64, 4, 2, vec=1))]
+    a, b, c, d, e = (cfg.label() for _, cfg in items)
+    calls = []
+
+    def fake_run(cmd, capture_output, text, timeout):
+        calls.append(cmd[cmd.index("--guard-only") + 1])
+        if len(calls) == 1:
+            out = f"START 64 {a}\nGUARD 64 {a} 0.10s ok\nSTART 64 {b}\n"
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out.encode())
+        if len(calls) == 2:
+            out = (f"START 64 {c}\nGUARD 64 {c} 0.20s 3 timed-out waits, 0 counters not reset -\n"
+                   f"START 64 {d}\nGUARD 64 {d} 0.01s error AcceleratorError: misaligned address -\n")
+            return subprocess.CompletedProcess(cmd, 3, out, "")
+        return subprocess.CompletedProcess(cmd, 0, f"START 64 {e}\nGUARD 64 {e} 0.10s ok\n", "")
+
+    monkeypatch.setattr(M.subprocess, "run", fake_run)
+
+    class Args:
+        d, block, configs = "64", "64", ""
+
+    result = M.run_guard(Args, items, timeout=100.0)
+    assert result[(64, a)] == "" and result[(64, e)] == "", result
+    assert "TIMED OUT" in result[(64, b)]
+    assert "timed-out waits" in result[(64, c)]
+    assert "misaligned" in result[(64, d)]
+    assert len(calls) == 3 and a not in calls[1] and b not in calls[1] and c in calls[1], calls
+    assert calls[2] == repr([(64, e)]), calls
