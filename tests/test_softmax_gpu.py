@@ -996,3 +996,27 @@ def test_backward_plan_not_shared_across_gradient_dtypes(op, x_dtype, out_dtype,
     grad_of(out_dtype)  # caches a plan for a gradient of out_dtype
     again = grad_of(None)
     assert torch.equal(again, fresh), f"{op}: x {x_dtype}, after an out_dtype={out_dtype} call; {rng}"
+
+
+@pytest.mark.xfail(strict=False, reason="known limit (README): the order of a row's additions follows the "
+                                        "tile layout Triton derives from the strides; measured 2026-11-30")
+@pytest.mark.parametrize("op", OPS)
+def test_bits_independent_of_memory_layout(op, rng):
+    """Contract section 6 read strictly: the same values laid out transposed (the reduced dim not
+    unit-stride) give the same bits, forward and backward. Recorded as an expected failure (fp32, where all
+    three ops differ today, bf16 less often); it passes (XPASS) once the reductions stop depending on the
+    layout."""
+    dtype = torch.float32
+    x = rng.randn((256, 1000), dtype, std=4.0)
+    g_shape = (256,) if op == "logsumexp" else (256, 1000)
+    g = rng.randn(g_shape, dtype, std=1.0)
+
+    def run(t):
+        t = t.detach().requires_grad_(True)
+        out = call(op, t, -1)
+        return out, torch.autograd.grad(out, t, g)[0]
+
+    flat = run(x)
+    transposed = run(x.t().contiguous().t())
+    for name, a, b in zip(("forward", "backward"), flat, transposed, strict=True):
+        assert torch.equal(a, b), f"{op} {dtype} {name}: {int((a != b).sum())} elements differ; {rng}"
