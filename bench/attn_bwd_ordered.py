@@ -94,7 +94,6 @@ import re
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +103,9 @@ import triton.language as tl
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+if str(HERE) not in sys.path:  # bench/ helpers (also in spawned pool workers, which import this module)
+    sys.path.insert(0, str(HERE))
+import _sm90  # noqa: E402
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -603,10 +605,6 @@ def compile_sm90(cfg: Cfg, d: int):
                           options={"num_warps": cfg.warps, "enable_fp_fusion": False})
 
 
-def _bin(name: str) -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
 def loop_order(ttgir: str) -> tuple[bool, str]:
     """Checks the order of the ordered-accumulation protocol in the main loop of the FINAL TritonGPU IR
     (after software pipelining; structured control flow, so text order is execution order within an
@@ -707,20 +705,7 @@ def compile_stats(job) -> dict:
     if not pairs_ok:
         stats["order_ok"] = False
     stats["order"] += "; " + pairs
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx_path, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(ptx_path, "w") as f:
-            f.write(ptx)
-        with open(cubin, "wb") as f:
-            f.write(c.asm["cubin"])
-        # --fmad=false as Triton's own ptxas call with enable_fp_fusion=False (the counts are of that binary)
-        rep = subprocess.run([_bin("ptxas"), "-v", "--fmad=false", "--gpu-name", "sm_90a", ptx_path, "-o",
-                              "/dev/null"], capture_output=True, text=True).stderr
-        r = re.search(r"Used (\d+) registers", rep)
-        sp = re.search(r"(\d+) bytes spill stores", rep)
-        stats["regs"] = int(r.group(1)) if r else -1
-        stats["spill"] = int(sp.group(1)) if sp else -1
-        sass = subprocess.run([_bin("cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+    stats["regs"], stats["spill"], sass = _sm90.binary_stats(c)  # built with --fmad=false, as Triton does
     for op in ("HGMMA", "HMMA", "LDGSTS", "LDL", "BAR", "MEMBAR", "ATOM", "ATOMG", "RED", "LDG", "STG"):
         stats[op] = len(re.findall(rf"\b{op}\b", sass))
     # the dq tile's accesses (and the spin): strong (L2: .cg / acquire) global loads / stores by width

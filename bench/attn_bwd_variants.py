@@ -47,9 +47,7 @@ import math
 import os
 import re
 import struct
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -59,6 +57,9 @@ import triton.language as tl
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+if str(HERE) not in sys.path:  # bench/ helpers (also in spawned pool workers, which import this module)
+    sys.path.insert(0, str(HERE))
+import _sm90  # noqa: E402
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -674,10 +675,6 @@ def _sig_compile(fn, constexprs: dict, num_warps: int, tensordescs: dict):
                           options={"num_warps": num_warps, "enable_fp_fusion": False})
 
 
-def _bin(name: str) -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
 def compile_stats(job) -> dict:
     """Compiles one job for sm_90; returns registers, spill bytes, shared memory, HGMMA / HMMA counts."""
     kind, cfg, d, causal = job
@@ -704,23 +701,9 @@ def compile_stats(job) -> dict:
     except Exception as e:
         return {"ok": False, "error": f"{type(e).__name__}: {str(e)[-600:]}"}
     stats = {"ok": True, "shared": c.metadata.shared}
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(ptx, "w") as f:
-            f.write(c.asm["ptx"])
-        with open(cubin, "wb") as f:
-            f.write(c.asm["cubin"])
-        rep = subprocess.run([_bin("ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o", "/dev/null"],
-                             capture_output=True, text=True).stderr
-        r = re.search(r"Used (\d+) registers", rep)
-        sp = re.search(r"(\d+) bytes spill stores", rep)
-        stats["regs"] = int(r.group(1)) if r else -1
-        stats["spill"] = int(sp.group(1)) if sp else -1
-        sass = subprocess.run([_bin("cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
-        stats["hgmma"] = len(re.findall(r"\bHGMMA\b", sass))
-        stats["hmma"] = len(re.findall(r"\bHMMA\b", sass))
-        stats["ffma"] = len(re.findall(r"\bFFMA\b", sass))
-        stats["ldl"] = len(re.findall(r"\bLDL\b", sass))
+    stats["regs"], stats["spill"], sass = _sm90.binary_stats(c)
+    for key, op in (("hgmma", "HGMMA"), ("hmma", "HMMA"), ("ffma", "FFMA"), ("ldl", "LDL")):
+        stats[key] = len(re.findall(rf"\b{op}\b", sass))
     return stats
 
 

@@ -56,9 +56,7 @@ import math
 import os
 import re
 import struct
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -68,6 +66,9 @@ import triton.language as tl
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+if str(HERE) not in sys.path:  # bench/ helpers (also in spawned pool workers, which import this module)
+    sys.path.insert(0, str(HERE))
+import _sm90  # noqa: E402
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -378,15 +379,6 @@ def job_label(job) -> str:
 # ------------------------------------------------------------------------------------------------------
 
 
-def _bin(name: str) -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
-def _opcode(text: str) -> str:
-    t = text.split(None, 1)[1] if text.startswith("@") and " " in text else text
-    return t.split()[0] if t.split() else ""
-
-
 def loop_stats(sass: str) -> dict:
     """SASS of the main loop: the backward-branch loop with the most HGMMA instructions (the unmasked key
     loop). ``ex2_under``: MUFU.EX2 between an HGMMA and the next wgmma wait (exp2 under a running chain)."""
@@ -397,17 +389,17 @@ def loop_stats(sass: str) -> dict:
             ins.append((int(mt.group(1), 16), mt.group(2).strip()))
     best = None
     for addr, text in ins:
-        if "BRA" in _opcode(text):
+        if "BRA" in _sm90.opcode(text):
             t = re.search(r"0x([0-9a-f]+)", text)
             if t and int(t.group(1), 16) < addr:
                 body = [x for a, x in ins if int(t.group(1), 16) <= a <= addr]
-                n_hg = sum(_opcode(x).startswith("HGMMA") for x in body)
+                n_hg = sum(_sm90.opcode(x).startswith("HGMMA") for x in body)
                 if best is None or n_hg > best[0]:
                     best = (n_hg, body)
     if best is None:
         return {"loop": 0}
     body = best[1]
-    ops = [_opcode(x) for x in body]
+    ops = [_sm90.opcode(x) for x in body]
     under, pending = 0, False
     for op in ops:
         if op.startswith("HGMMA"):
@@ -449,23 +441,8 @@ def compile_stats(job) -> dict:
         return {"ok": False, "error": f"{type(e).__name__}: {str(e)[-600:]}"}
     fma = len(re.findall(r"\bfma\.rn\.f32", c.asm["ptx"]))  # contraction would break contract section 1
     stats = {"ok": True, "shared": c.metadata.shared, "fma_ptx": fma}
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(ptx, "w") as f:
-            f.write(c.asm["ptx"])
-        with open(cubin, "wb") as f:
-            f.write(c.asm["cubin"])
-        for ptxas in ("ptxas", "ptxas-blackwell"):  # Triton 3.9's PTX needs the newer of its two ptxas
-            rep = subprocess.run([_bin(ptxas), "-v", "--gpu-name", "sm_90a", ptx, "-o", "/dev/null"],
-                                 capture_output=True, text=True).stderr
-            if "Used" in rep:
-                break
-        r = re.search(r"Used (\d+) registers", rep)
-        sp = re.search(r"(\d+) bytes spill stores", rep)
-        stats["regs"] = int(r.group(1)) if r else -1
-        stats["spill"] = int(sp.group(1)) if sp else -1
-        sass = subprocess.run([_bin("cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
-        stats.update(loop_stats(sass))
+    stats["regs"], stats["spill"], sass = _sm90.binary_stats(c)
+    stats.update(loop_stats(sass))
     return stats
 
 

@@ -61,9 +61,7 @@ import argparse
 import math
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -73,6 +71,9 @@ import triton.language as tl
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+if str(HERE) not in sys.path:  # bench/ helpers (also in spawned pool workers, which import this module)
+    sys.path.insert(0, str(HERE))
+import _sm90  # noqa: E402
 
 NEG_INF = tl.constexpr(float("-inf"))
 TOTAL = 2**28
@@ -406,15 +407,6 @@ def run_variant(cfg: Cfg, kind: int, grad, x, row_max, row_sum, mask=None, n_sm:
 # ------------------------------------------------------------------------------------------------------
 
 
-def _bin(name: str) -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
-def _opcode(text: str) -> str:
-    t = text.split(None, 1)[1] if text.startswith("@") and " " in text else text
-    return t.split()[0] if t.split() else ""
-
-
 def sass_stats(sass: str) -> dict:
     """Static SASS counts: all instructions, global loads / stores, cp.async (LDGSTS), shuffles, barriers,
     MUFU; and the loop with the most global loads or LDGSTS (a backward branch): its size and whether a
@@ -425,7 +417,7 @@ def sass_stats(sass: str) -> dict:
         mt = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if mt:
             ins.append((int(mt.group(1), 16), mt.group(2).strip()))
-    ops = [_opcode(t) for _, t in ins]
+    ops = [_sm90.opcode(t) for _, t in ins]
 
     def count(prefix, seq):
         return sum(o.startswith(prefix) for o in seq)
@@ -436,10 +428,10 @@ def sass_stats(sass: str) -> dict:
           + count("LDG.E.EF.128", ops) + count("LDG.E.EL.128", ops)}
     best = None
     for addr, text in ins:
-        if "BRA" in _opcode(text):
+        if "BRA" in _sm90.opcode(text):
             t = re.search(r"0x([0-9a-f]+)", text)
             if t and int(t.group(1), 16) < addr:
-                body = [_opcode(x) for a, x in ins if int(t.group(1), 16) <= a <= addr]
+                body = [_sm90.opcode(x) for a, x in ins if int(t.group(1), 16) <= a <= addr]
                 n_ld = count("LDG", body) + count("LDGSTS", body)
                 if n_ld and (best is None or n_ld > best[0]):
                     best = (n_ld, body)
@@ -480,29 +472,9 @@ def _stats_of(c) -> dict:
              "buffers": max([int(b) for b in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x", ttgir)]
                             or [0]),
              "wait_num": max([int(w) for w in re.findall(r"async_wait .*?\{num = (\d+)", ttgir)] or [0])}
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(ptx, "w") as f:
-            f.write(c.asm["ptx"])
-        with open(cubin, "wb") as f:
-            f.write(c.asm["cubin"])
-        rep = ""
-        for ptxas in ("ptxas", "ptxas-blackwell"):
-            if not os.path.exists(_bin(ptxas)):
-                continue
-            maxr = re.search(r"\.maxnreg\s+(\d+)", c.asm["ptx"])
-            cmd = [_bin(ptxas), "-v", "--gpu-name", "sm_90a", ptx, "-o", "/dev/null"]
-            if maxr:
-                cmd[2:2] = ["--maxrregcount", maxr.group(1)]
-            rep = subprocess.run(cmd, capture_output=True, text=True).stderr
-            if "Used" in rep:
-                break
-        r = re.search(r"Used (\d+) registers", rep)
-        sp = re.search(r"(\d+) bytes spill stores", rep)
-        stats["regs"] = getattr(c, "n_regs", None) or (int(r.group(1)) if r else -1)
-        stats["spill"] = int(sp.group(1)) if sp else -1
-        sass = subprocess.run([_bin("cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
-        stats.update(sass_stats(sass))
+    regs, stats["spill"], sass = _sm90.binary_stats(c)
+    stats["regs"] = getattr(c, "n_regs", None) or regs
+    stats.update(sass_stats(sass))
     return stats
 
 
