@@ -28,23 +28,15 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import sys
 
 import pytest
+import sm90
 import torch
 
 from safeops.ops import attention_launch as L
 
 SMEM_LIMIT = 232448  # bytes: H100/H200 (sm_90) maximum dynamic shared memory per block
 KERNEL_NAMES = L.KERNEL_NAMES
-
-
-def compiler_python() -> str:
-    """A Python with the GPU machine's Triton (3.6) if one is around, else this one."""
-    for candidate in (os.environ.get("SAFEOPS_COMPILE_PYTHON"), "/tmp/t36/bin/python"):
-        if candidate and os.path.exists(candidate):
-            return candidate
-    return sys.executable
 
 
 def record(variants) -> list[dict]:
@@ -126,7 +118,7 @@ def variants(level: str) -> list[dict]:
 
 def compile_offline(launches: list[dict], python: str | None = None) -> dict:
     try:
-        return L.compile_launches(launches, python or compiler_python())
+        return L.compile_launches(launches, python or sm90.compiler_python())
     except RuntimeError as e:
         if "ptxas" in str(e) and "not found" in str(e).lower():
             pytest.skip("Triton's bundled ptxas is missing: cannot compile for sm_90 here")

@@ -17,13 +17,11 @@ an experiment for the GPU), so it cannot rot before the GPU run:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import subprocess
-import sys
 
-import pytest
+import sm90
 import torch
 from conftest import bench_module
 
@@ -78,13 +76,6 @@ def test_gpu_case_code_runs_on_cpu(monkeypatch):
     assert rows[1][8] == "same", rows[1]  # the 16-query step: the shipped interpreter's dk/dv bits
 
 
-def _compiler_python() -> str:
-    for candidate in (os.environ.get("SAFEOPS_COMPILE_PYTHON"), "/tmp/t36/bin/python"):
-        if candidate and os.path.exists(candidate):
-            return candidate
-    return sys.executable
-
-
 SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -94,14 +85,8 @@ print(json.dumps(M.compile_stats((64, M.Cfg(64, 4, 2), True))))
 
 
 def test_default_config_compiles_for_sm90_in_protocol_order():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([_compiler_python(), "-c", SCRIPT, os.path.join(ROOT, "bench")],
-                          capture_output=True, text=True, env=env, timeout=600)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip("Triton's bundled ptxas is missing: cannot compile for sm_90 here")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r = sm90.run_script(SCRIPT, os.path.join(ROOT, "bench"), what="the ordered backward",
+                            python=sm90.compiler_python())
     assert r["ok"] and r["order_ok"], r.get("order", r)
     assert "5/5 products before the spin" in r["order"], r["order"]
     assert "v2 pairs adjacent" in r["order"] and not r["order"].startswith("0 "), r["order"]

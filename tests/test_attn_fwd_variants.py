@@ -6,12 +6,9 @@ table run on the CPU; two variants compile for sm_90 with fp contraction absent 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
-import sys
 
-import pytest
+import sm90
 import torch
 from conftest import bench_module
 
@@ -86,13 +83,6 @@ def test_bit_expectations():
     assert M.SHIPPED[128].label() == "(128,64,8w,3s)"
 
 
-def _compiler_python() -> str:
-    for candidate in (os.environ.get("SAFEOPS_COMPILE_PYTHON"), "/tmp/t36/bin/python"):
-        if candidate and os.path.exists(candidate):
-            return candidate
-    return sys.executable
-
-
 SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -107,14 +97,8 @@ print(json.dumps(out))
 def test_two_variants_compile_for_sm90_without_contraction():
     """Offline sm_90 compile (ptxas included) of the copy and next-qk at D=64 causal: no spill, shared
     memory within the H200's limit, and no fma.rn.f32 in the PTX (z2 = s * C1 stays one rounded value)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([_compiler_python(), "-c", SCRIPT, os.path.join(ROOT, "bench")],
-                          capture_output=True, text=True, env=env, timeout=600)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip("Triton's bundled ptxas is missing: cannot compile for sm_90 here")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    stats = sm90.run_script(SCRIPT, os.path.join(ROOT, "bench"), what="two forward variants",
+                            python=sm90.compiler_python())
     for name, r in stats.items():
         assert r["ok"], (name, r)
         assert r["spill"] == 0 and 0 < r["shared"] <= 232448, (name, r)

@@ -26,19 +26,13 @@ import subprocess
 import sys
 
 import pytest
+import sm90
 import torch
 
 from safeops.ops import cast_transpose_variants as CV
 
 SMEM_LIMIT = 232448
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def compiler_python() -> str | None:
-    for candidate in (os.environ.get("SAFEOPS_COMPILE_PYTHON"), "/tmp/t36/bin/python"):
-        if candidate and os.path.exists(candidate):
-            return candidate
-    return None
 
 
 # Runs in a fresh interpreter with the GPU machine's Triton (no torch needed): loads the kernel file by path,
@@ -122,7 +116,7 @@ def specs() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def compiled() -> list[dict]:
-    python = compiler_python()
+    python = sm90.triton36_python()
     if python is None:
         pytest.skip("no Triton 3.6 Python for offline sm_90 compiles (set SAFEOPS_COMPILE_PYTHON or create "
                     "/tmp/t36: python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 numpy)")

@@ -7,13 +7,10 @@ sm_90 with the loads of the pipelined one really in flight during the reduction 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import types
 
-import pytest
+import sm90
 import torch
 from conftest import bench_module
 
@@ -115,13 +112,6 @@ def test_copied_config_is_the_launchers():
             f"N={n}: the launcher now picks {c}; update SHIPPED_TILE / SHIPPED_PER_THREAD in the bench"
 
 
-def _compiler_python() -> str:
-    for candidate in (os.environ.get("SAFEOPS_COMPILE_PYTHON"), "/tmp/t36/bin/python"):
-        if candidate and os.path.exists(candidate):
-            return candidate
-    return sys.executable
-
-
 SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -137,14 +127,8 @@ def test_two_variants_compile_for_sm90():
     """Offline sm_90 compile (ptxas included) at N = 1024: the copy without spills or fp contraction, with
     128-bit loads; persist-s3 with its loads turned into cp.async (LDGSTS) copies into two buffers, whose
     waits leave the next block's copies in flight during the reduction."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([_compiler_python(), "-c", SCRIPT, os.path.join(ROOT, "bench")],
-                          capture_output=True, text=True, env=env, timeout=600)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip("Triton's bundled ptxas is missing: cannot compile for sm_90 here")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    stats = sm90.run_script(SCRIPT, os.path.join(ROOT, "bench"), what="two softmax backward variants",
+                            python=sm90.compiler_python())
     for name, r in stats.items():
         assert r["ok"], (name, r)
         assert r["spill"] == 0 and r["fma_ptx"] == 0, (name, r)
