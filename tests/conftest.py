@@ -6,6 +6,7 @@
 
 import safeops  # noqa: F401, I001  (must be first, see the module docstring)
 
+import dataclasses
 import os
 import secrets
 
@@ -140,3 +141,19 @@ def bench_module(name: str):
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+class StubHarness:
+    """Stands in for bench/_harness.py when a bench's GPU step runs on the CPU: its ``Case`` fields, and a
+    "timer" that runs the function once and reports 1 ms."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Case:
+        direction: str
+        dtype: torch.dtype
+        shape: tuple
+
+    @staticmethod
+    def bench_ms(fn, *args):
+        fn()
+        return 1.0, 1.0, 1.0

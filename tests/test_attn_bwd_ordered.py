@@ -16,14 +16,13 @@ an experiment for the GPU), so it cannot rot before the GPU run:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import subprocess
 
 import sm90
 import torch
-from conftest import bench_module
+from conftest import StubHarness, bench_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,26 +48,13 @@ def test_gpu_case_code_runs_on_cpu(monkeypatch):
     M = _module()
     import oracle
 
-    @dataclasses.dataclass(frozen=True)
-    class FakeCase:
-        direction: str
-        dtype: torch.dtype
-        shape: tuple
-
-    class H:
-        Case = FakeCase
-
-        @staticmethod
-        def bench_ms(fn):
-            fn()
-            return 1.0, 1.0, 1.0
-
     class Args:
         no_cudnn = True
 
     rows = []
     cfgs = [M.Cfg(16, 1, 1, spin=0), M.Cfg(32, 1, 1, spin=0, dq_norm=1)]
-    M.run_case(1, 2, 64, 32, cfgs, Args, H, None, oracle, rows, {}, device="cpu", dtype=torch.float16)
+    M.run_case(1, 2, 64, 32, cfgs, Args, StubHarness, None, oracle, rows, {}, device="cpu",
+               dtype=torch.float16)
     assert len(rows) == 1 + len(cfgs)
     for row in rows[1:]:
         _label, _name, _ms, _tf, _speed, _kms, ratio, det, _kv, _dq, _info, note = row

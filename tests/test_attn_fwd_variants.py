@@ -5,12 +5,11 @@ table run on the CPU; two variants compile for sm_90 with fp contraction absent 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import sm90
 import torch
-from conftest import bench_module
+from conftest import StubHarness, bench_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,20 +34,6 @@ def test_gpu_case_code_and_table_run_on_cpu(monkeypatch):
     M = _module()
     import oracle
 
-    @dataclasses.dataclass(frozen=True)
-    class FakeCase:  # bench/_harness.Case's fields (bench/ stays off sys.path: generic module names)
-        direction: str
-        dtype: torch.dtype
-        shape: tuple
-
-    class H:
-        Case = FakeCase
-
-        @staticmethod
-        def bench_ms(fn):
-            fn()
-            return 1.0, 1.0, 1.0
-
     class A:
         @staticmethod
         def flops(case):
@@ -61,8 +46,8 @@ def test_gpu_case_code_and_table_run_on_cpu(monkeypatch):
 
     rows = []
     variants = [v for v in M.VARIANTS if v.default]
-    M.run_case(1, 2, 64, 64, True, variants, Args, H, A, oracle, rows, device="cpu", dtype=torch.float16,
-               shrink=True)
+    M.run_case(1, 2, 64, 64, True, variants, Args, StubHarness, A, oracle, rows, device="cpu",
+               dtype=torch.float16, shrink=True)
     assert len(rows) == 1 + len(variants)
     for _label, name, _ms, _tf, ratio, bit, _info, note in rows[1:]:
         assert ratio <= 1.0, (name, ratio, note)

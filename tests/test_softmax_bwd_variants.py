@@ -12,7 +12,7 @@ import types
 
 import sm90
 import torch
-from conftest import bench_module
+from conftest import StubHarness, bench_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,18 +59,12 @@ def test_gpu_shape_code_and_table_run_on_cpu(monkeypatch):
     monkeypatch.setenv("SAFEOPS_BACKEND", "triton")
     M = _module()
 
-    class H:
-        @staticmethod
-        def bench_ms(fn, *args):
-            fn()
-            return 1.0, 1.0, 1.0
-
     args = types.SimpleNamespace(no_compile=True, warmup_ms=1, rep_ms=1)
     rows: list = []
     variants = [v for v in M.VARIANTS if v.default]
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    M.gpu_shape(200, (0, 1), variants, args, H, gen, rows, lambda: None, device="cpu", dtype=torch.float16,
-                m=13)
+    M.gpu_shape(200, (0, 1), variants, args, StubHarness, gen, rows, lambda: None, device="cpu",
+                dtype=torch.float16, m=13)
     runs = [v for v in variants if v.cfg(200) is not None]
     assert len(rows) == 2 * (1 + len(runs))
     for _n, _kind, name, _ms, _tb, bit, ratio, inv, _mcell, _info, note in rows:
