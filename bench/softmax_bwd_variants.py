@@ -498,7 +498,8 @@ def compile_stats(job) -> dict:
             fn = mod.softmax_bwd_rows_kernel
             s = shipped_cfg(n)
             ce = dict(KIND=kind, SCALE_MODE=0, HAS_MASK=False, NEED_DSCALE=False, WIDE=False, GA=8, XA=8,
-                      DA=8, MA=1, BLOCK_M=s.block_m, BLOCK_N=s.block_n, sgn=1, sxn=1, sdn=1, smn=0)
+                      DA=8, MA=1, ROW_DIMS=1, STAGES=0, BLOCK_M=s.block_m, BLOCK_N=s.block_n, sgn=1, sxn=1,
+                      sdn=1, smn=0)
             warps, maxnreg = s.warps, None
         else:
             fn = v_bwd_kernel

@@ -62,11 +62,15 @@ _SCRIPT = textwrap.dedent(
     for kind in (0, 1, 2):
         for scale_mode in (0, 1, 2):
             base = {"KIND": kind, "SCALE_MODE": scale_mode, "HAS_MASK": True, "WIDE": False}
-            results[f"fwd_rows/{kind}/{scale_mode}"] = count(
-                k.softmax_fwd_rows_kernel, {**base, "BLOCK_M": rows.block_m, "BLOCK_N": rows.block_n}, rows)
-            results[f"bwd_rows/{kind}/{scale_mode}"] = count(
-                k.softmax_bwd_rows_kernel,
-                {**base, "NEED_DSCALE": True, "BLOCK_M": rows.block_m, "BLOCK_N": rows.block_n}, rows)
+            # Rows kernels: both row decodings (one batch dim: `row * stride`; three: the division).
+            for row_dims in (1, 3):
+                tile = {"BLOCK_M": rows.block_m, "BLOCK_N": rows.block_n, "ROW_DIMS": row_dims}
+                results[f"fwd_rows/{kind}/{scale_mode}/{row_dims}"] = count(
+                    k.softmax_fwd_rows_kernel, {**base, **tile}, rows)
+                for stages in (0, 3):  # one tile per program; the persistent pipelined grid (16K rows)
+                    results[f"bwd_rows/{kind}/{scale_mode}/{row_dims}/{stages}"] = count(
+                        k.softmax_bwd_rows_kernel, {**base, **tile, "NEED_DSCALE": True, "STAGES": stages},
+                        rows)
             splits = {"SPLITS": triton.next_power_of_2(split.n_splits), "BLOCK_N": split.block_n}
             results[f"fwd_finish/{kind}/{scale_mode}"] = count(
                 k.softmax_fwd_finish_kernel, {**base, **splits}, split)

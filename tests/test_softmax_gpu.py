@@ -841,7 +841,8 @@ def test_seed_userland_bf16_backward():
 # Same bits everywhere it is the same op (contract section 6)
 # --------------------------------------------------------------------------------------------------
 
-INVARIANCE_N = (1000, 65536) if SMALL else (1000, 4096, 65536)
+# 16384: the persistent backward grid (one program per SM for a batch, one program for a row alone).
+INVARIANCE_N = (1000, 16384, 65536) if SMALL else (1000, 4096, 16384, 65536)
 BATCH_ROWS = 64 if SMALL else 4096
 
 
@@ -996,6 +997,55 @@ def test_backward_plan_not_shared_across_gradient_dtypes(op, x_dtype, out_dtype,
     grad_of(out_dtype)  # caches a plan for a gradient of out_dtype
     again = grad_of(None)
     assert torch.equal(again, fresh), f"{op}: x {x_dtype}, after an out_dtype={out_dtype} call; {rng}"
+
+
+def batch_views(x: torch.Tensor, dims: int) -> torch.Tensor:
+    """The rows of ``x`` (R, N), R divisible by 4, as a view whose row view has ``dims`` batch dims (padding
+    between groups of rows keeps them from merging), every row start 64-byte aligned, column stride 1."""
+    r, n = x.shape
+    fill = float("nan") if x.is_floating_point() else 0
+    if dims == 1:
+        return x.clone()
+    if dims == 2:
+        buf = x.new_full((4, r // 4 + 1, n), fill)
+        view = buf[:, : r // 4]
+        view.copy_(x.view(4, r // 4, n))
+        return view
+    buf = x.new_full((2, 3, r // 4 + 1, n), fill)
+    view = buf[:, :2, : r // 4]
+    view.copy_(x.view(2, 2, r // 4, n))
+    return view
+
+
+@pytest.mark.parametrize("n", (256, 1000, 4096) if SMALL else (256, 1000, 4096, 16384))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
+@pytest.mark.parametrize("op", OPS)
+def test_bits_same_for_every_batch_decoding(op, dtype, n, rng):
+    """The rows kernels decode a row index with no division when the rows lie one stride apart (one batch
+    dim) and with one or two divisions otherwise (``ROW_DIMS``). The same rows through the three decodings
+    give the same bits, forward and backward, with and without a mask (contract section 6)."""
+    rows = 64
+    x = rng.randn((rows, n), dtype)
+    g = rng.randn((rows,) if op == "logsumexp" else (rows, n), dtype, std=1.0)
+    mask = rng.rand((rows, n)) > 0.3
+    mask[3] = False  # a fully masked row
+
+    def run(dims, with_mask):
+        xs = batch_views(x, dims).requires_grad_(True)
+        gs = g.view(xs.shape[:-1]) if op == "logsumexp" else batch_views(g, dims)
+        ms = batch_views(mask, dims) if with_mask else None
+        out = call(op, xs, -1, scale=SCALE, mask=ms)
+        (dx,) = torch.autograd.grad(out, xs, gs)
+        return out.detach().reshape(rows, -1), dx.reshape(rows, n)
+
+    for with_mask in (False, True):
+        ref = run(1, with_mask)
+        for dims in (2, 3):
+            got = run(dims, with_mask)
+            for name, a, b in zip(("forward", "backward"), got, ref, strict=True):
+                assert torch.equal(a.view(INT_VIEW[a.dtype]), b.view(INT_VIEW[b.dtype])), (
+                    f"{op} {dtype} N={n} mask={with_mask}: {dims} batch dims vs one, {name}: "
+                    f"{int((a != b).sum())} elements differ; {rng}")
 
 
 @pytest.mark.xfail(strict=False, reason="known limit (README): the order of a row's additions follows the "

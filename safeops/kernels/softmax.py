@@ -26,16 +26,27 @@ ROW_STRIDES = [f"s{t}{i}" for t in "gxodm" for i in range(3)] + ["n_rows", "B1",
 
 
 @triton.jit
-def _row_offsets(rows, B1, B2, s0, s1, s2, ALIGN: tl.constexpr):
+def _row_offsets(rows, B1, B2, s0, s1, s2, ALIGN: tl.constexpr, ROW_DIMS: tl.constexpr = 3):
+    # ROW_DIMS: how many of the three batch dims the launcher's row view uses (the unused ones are the
+    # outer ones, of size 1). One dim, the common case of rows that lie one stride apart, needs no
+    # division: a row's offset is `row * s2`. The division costs 12-17% of the short-row kernels'
+    # instructions (offline SASS), so this is worth a compile of its own; the offsets, and so the tile
+    # layout and every result bit, are the same either way.
     # Row indices and batch sizes fit 32 bits (the launcher checks), so the division is 32-bit, which is
     # several times cheaper than 64-bit; the offsets are 64-bit: tensors past 2**31 elements must index
     # correctly (contract section 8).
-    r = rows.to(tl.int32)
-    i2 = r % B2
-    r = r // B2
-    i1 = r % B1
-    i0 = r // B1
-    offsets = i0.to(tl.int64) * s0 + i1.to(tl.int64) * s1 + i2.to(tl.int64) * s2
+    if ROW_DIMS == 1:
+        offsets = rows.to(tl.int64) * s2
+    elif ROW_DIMS == 2:
+        r = rows.to(tl.int32)
+        offsets = (r // B2).to(tl.int64) * s1 + (r % B2).to(tl.int64) * s2
+    else:
+        r = rows.to(tl.int32)
+        i2 = r % B2
+        r = r // B2
+        i1 = r % B1
+        i0 = r // B1
+        offsets = i0.to(tl.int64) * s0 + i1.to(tl.int64) * s1 + i2.to(tl.int64) * s2
     # Row strides are not specialised by value (ROW_STRIDES); the launcher states their 16-byte alignment,
     # so the vector width, and with it the order of every row reduction, depends on the row length and
     # the layout, never on how many rows a launch has (contract section 6).
@@ -54,9 +65,10 @@ def _col_offsets(cols, stride, WIDE: tl.constexpr):
 
 
 @triton.jit
-def _tile_ptrs(ptr, rows, cols, B1, B2, s0, s1, s2, sn, WIDE: tl.constexpr, ALIGN: tl.constexpr):
+def _tile_ptrs(ptr, rows, cols, B1, B2, s0, s1, s2, sn, WIDE: tl.constexpr, ALIGN: tl.constexpr,
+               ROW_DIMS: tl.constexpr):
     """[BLOCK_M, BLOCK_N] pointers: 64-bit row offsets, 32-bit column offsets unless WIDE."""
-    row_ptrs = ptr + _row_offsets(rows, B1, B2, s0, s1, s2, ALIGN)
+    row_ptrs = ptr + _row_offsets(rows, B1, B2, s0, s1, s2, ALIGN, ROW_DIMS)
     return row_ptrs[:, None] + _col_offsets(cols, sn, WIDE)[None, :]
 
 
@@ -175,7 +187,7 @@ def softmax_fwd_rows_kernel(
     sm0, sm1, sm2, smn,
     scale_value,
     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
-    XA: tl.constexpr, OA: tl.constexpr, MA: tl.constexpr,
+    XA: tl.constexpr, OA: tl.constexpr, MA: tl.constexpr, ROW_DIMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -185,8 +197,8 @@ def softmax_fwd_rows_kernel(
     valid = row_ok[:, None] & (cols < n_cols)[None, :]
     scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
 
-    x_ptrs = _tile_ptrs(x_ptr, rows, cols, B1, B2, sx0, sx1, sx2, sxn, WIDE, XA)
-    m_ptrs = _tile_ptrs(mask_ptr, rows, cols, B1, B2, sm0, sm1, sm2, smn, WIDE, MA)
+    x_ptrs = _tile_ptrs(x_ptr, rows, cols, B1, B2, sx0, sx1, sx2, sxn, WIDE, XA, ROW_DIMS)
+    m_ptrs = _tile_ptrs(mask_ptr, rows, cols, B1, B2, sm0, sm1, sm2, smn, WIDE, MA, ROW_DIMS)
     x, z = _logits(x_ptrs, m_ptrs, valid, scale, SCALE_MODE, HAS_MASK)
 
     m = tl.max(z, 1)
@@ -199,7 +211,7 @@ def softmax_fwd_rows_kernel(
     if KIND == 2:
         tl.store(out_ptr + rows, (m + _log_sum(l)).to(out_ptr.dtype.element_ty), mask=row_ok)
     else:
-        o_ptrs = _tile_ptrs(out_ptr, rows, cols, B1, B2, so0, so1, so2, son, WIDE, OA)
+        o_ptrs = _tile_ptrs(out_ptr, rows, cols, B1, B2, so0, so1, so2, son, WIDE, OA, ROW_DIMS)
         if KIND == 0:
             out = e * _inv_sum(l)[:, None]
         else:
@@ -208,29 +220,25 @@ def softmax_fwd_rows_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-@triton.jit(do_not_specialize=ROW_STRIDES)
-def softmax_bwd_rows_kernel(
-    grad_ptr, x_ptr, dx_ptr, mask_ptr, scale_ptr, row_max_ptr, row_sum_ptr, dscale_ptr,
+@triton.jit
+def _bwd_rows_tile(
+    blk, grad_ptr, x_ptr, dx_ptr, mask_ptr, row_max_ptr, row_sum_ptr, dscale_ptr,
     n_rows, n_cols, B1, B2,
-    sg0, sg1, sg2, sgn,
-    sx0, sx1, sx2, sxn,
-    sd0, sd1, sd2, sdn,
-    sm0, sm1, sm2, smn,
-    scale_value,
+    sg0, sg1, sg2, sgn, sx0, sx1, sx2, sxn, sd0, sd1, sd2, sdn, sm0, sm1, sm2, smn,
+    scale,
     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, NEED_DSCALE: tl.constexpr,
     WIDE: tl.constexpr,
-    GA: tl.constexpr, XA: tl.constexpr, DA: tl.constexpr, MA: tl.constexpr,
+    GA: tl.constexpr, XA: tl.constexpr, DA: tl.constexpr, MA: tl.constexpr, ROW_DIMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    """The backward of rows ``blk * BLOCK_M ...``: the same instructions whichever program runs them."""
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < n_rows
     valid = row_ok[:, None] & (cols < n_cols)[None, :]
-    scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
 
-    x_ptrs = _tile_ptrs(x_ptr, rows, cols, B1, B2, sx0, sx1, sx2, sxn, WIDE, XA)
-    m_ptrs = _tile_ptrs(mask_ptr, rows, cols, B1, B2, sm0, sm1, sm2, smn, WIDE, MA)
+    x_ptrs = _tile_ptrs(x_ptr, rows, cols, B1, B2, sx0, sx1, sx2, sxn, WIDE, XA, ROW_DIMS)
+    m_ptrs = _tile_ptrs(mask_ptr, rows, cols, B1, B2, sm0, sm1, sm2, smn, WIDE, MA, ROW_DIMS)
     x, z = _logits(x_ptrs, m_ptrs, valid, scale, SCALE_MODE, HAS_MASK)
     keep = z != NEG_INF
 
@@ -242,7 +250,7 @@ def softmax_bwd_rows_kernel(
         g = tl.load(grad_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         dz = g[:, None] * p
     else:
-        g_ptrs = _tile_ptrs(grad_ptr, rows, cols, B1, B2, sg0, sg1, sg2, sgn, WIDE, GA)
+        g_ptrs = _tile_ptrs(grad_ptr, rows, cols, B1, B2, sg0, sg1, sg2, sgn, WIDE, GA, ROW_DIMS)
         g = tl.load(g_ptrs, mask=valid, other=0.0).to(tl.float32)
         if KIND == 0:
             s = tl.sum(tl.where(keep, g * p, 0.0), 1)
@@ -256,10 +264,46 @@ def softmax_bwd_rows_kernel(
         dx = dz * scale
     else:
         dx = dz
-    d_ptrs = _tile_ptrs(dx_ptr, rows, cols, B1, B2, sd0, sd1, sd2, sdn, WIDE, DA)
+    d_ptrs = _tile_ptrs(dx_ptr, rows, cols, B1, B2, sd0, sd1, sd2, sdn, WIDE, DA, ROW_DIMS)
     tl.store(d_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=valid)
     if NEED_DSCALE:
         tl.store(dscale_ptr + rows, tl.sum(tl.where(keep, dz * x, 0.0), 1), mask=row_ok)
+
+
+@triton.jit(do_not_specialize=ROW_STRIDES)
+def softmax_bwd_rows_kernel(
+    grad_ptr, x_ptr, dx_ptr, mask_ptr, scale_ptr, row_max_ptr, row_sum_ptr, dscale_ptr,
+    n_rows, n_cols, B1, B2,
+    sg0, sg1, sg2, sgn,
+    sx0, sx1, sx2, sxn,
+    sd0, sd1, sd2, sdn,
+    sm0, sm1, sm2, smn,
+    scale_value,
+    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, NEED_DSCALE: tl.constexpr,
+    WIDE: tl.constexpr,
+    GA: tl.constexpr, XA: tl.constexpr, DA: tl.constexpr, MA: tl.constexpr, ROW_DIMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr = 0,
+):
+    """STAGES 0: one tile of BLOCK_M rows per program. STAGES >= 2: a persistent grid, each program looping
+    over tiles ``pid, pid + nprog, ...`` with Triton's software pipeline (``num_stages=STAGES``): the next
+    tile's loads are copied to shared memory while this one is reduced and stored (with one program per SM
+    at 16K columns, nothing else would hide the load latency). A tile is computed the same way whichever
+    program takes it, so results do not depend on the grid or the number of rows (contract section 6)."""
+    scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
+    if STAGES == 0:
+        _bwd_rows_tile(tl.program_id(0), grad_ptr, x_ptr, dx_ptr, mask_ptr, row_max_ptr, row_sum_ptr,
+                       dscale_ptr, n_rows, n_cols, B1, B2,
+                       sg0, sg1, sg2, sgn, sx0, sx1, sx2, sxn, sd0, sd1, sd2, sdn, sm0, sm1, sm2, smn,
+                       scale, KIND, SCALE_MODE, HAS_MASK, NEED_DSCALE, WIDE, GA, XA, DA, MA, ROW_DIMS,
+                       BLOCK_M, BLOCK_N)
+    else:
+        n_blocks = tl.cdiv(n_rows, BLOCK_M)
+        for blk in tl.range(tl.program_id(0), n_blocks, tl.num_programs(0), num_stages=STAGES):
+            _bwd_rows_tile(blk, grad_ptr, x_ptr, dx_ptr, mask_ptr, row_max_ptr, row_sum_ptr,
+                           dscale_ptr, n_rows, n_cols, B1, B2,
+                           sg0, sg1, sg2, sgn, sx0, sx1, sx2, sxn, sd0, sd1, sd2, sdn, sm0, sm1, sm2, smn,
+                           scale, KIND, SCALE_MODE, HAS_MASK, NEED_DSCALE, WIDE, GA, XA, DA, MA, ROW_DIMS,
+                           BLOCK_M, BLOCK_N)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -38,6 +38,14 @@ ROW_RESIDENT_MAX_COLS = {1: 16384, 2: 16384, 4: 16384}
 # Short rows, by element size: (smallest tile of BLOCK_M x BLOCK_N elements, elements per thread).
 ROWS_FWD = {1: (4096, 32), 2: (4096, 32), 4: (1024, 16)}
 ROWS_BWD = {1: (1024, 16), 2: (1024, 16), 4: (1024, 8)}
+# Backward of unit-stride rows of at least this many columns (block width), by element size: a persistent
+# grid of ROWS_BWD_PERSIST_PER_SM programs per SM whose loop Triton pipelines over ROWS_BWD_STAGES stages.
+# At 16K bf16 columns one 32-warp program fills an SM and nothing else hides its loads' latency:
+# 2.65 -> 4.1-4.2 TB/s on an H200 (bench/softmax_bwd_variants.py, 2026-11-30). fp32 rows do not fit two
+# stages in shared memory, and shorter rows measured slower persistent (92-95% of copy against 100%).
+ROWS_BWD_PERSIST = {1: 16384, 2: 16384}
+ROWS_BWD_STAGES = 3
+ROWS_BWD_PERSIST_PER_SM = 1
 # Long rows: columns each program of a split row owns (held in registers by the one-launch kernel).
 SPLIT_BLOCK_N = {1: 4096, 2: 4096, 4: 2048}
 SPLIT_NUM_WARPS = {1: 4, 2: 4, 4: 4}
@@ -53,6 +61,21 @@ class RowsConfig:
     block_n: int
     num_warps: int
     maxnreg: int | None = None
+    stages: int = 0  # backward only: 0 one tile per program; >= 2 a persistent, pipelined grid
+    programs_per_sm: int = 0  # the persistent grid's programs per SM
+
+    def grid(self, n_rows: int, device: torch.device) -> tuple[int]:
+        blocks = triton.cdiv(n_rows, self.block_m)
+        if self.stages:
+            blocks = max(1, min(blocks, self.programs_per_sm * _multiprocessors(device)))
+        return (blocks,)
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """SMs of a CUDA device; 2 elsewhere (the interpreter: enough to make a persistent grid loop)."""
+    if device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @dataclass(frozen=True)
@@ -76,6 +99,9 @@ def rows_config(n_cols: int, elem_size: int, col_stride_is_one: bool, backward: 
         min_tile = max(min_tile, 8192)
     block_m = max(1, min(64, min_tile // block_n))
     num_warps = max(1, min(32, block_m * block_n // (32 * per_thread)))
+    if backward and col_stride_is_one and block_n >= ROWS_BWD_PERSIST.get(elem_size, 1 << 62):
+        return RowsConfig(block_m=block_m, block_n=block_n, num_warps=num_warps, stages=ROWS_BWD_STAGES,
+                          programs_per_sm=ROWS_BWD_PERSIST_PER_SM)
     return RowsConfig(block_m=block_m, block_n=block_n, num_warps=num_warps)
 
 
@@ -186,6 +212,13 @@ def _wide(rows: Rows) -> bool:
     return max(abs(st[3]) for st in rows.strides.values()) * rows.n_cols >= 2**31
 
 
+def _row_dims(rows: Rows) -> int:
+    """How many batch dims the rows kernels must decode (``ROW_DIMS``): the row view pads with size-1
+    dims on the outside, and rows that lie one stride apart (one dim) need no division at all."""
+    b0, b1, _ = rows.sizes
+    return 1 if b0 == 1 and b1 == 1 else 2 if b0 == 1 else 3
+
+
 _ALIGN_ARGS = {"x": "XA", "out": "OA", "mask": "MA", "grad": "GA", "dx": "DA"}
 
 
@@ -272,7 +305,8 @@ _plan_tables: dict = {}
 
 def _settings() -> tuple:
     """What plans depend on besides their key; benchmarks replace these module attributes to sweep them."""
-    return (rows_config, ROW_RESIDENT_MAX_COLS, ROWS_FWD, ROWS_BWD, _config.fp_fusion, kernels())
+    return (rows_config, ROW_RESIDENT_MAX_COLS, ROWS_FWD, ROWS_BWD, ROWS_BWD_PERSIST, ROWS_BWD_STAGES,
+            ROWS_BWD_PERSIST_PER_SM, _config.fp_fusion, kernels())
 
 
 def _plans(direction: int) -> dict:
@@ -328,7 +362,7 @@ def _forward_plan(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_sum
     scale_mode = _scale_args(scale, scale_tensor, x)[0]
     _, B1, B2 = rows.sizes
     kwargs = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask is not None, WIDE=_wide(rows), **al,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_launch_options(cfg))
+                  ROW_DIMS=_row_dims(rows), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_launch_options(cfg))
     grid = (triton.cdiv(rows.n_rows, cfg.block_m),)
     scalars = (rows.n_rows, rows.n_cols, B1, B2, *rows.args("x"), *rows.args("out"), *rows.args("mask"))
     return _RowsPlan(KernelLaunch(kernels().softmax_fwd_rows_kernel, grid, kwargs), scalars, rows.n_rows)
@@ -348,8 +382,9 @@ def _backward_plan(kind, grad, x, dim, scale, scale_tensor, mask, need_dscale, d
     scale_mode = _scale_args(scale, scale_tensor, x)[0]
     _, B1, B2 = rows.sizes
     kwargs = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask is not None, NEED_DSCALE=need_dscale,
-                  WIDE=_wide(rows), **al, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_launch_options(cfg))
-    grid = (triton.cdiv(rows.n_rows, cfg.block_m),)
+                  WIDE=_wide(rows), **al, ROW_DIMS=_row_dims(rows), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  STAGES=cfg.stages, **_launch_options(cfg))
+    grid = cfg.grid(rows.n_rows, x.device)
     scalars = (rows.n_rows, rows.n_cols, B1, B2,
                *rows.args("grad"), *rows.args("x"), *rows.args("dx"), *rows.args("mask"))
     return _RowsPlan(KernelLaunch(kernels().softmax_bwd_rows_kernel, grid, kwargs), scalars, rows.n_rows)
@@ -386,7 +421,7 @@ def _forward_general(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_
             *rows.args("x"), *rows.args("out"), *rows.args("mask"),
             scale_value,
             KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, WIDE=_wide(rows), **al,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            ROW_DIMS=_row_dims(rows), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             **_launch_options(cfg),
         )
         _write_back(out, out_)
@@ -501,15 +536,15 @@ def _backward_general(kind, grad, x, row_max, row_sum, dim, scale, scale_tensor,
     cfg = rows_config(rows.n_cols, x.element_size(), rows.args("x")[3] == 1, backward=True)
     if cfg is not None:
         dscale_rows = x.new_empty((rows.n_rows if need_dscale else 1,), dtype=torch.float32)
-        grid = (triton.cdiv(rows.n_rows, cfg.block_m),)
+        grid = cfg.grid(rows.n_rows, x.device)
         k.softmax_bwd_rows_kernel[grid](
             grad_, x_, dx_, mask_arg, scale_ptr, row_max, row_sum, dscale_rows,
             rows.n_rows, rows.n_cols, B1, B2,
             *rows.args("grad"), *rows.args("x"), *rows.args("dx"), *rows.args("mask"),
             scale_value,
             KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, NEED_DSCALE=need_dscale,
-            WIDE=_wide(rows), **al, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            **_launch_options(cfg),
+            WIDE=_wide(rows), **al, ROW_DIMS=_row_dims(rows), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            STAGES=cfg.stages, **_launch_options(cfg),
         )
     else:
         dscale_rows = _backward_split(k, kind, rows, grad_, x_, dx_, mask_arg, mask_ is not None, scale_mode,
