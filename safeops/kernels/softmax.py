@@ -237,21 +237,34 @@ def _bwd_rows_tile(
     row_ok = rows < n_rows
     valid = row_ok[:, None] & (cols < n_cols)[None, :]
 
+    # Every load is issued before any loaded value is used: a use stalls the in-order issue until its load
+    # lands, so loading the gradient after computing p would wait for two memory round trips, not one
+    # (about 10% at 1K bf16 columns, where a program holds one row).
     x_ptrs = _tile_ptrs(x_ptr, rows, cols, B1, B2, sx0, sx1, sx2, sxn, WIDE, XA, ROW_DIMS)
-    m_ptrs = _tile_ptrs(mask_ptr, rows, cols, B1, B2, sm0, sm1, sm2, smn, WIDE, MA, ROW_DIMS)
-    x, z = _logits(x_ptrs, m_ptrs, valid, scale, SCALE_MODE, HAS_MASK)
-    keep = z != NEG_INF
-
-    m = tl.load(row_max_ptr + rows, mask=row_ok, other=0.0)
-    l = tl.load(row_sum_ptr + rows, mask=row_ok, other=0.0)
-    p = _probabilities(z, _safe_max(m)[:, None], _inv_sum(l)[:, None])
-
+    x_raw = tl.load(x_ptrs, mask=valid, other=0.0)
+    if HAS_MASK:
+        m_ptrs = _tile_ptrs(mask_ptr, rows, cols, B1, B2, sm0, sm1, sm2, smn, WIDE, MA, ROW_DIMS)
+        kept = tl.load(m_ptrs, mask=valid, other=0)
     if KIND == 2:
-        g = tl.load(grad_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        dz = g[:, None] * p
+        g_raw = tl.load(grad_ptr + rows, mask=row_ok, other=0.0)
     else:
         g_ptrs = _tile_ptrs(grad_ptr, rows, cols, B1, B2, sg0, sg1, sg2, sgn, WIDE, GA, ROW_DIMS)
-        g = tl.load(g_ptrs, mask=valid, other=0.0).to(tl.float32)
+        g_raw = tl.load(g_ptrs, mask=valid, other=0.0)
+    m = tl.load(row_max_ptr + rows, mask=row_ok, other=0.0)
+    l = tl.load(row_sum_ptr + rows, mask=row_ok, other=0.0)
+
+    x = x_raw.to(tl.float32)
+    keep = valid
+    if HAS_MASK:
+        keep = keep & (kept != 0)
+    z = _materialize(x, keep, scale, SCALE_MODE)
+    keep = z != NEG_INF
+    p = _probabilities(z, _safe_max(m)[:, None], _inv_sum(l)[:, None])
+
+    g = g_raw.to(tl.float32)
+    if KIND == 2:
+        dz = g[:, None] * p
+    else:
         if KIND == 0:
             s = tl.sum(tl.where(keep, g * p, 0.0), 1)
             dz = p * (g - s[:, None])
