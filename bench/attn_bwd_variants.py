@@ -21,7 +21,13 @@ factor 1 / l) applied to the accumulator once after the loop, as the shipped ker
   heads first, shortest last (the shipped grid is longest-first per head, so its tail mixes lengths), while
   G heads' q/dO (dk/dv) stay in L2;
 - fused: one launch whose programs are either dk/dv programs (a key block) or dq programs (a query block),
-  as FlexAttention does, so the two kernels' tails overlap.
+  as FlexAttention does, so the two kernels' tails overlap;
+- WS (``ws*`` variants): Triton 3.6's automatic warp specialization of the loop (Hopper: one TMA producer
+  warpgroup + two consumer warpgroups of 64 tile rows each, 12 warps). It needs 4 warps, 128-row tiles,
+  every dot operand through TMA (the split ones through in-kernel descriptors) and one loop per kernel, so
+  causal runs one loop with the causal select in every step (a no-op on fully visible blocks: same bits);
+  these variants' first launch runs in a subprocess with a timeout (``probe``) so a hang is only a row.
+  Details: scratch/notes_attn_bwd_ws.md.
 
 A variant keeps the shipped bits when its dk/dv BLOCK_M and dq BLOCK_N equal the shipped ones (the order of
 every fp32 accumulation is then the same); the harness checks that bit for bit, and checks every variant
@@ -115,6 +121,27 @@ def _stats(m_ptr, l_ptr, delta_ptr, offs):
 
 
 @triton.jit
+def _head_desc(base, seqlen, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """An in-kernel TMA descriptor over one head's (S, D) rows. In-kernel, not host-side: Triton 3.6's Hopper
+    warp specialization splits a 128-row tile between two consumer warpgroups and can shrink the box of an
+    in-kernel descriptor to the 64-row halves, not that of a host descriptor (whose 128-row box it keeps
+    while expecting 64 rows per copy; upstream triton #7658 / #11587)."""
+    return tl.make_tensor_descriptor(base, [seqlen, HEAD_DIM], [HEAD_DIM, 1], [ROWS, HEAD_DIM])
+
+
+@triton.jit
+def _stats_tma(m_ptr, l_ptr, delta_ptr, seqlen, m0, ROWS: tl.constexpr):
+    """_stats through in-kernel 1-D TMA descriptors over one head's rows (dq with TMA=3: a 128-row tile's
+    statistics are an 'expensive' load for the warp-specialization pass, so they must come through TMA)."""
+    m = tl.make_tensor_descriptor(m_ptr, [seqlen], [1], [ROWS]).load([m0])
+    l = tl.make_tensor_descriptor(l_ptr, [seqlen], [1], [ROWS]).load([m0])
+    delta = tl.make_tensor_descriptor(delta_ptr, [seqlen], [1], [ROWS]).load([m0])
+    base = tl.where(m == NEG_INF, 0.0, m)
+    inv_l = tl.where(l == 0.0, 0.0, 1.0 / tl.where(l == 0.0, 1.0, l))
+    return base, inv_l, delta
+
+
+@triton.jit
 def _p(z, base, inv_l):
     return tl.exp2(tl.minimum(z - base, 0.0, propagate_nan=tl.PropagateNan.ALL)) * inv_l
 
@@ -139,10 +166,11 @@ def _map(pid, n_blocks, GROUP_HEADS: tl.constexpr):
 def _dkdv_loop(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, row0, stat_ptrs_m, stat_ptrs_l, stat_ptrs_d,
                offs_n, lo, hi, C1, scale_ds,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, STAGES: tl.constexpr,
-               ORDER: tl.constexpr, TMA: tl.constexpr):
-    """One key block's dk, dv over query blocks [lo, hi): sT = k q^T (keys x queries), as shipped."""
+               ORDER: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr = False):
+    """One key block's dk, dv over query blocks [lo, hi): sT = k q^T (keys x queries), as shipped.
+    WS: Triton's automatic warp specialization of this loop (Hopper: the autoWS pass; see Kcfg.ws)."""
     offs_m0 = tl.arange(0, BLOCK_M)
-    for start_m in tl.range(lo, hi, BLOCK_M, num_stages=STAGES):
+    for start_m in tl.range(lo, hi, BLOCK_M, num_stages=STAGES, warp_specialize=WS):
         offs_m = start_m + offs_m0
         if TMA:
             q = q_desc.load([row0 + start_m, 0])
@@ -202,15 +230,19 @@ def _dkdv_loop_pipelined(dk, dv, k, v, q_ptrs, do_ptrs, stat_ptrs_m, stat_ptrs_l
 def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, m_ptr, l_ptr, delta_ptr, q_desc, do_desc,
                   bh, blk, seqlen, C1, scale_ds,
                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  STAGES: tl.constexpr, ORDER: tl.constexpr, TMA: tl.constexpr):
+                  STAGES: tl.constexpr, ORDER: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr = 0):
     n0 = blk * BLOCK_N
     head = bh.to(tl.int64) * seqlen * HEAD_DIM
     row0 = bh * seqlen
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_m0 = tl.arange(0, BLOCK_M)
-    k = tl.load(k_ptr + head + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
-    v = tl.load(v_ptr + head + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
+    if TMA >= 2:  # k, v through in-kernel TMA descriptors (see Kcfg.ws)
+        k = _head_desc(k_ptr + head, seqlen, HEAD_DIM, BLOCK_N).load([n0, 0])
+        v = _head_desc(v_ptr + head, seqlen, HEAD_DIM, BLOCK_N).load([n0, 0])
+    else:
+        k = tl.load(k_ptr + head + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
+        v = tl.load(v_ptr + head + offs_n[:, None] * HEAD_DIM + offs_d[None, :])
     q_ptrs = q_ptr + head + offs_m0[:, None] * HEAD_DIM + offs_d[None, :]
     do_ptrs = do_ptr + head + offs_m0[:, None] * HEAD_DIM + offs_d[None, :]
     st = bh.to(tl.int64) * seqlen
@@ -232,20 +264,27 @@ def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, m_ptr, l_ptr, del
             dk, dv = _dkdv_loop_pipelined(dk, dv, k, v, q_ptrs, do_ptrs, m_ptr + st, l_ptr + st,
                                           delta_ptr + st, offs_n, 0, seqlen, C1, scale_ds, HEAD_DIM, BLOCK_M,
                                           False, STAGES)
+    elif CAUSAL and WS == 3:
+        # One loop over [lo, S), the causal select in every step (a no-op on the fully visible blocks, so the
+        # same bits): Triton 3.6's Hopper warp specialization fails on a function with two loops.
+        lo = (n0 // BLOCK_M) * BLOCK_M
+        dk, dv = _dkdv_loop(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, row0, m_ptr + st, l_ptr + st,
+                            delta_ptr + st, offs_n, lo, seqlen, C1, scale_ds, HEAD_DIM, BLOCK_M, True, STAGES,
+                            ORDER, TMA, True)
     elif CAUSAL:
         # The shipped _block_ranges for "query i sees key j iff j <= i": [lo, a) masked, [a, S) full.
         lo = (n0 // BLOCK_M) * BLOCK_M
         a = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, seqlen)
         dk, dv = _dkdv_loop(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, row0, m_ptr + st, l_ptr + st,
                             delta_ptr + st, offs_n, lo, a, C1, scale_ds, HEAD_DIM, BLOCK_M, True, STAGES,
-                            ORDER, TMA)
+                            ORDER, TMA, WS == 1)
         dk, dv = _dkdv_loop(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, row0, m_ptr + st, l_ptr + st,
                             delta_ptr + st, offs_n, a, seqlen, C1, scale_ds, HEAD_DIM, BLOCK_M, False, STAGES,
-                            ORDER, TMA)
+                            ORDER, TMA, WS > 0)
     else:
         dk, dv = _dkdv_loop(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, row0, m_ptr + st, l_ptr + st,
                             delta_ptr + st, offs_n, 0, seqlen, C1, scale_ds, HEAD_DIM, BLOCK_M, False, STAGES,
-                            ORDER, TMA)
+                            ORDER, TMA, WS > 0)
     dk = dk * scale_ds  # the constant factor once, after the loop (as the shipped kernel since 23:09)
     out = head + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(dk_ptr + out, dk.to(dk_ptr.dtype.element_ty))
@@ -255,10 +294,10 @@ def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, m_ptr, l_ptr, del
 @triton.jit
 def _dq_loop(dq, q, do, base, inv_l, delta, k_ptrs, v_ptrs, k_desc, v_desc, row0, offs_m, lo, hi, C1,
              scale_ds, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-             STAGES: tl.constexpr, TMA: tl.constexpr):
+             STAGES: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr = False):
     """One query block's dq over key blocks [lo, hi): s = q k^T (queries x keys), as shipped."""
     offs_n0 = tl.arange(0, BLOCK_N)
-    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=STAGES, warp_specialize=WS):
         offs_n = start_n + offs_n0
         if TMA:
             k = k_desc.load([row0 + start_n, 0])
@@ -307,7 +346,7 @@ def _dq_loop_pipelined(dq, q, do, base, inv_l, delta, k_ptrs, v_ptrs, offs_m, lo
 def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, m_ptr, l_ptr, delta_ptr, k_desc, v_desc,
                 bh, blk, seqlen, C1, scale_ds,
                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                STAGES: tl.constexpr, TMA: tl.constexpr, ORDER: tl.constexpr):
+                STAGES: tl.constexpr, TMA: tl.constexpr, ORDER: tl.constexpr, WS: tl.constexpr = 0):
     m0 = blk * BLOCK_M
     head = bh.to(tl.int64) * seqlen * HEAD_DIM
     row0 = bh * seqlen
@@ -315,9 +354,17 @@ def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, m_ptr, l_ptr, delta_ptr, k_
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n0 = tl.arange(0, BLOCK_N)
     rows = head + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    q = tl.load(q_ptr + rows)
-    do = tl.load(do_ptr + rows)
-    base, inv_l, delta = _stats(m_ptr, l_ptr, delta_ptr, bh.to(tl.int64) * seqlen + offs_m)
+    if TMA >= 2:  # q, dO through in-kernel TMA descriptors (see Kcfg.ws)
+        q = _head_desc(q_ptr + head, seqlen, HEAD_DIM, BLOCK_M).load([m0, 0])
+        do = _head_desc(do_ptr + head, seqlen, HEAD_DIM, BLOCK_M).load([m0, 0])
+    else:
+        q = tl.load(q_ptr + rows)
+        do = tl.load(do_ptr + rows)
+    if TMA >= 3:  # the row statistics through in-kernel 1-D TMA descriptors as well
+        st0 = bh.to(tl.int64) * seqlen
+        base, inv_l, delta = _stats_tma(m_ptr + st0, l_ptr + st0, delta_ptr + st0, seqlen, m0, BLOCK_M)
+    else:
+        base, inv_l, delta = _stats(m_ptr, l_ptr, delta_ptr, bh.to(tl.int64) * seqlen + offs_m)
     k_ptrs = k_ptr + head + offs_n0[:, None] * HEAD_DIM + offs_d[None, :]
     v_ptrs = v_ptr + head + offs_n0[:, None] * HEAD_DIM + offs_d[None, :]
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -331,16 +378,19 @@ def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, m_ptr, l_ptr, delta_ptr, k_
         else:
             dq = _dq_loop_pipelined(dq, q, do, base, inv_l, delta, k_ptrs, v_ptrs, offs_m, 0, seqlen, C1,
                                     scale_ds, HEAD_DIM, BLOCK_N, False, STAGES)
+    elif CAUSAL and WS == 3:  # one loop, the causal select in every step (see _dkdv_program)
+        dq = _dq_loop(dq, q, do, base, inv_l, delta, k_ptrs, v_ptrs, k_desc, v_desc, row0, offs_m, 0,
+                      m0 + BLOCK_M, C1, scale_ds, HEAD_DIM, BLOCK_N, True, STAGES, TMA, True)
     elif CAUSAL:
         # The shipped _block_ranges for "key j visible iff j <= i": [0, b) full, [b, m0 + BLOCK_M) masked.
         b = ((m0 + 1) // BLOCK_N) * BLOCK_N
         dq = _dq_loop(dq, q, do, base, inv_l, delta, k_ptrs, v_ptrs, k_desc, v_desc, row0, offs_m, 0, b, C1,
-                      scale_ds, HEAD_DIM, BLOCK_N, False, STAGES, TMA)
+                      scale_ds, HEAD_DIM, BLOCK_N, False, STAGES, TMA, WS > 0)
         dq = _dq_loop(dq, q, do, base, inv_l, delta, k_ptrs, v_ptrs, k_desc, v_desc, row0, offs_m, b,
-                      m0 + BLOCK_M, C1, scale_ds, HEAD_DIM, BLOCK_N, True, STAGES, TMA)
+                      m0 + BLOCK_M, C1, scale_ds, HEAD_DIM, BLOCK_N, True, STAGES, TMA, WS == 1)
     else:
         dq = _dq_loop(dq, q, do, base, inv_l, delta, k_ptrs, v_ptrs, k_desc, v_desc, row0, offs_m, 0, seqlen,
-                      C1, scale_ds, HEAD_DIM, BLOCK_N, False, STAGES, TMA)
+                      C1, scale_ds, HEAD_DIM, BLOCK_N, False, STAGES, TMA, WS > 0)
     dq = dq * (inv_l * scale_ds)[:, None]  # row factor 1 / l and the scale once, after the loop (as shipped)
     tl.store(dq_ptr + rows, dq.to(dq_ptr.dtype.element_ty))
 
@@ -349,23 +399,27 @@ def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, m_ptr, l_ptr, delta_ptr, k_
 def v_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, m_ptr, l_ptr, delta_ptr, q_desc, do_desc,
                   seqlen, n_blocks, C1, scale_ds,
                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  STAGES: tl.constexpr, ORDER: tl.constexpr, TMA: tl.constexpr, GROUP_HEADS: tl.constexpr):
+                  STAGES: tl.constexpr, ORDER: tl.constexpr, TMA: tl.constexpr, GROUP_HEADS: tl.constexpr,
+                  WS: tl.constexpr = 0):
     bh, blk = _map(tl.program_id(0), n_blocks, GROUP_HEADS)
     # Causal: key block 0 sees every query, so ascending blocks are longest first.
     _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, m_ptr, l_ptr, delta_ptr, q_desc, do_desc,
-                  bh, blk, seqlen, C1, scale_ds, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, ORDER, TMA)
+                  bh, blk, seqlen, C1, scale_ds, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES,
+                  ORDER, TMA, WS)
 
 
 @triton.jit
 def v_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, m_ptr, l_ptr, delta_ptr, k_desc, v_desc,
                 seqlen, n_blocks, C1, scale_ds,
                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                STAGES: tl.constexpr, TMA: tl.constexpr, GROUP_HEADS: tl.constexpr, ORDER: tl.constexpr):
+                STAGES: tl.constexpr, TMA: tl.constexpr, GROUP_HEADS: tl.constexpr, ORDER: tl.constexpr,
+                WS: tl.constexpr = 0):
     bh, blk = _map(tl.program_id(0), n_blocks, GROUP_HEADS)
     if CAUSAL:  # the last query block sees every key: longest first (the shipped REVERSE)
         blk = n_blocks - 1 - blk
     _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, m_ptr, l_ptr, delta_ptr, k_desc, v_desc,
-                bh, blk, seqlen, C1, scale_ds, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, TMA, ORDER)
+                bh, blk, seqlen, C1, scale_ds, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, STAGES, TMA,
+                ORDER, WS)
 
 
 @triton.jit
@@ -391,8 +445,8 @@ def v_fused_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, m_ptr, l
         blk = t // 2
     if is_kv:
         _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, m_ptr, l_ptr, delta_ptr, q_ptr, do_ptr,
-                      bh, blk, seqlen, C1, scale_ds, HEAD_DIM, CAUSAL, BLOCK_M1, BLOCK_N1, STAGES1, ORDER,
-                      False)
+                      bh, blk, seqlen, C1, scale_ds, HEAD_DIM, CAUSAL, BLOCK_M1, BLOCK_N1,
+                      STAGES1, ORDER, False)
     else:
         if CAUSAL:
             blk = n_q_blocks - 1 - blk
@@ -413,12 +467,18 @@ class Kcfg:
     warps: int
     stages: int
     order: int = 0  # 1 = both score dots first (dk/dv only); 2 = next block's scores inside this step
-    tma: bool = False
+    # TMA: 1 (or True) the looped-over tiles through host descriptors; 2 also the program's fixed tiles (k, v
+    # in dk/dv; q, dO in dq) through in-kernel descriptors; 3 (dq) also the row statistics (1-D, in-kernel)
+    tma: int = 0
     group_heads: int = 0  # 0 = the shipped order; G = block-major over groups of G heads
+    # tl.range(warp_specialize=...): 0 off; 1 on every loop; 2 causal: the unmasked loop only; 3 causal: one
+    # loop with the causal select in every step, warp-specialized (the only causal form Triton 3.6 compiles)
+    ws: int = 0
 
     def label(self) -> str:
-        extra = (f" o{self.order}" if self.order else "") + (" tma" if self.tma else "") + \
-            (f" g{self.group_heads}" if self.group_heads else "")
+        tma = " tma" if self.tma == 1 else f" tma{self.tma}" if self.tma else ""
+        extra = (f" o{self.order}" if self.order else "") + tma + \
+            (f" g{self.group_heads}" if self.group_heads else "") + (f" ws{self.ws}" if self.ws else "")
         return f"({self.block_m},{self.block_n},{self.warps}w,{self.stages}s{extra})"
 
 
@@ -439,6 +499,7 @@ class Variant:
     causal_only: bool = False
     dims: tuple = (64, 128)  # head dims it runs at
     default: bool = True  # in the default list
+    probe: bool = False  # GPU run: first launch in a subprocess with a timeout (a hang or crash is a row)
 
     def runs(self, d: int, causal: bool) -> bool:
         return d in self.dims and (causal or not self.causal_only)
@@ -453,6 +514,8 @@ def _both(cfg: Kcfg) -> dict:
     return {64: cfg, 128: cfg}
 
 
+WS_DKDV = Kcfg(32, 128, 4, 2, tma=2, ws=3)  # k, v in-kernel TMA descriptors; q, dO host descriptors
+WS_DQ = Kcfg(128, 64, 4, 2, tma=3, ws=3)  # q, dO, row statistics in-kernel descriptors; k, v host ones
 ORDER2_DKDV = {128: Kcfg(32, 64, 4, 3, order=2), 64: Kcfg(32, 64, 4, 3, order=2)}
 ORDER2_DQ = {128: Kcfg(128, 64, 8, 2, order=2), 64: Kcfg(64, 64, 4, 2, order=2)}
 VARIANTS = [
@@ -486,6 +549,18 @@ VARIANTS = [
     Variant("tma", "q/dO (dk/dv) and k/v (dq) through host TMA descriptors, shipped tiles (same bits)",
             dkdv={d: replace(c, tma=True) for d, c in SHIPPED_DKDV.items()},
             dq={d: replace(c, tma=True) for d, c in SHIPPED_DQ.items()}, default=False),
+    # Triton 3.6 automatic warp specialization (Hopper: 1 TMA producer + 2 consumer warpgroups, each consumer
+    # 64 of the 128 tile rows; 12 warps, setmaxnreg 40 / 232). Same bits as shipped expected (dk/dv BLOCK_M
+    # 32, dq BLOCK_N 64); causal as one loop with the select in every step. scratch/notes_attn_bwd_ws.md.
+    Variant("ws", "autoWS both kernels: dk/dv 128 keys x 32 queries, dq 128 queries x 64 keys, 4 warps per"
+            " group, 2 stages, all dot operands via TMA (same bits)", dkdv=_both(WS_DKDV), dq=_both(WS_DQ),
+            probe=True),
+    Variant("ws-s3", "ws with 3 stages (TMA buffers) in both kernels (same bits)",
+            dkdv=_both(replace(WS_DKDV, stages=3)), dq=_both(replace(WS_DQ, stages=3)), probe=True),
+    Variant("ws-kv", "autoWS dk/dv only, shipped dq (same bits)", dkdv=_both(WS_DKDV), probe=True),
+    Variant("ws-dq", "autoWS dq only, shipped dk/dv (same bits)", dq=_both(WS_DQ), probe=True),
+    Variant("ws-kv64", "ws with 64 queries per dk/dv step (wider wgmma N; dk/dv bits differ)",
+            dkdv=_both(replace(WS_DKDV, block_m=64)), dq=_both(WS_DQ), probe=True),
 ]
 VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
 
@@ -542,7 +617,7 @@ def launch_dkdv(cfg: Kcfg, q, k, v, do, dk, dv, m, l, delta, seqlen, d, causal, 
         qd, dod = q, do
     args = (q, k, v, do, dk, dv, m, l, delta, qd, dod, seqlen, n_blocks, c1, sds)
     kw = dict(HEAD_DIM=d, CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-              ORDER=cfg.order, TMA=cfg.tma, GROUP_HEADS=cfg.group_heads, **_opts(cfg.warps))
+              ORDER=cfg.order, TMA=cfg.tma, GROUP_HEADS=cfg.group_heads, WS=cfg.ws, **_opts(cfg.warps))
     if warmup:
         return v_dkdv_kernel.warmup(*args, grid=grid, **kw)
     COMPILED[("dkdv", cfg, d, causal)] = v_dkdv_kernel[grid](*args, **kw)
@@ -558,7 +633,7 @@ def launch_dq(cfg: Kcfg, q, k, v, do, dq, m, l, delta, seqlen, d, causal, c1, sd
         kd, vd = k, v
     args = (q, k, v, do, dq, m, l, delta, kd, vd, seqlen, n_blocks, c1, sds)
     kw = dict(HEAD_DIM=d, CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-              TMA=cfg.tma, GROUP_HEADS=cfg.group_heads, ORDER=cfg.order, **_opts(cfg.warps))
+              TMA=cfg.tma, GROUP_HEADS=cfg.group_heads, ORDER=cfg.order, WS=cfg.ws, **_opts(cfg.warps))
     if warmup:
         return v_dq_kernel.warmup(*args, grid=grid, **kw)
     COMPILED[("dq", cfg, d, causal)] = v_dq_kernel[grid](*args, **kw)
@@ -611,6 +686,10 @@ def backward(variant: Variant, g, q, k, v, o, m, l, causal: bool, scale: float, 
     b, h, s, d = q.shape
     c1, sds = constants(scale)
     kv, qc, fused = plan(variant, d)
+    if q.is_cuda and any(c is not None and c.tma >= 2 for c in (kv, qc)):
+        from safeops.ops._launch import ensure_tma_allocator  # in-kernel descriptors need global scratch
+
+        ensure_tma_allocator()
     delta = getattr(m, "_v_delta", None)
     if delta is None or which in ("all", "delta"):
         delta = torch.empty_like(m)
@@ -675,35 +754,44 @@ def _sig_compile(fn, constexprs: dict, num_warps: int, tensordescs: dict):
                           options={"num_warps": num_warps, "enable_fp_fusion": False})
 
 
+def compile_job(job):
+    """The sm_90 CompiledKernel of one (kind, cfg, d, causal) job (Triton 3.6 offline; raises on failure)."""
+    kind, cfg, d, causal = job
+    if kind == "delta":
+        return _sig_compile(v_delta_kernel, dict(HEAD_DIM=d, BLOCK_M=DELTA_BLOCK_M), 4, {})
+    if kind == "dkdv":
+        ce = dict(HEAD_DIM=d, CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+                  ORDER=cfg.order, TMA=cfg.tma, GROUP_HEADS=cfg.group_heads, WS=cfg.ws)
+        td = {n: f"tensordesc<bf16[{cfg.block_m}, {d}]>" for n in ("q_desc", "do_desc") if cfg.tma}
+        return _sig_compile(v_dkdv_kernel, ce, cfg.warps, td)
+    if kind == "dq":
+        ce = dict(HEAD_DIM=d, CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+                  TMA=cfg.tma, GROUP_HEADS=cfg.group_heads, ORDER=cfg.order, WS=cfg.ws)
+        td = {n: f"tensordesc<bf16[{cfg.block_n}, {d}]>" for n in ("k_desc", "v_desc") if cfg.tma}
+        return _sig_compile(v_dq_kernel, ce, cfg.warps, td)
+    ce = dict(HEAD_DIM=d, CAUSAL=causal, BLOCK_M1=cfg.dkdv.block_m, BLOCK_N1=cfg.dkdv.block_n,
+              STAGES1=cfg.dkdv.stages, ORDER=cfg.dkdv.order, BLOCK_M2=cfg.dq.block_m,
+              BLOCK_N2=cfg.dq.block_n, STAGES2=cfg.dq.stages, ORDER2=cfg.dq.order,
+              GROUP_HEADS=cfg.group_heads)
+    return _sig_compile(v_fused_kernel, ce, cfg.dkdv.warps, {})
+
+
 def compile_stats(job) -> dict:
     """Compiles one job for sm_90; returns registers, spill bytes, shared memory, HGMMA / HMMA counts."""
-    kind, cfg, d, causal = job
     try:
-        if kind == "delta":
-            ce = dict(HEAD_DIM=d, BLOCK_M=DELTA_BLOCK_M)
-            c = _sig_compile(v_delta_kernel, ce, 4, {})
-        elif kind == "dkdv":
-            ce = dict(HEAD_DIM=d, CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-                      ORDER=cfg.order, TMA=cfg.tma, GROUP_HEADS=cfg.group_heads)
-            td = {n: f"tensordesc<bf16[{cfg.block_m}, {d}]>" for n in ("q_desc", "do_desc") if cfg.tma}
-            c = _sig_compile(v_dkdv_kernel, ce, cfg.warps, td)
-        elif kind == "dq":
-            ce = dict(HEAD_DIM=d, CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-                      TMA=cfg.tma, GROUP_HEADS=cfg.group_heads, ORDER=cfg.order)
-            td = {n: f"tensordesc<bf16[{cfg.block_n}, {d}]>" for n in ("k_desc", "v_desc") if cfg.tma}
-            c = _sig_compile(v_dq_kernel, ce, cfg.warps, td)
-        else:
-            ce = dict(HEAD_DIM=d, CAUSAL=causal, BLOCK_M1=cfg.dkdv.block_m, BLOCK_N1=cfg.dkdv.block_n,
-                      STAGES1=cfg.dkdv.stages, ORDER=cfg.dkdv.order, BLOCK_M2=cfg.dq.block_m,
-                      BLOCK_N2=cfg.dq.block_n, STAGES2=cfg.dq.stages, ORDER2=cfg.dq.order,
-                      GROUP_HEADS=cfg.group_heads)
-            c = _sig_compile(v_fused_kernel, ce, cfg.dkdv.warps, {})
+        c = compile_job(job)
     except Exception as e:
         return {"ok": False, "error": f"{type(e).__name__}: {str(e)[-600:]}"}
     stats = {"ok": True, "shared": c.metadata.shared}
     stats["regs"], stats["spill"], sass = _sm90.binary_stats(c)
     for key, op in (("hgmma", "HGMMA"), ("hmma", "HMMA"), ("ffma", "FFMA"), ("ldl", "LDL")):
         stats[key] = len(re.findall(rf"\b{op}\b", sass))
+    # warp specialization evidence: ttg.warp_specialize regions in the TTGIR, the warps actually launched
+    # (12 = 1 producer + 2 consumer warpgroups) and the per-partition register limits set in the PTX
+    stats["ws_regions"] = len(re.findall(r"partition\d+\(", c.asm["ttgir"]))
+    stats["warps"] = c.metadata.num_warps
+    stats["setmaxnreg"] = sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                             c.asm["ptx"])})
     return stats
 
 
@@ -729,8 +817,10 @@ def compile_only(variants, dims, causals, workers: int) -> int:
     bad = 0
     for job, r in zip(jobs, results, strict=True):
         if r["ok"]:
+            ws = (f" WS: {r['ws_regions']} consumer partitions, {r['warps']} warps, "
+                  f"setmaxnreg {r['setmaxnreg']}" if r["ws_regions"] else "")
             print(f"{job_label(job):62s} regs={r['regs']:3d} spill={r['spill']:5d} smem={r['shared']:6d} "
-                  f"HGMMA={r['hgmma']:3d} HMMA={r['hmma']} FFMA={r['ffma']} LDL={r['ldl']}")
+                  f"HGMMA={r['hgmma']:3d} HMMA={r['hmma']} FFMA={r['ffma']} LDL={r['ldl']}{ws}")
         else:
             bad += 1
             print(f"{job_label(job):62s} FAILED: {r['error']}")
@@ -779,7 +869,7 @@ def _kernel_info(compiled) -> str:
 DEVICE, DTYPE = "cuda", None  # None: bf16 (a CPU dry run of run_case uses "cpu", float16, the interpreter)
 
 
-def run_case(b, h, s, d, causal, variants, args, H, A, oracle, rows, infos) -> None:
+def run_case(b, h, s, d, causal, variants, args, H, A, oracle, rows, infos, skip=None) -> None:
     """Checks and times the shipped backward, every variant and the peers on one (D, causal) case."""
     import torch
 
@@ -819,6 +909,11 @@ def run_case(b, h, s, d, causal, variants, args, H, A, oracle, rows, infos) -> N
           flush=True)
     for var in variants:
         if not var.runs(d, causal):
+            continue
+        if skip and (var.name, d, causal) in skip:  # failed to compile, or its probe crashed / hung
+            rows.append((label, var.name, math.nan, math.nan, math.nan, math.nan, math.nan, "-",
+                         f"skipped: {skip[(var.name, d, causal)][:200]}"))
+            print(f"{label}: {var.name}: skipped: {skip[(var.name, d, causal)]}", flush=True)
             continue
         note = ""
         try:
@@ -869,6 +964,71 @@ def run_case(b, h, s, d, causal, variants, args, H, A, oracle, rows, infos) -> N
         except Exception as e:
             rows.append((label, name, math.nan, math.nan, math.nan, math.nan, math.nan, "-",
                          f"error: {type(e).__name__}: {str(e)[:160]}"))
+
+
+def probe_variants(variants, dims, causals, failures, timeout: float) -> dict:
+    """{(variant, d, causal): reason} for the variants not to launch in this process: a kernel that failed to
+    precompile, or (``probe=True`` variants) a first launch that crashed, hung or gave non-finite gradients
+    in a subprocess (``--probe``; a hung warp-specialized kernel would otherwise hang the whole run)."""
+    import subprocess
+
+    skip = {}
+    for var in variants:
+        for d in dims:
+            for causal in causals:
+                if not var.runs(d, causal):
+                    continue
+                bad = [job_label(j) + ": " + e for j, e in failures.items()
+                       if j[2] == d and j[3] == causal and j[1] in _cfgs(var, d)]
+                if bad:
+                    skip[(var.name, d, causal)] = "compile failed: " + bad[0]
+    todo = [(v.name, d, c) for v in variants if v.probe for d in dims for c in causals
+            if v.runs(d, c) and (v.name, d, c) not in skip]
+    procs = []
+    for name, d, causal in todo:  # concurrently: each is one launch after its imports (compiles are cached)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--probe", f"{name},{d},{int(causal)}"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=str(ROOT))
+        procs.append(((name, d, causal), proc))
+    t0 = time.time()
+    for key, proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, timeout - (time.time() - t0)))
+            if proc.returncode != 0 or "PROBE OK" not in out:
+                tail = " | ".join(out.strip().splitlines()[-3:])
+                skip[key] = f"probe failed (rc {proc.returncode}): {tail}"
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            skip[key] = f"probe timed out after {timeout:.0f} s (hang?)"
+        print(f"probe {key}: {skip.get(key, 'ok')}", flush=True)
+    return skip
+
+
+def _cfgs(var: Variant, d: int) -> tuple:
+    kv, qc, fused = plan(var, d)
+    return (fused,) if fused is not None else (kv, qc)
+
+
+def probe_main(spec: str) -> int:
+    """--probe NAME,D,CAUSAL: one backward of the variant at the timed size (B4 H16 S4K bf16) on random
+    inputs with made-up row statistics (no forward needed), synchronised; prints PROBE OK if it finished
+    with finite gradients."""
+    import torch
+
+    import safeops  # noqa: F401  (the TMA allocator helper)
+
+    name, d, causal = spec.split(",")
+    d, causal, var = int(d), bool(int(causal)), VARIANTS_BY_NAME[name]
+    b, h, s = 4, 16, 4096
+    q, k, v, g, o = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(5))
+    m = torch.full((b, h, s), 4.0, device="cuda")
+    l = torch.full((b, h, s), float(s), device="cuda")
+    grads = backward(var, g, q, k, v, o, m, l, causal, 1.0 / math.sqrt(d))
+    torch.cuda.synchronize()
+    ok = all(bool(torch.isfinite(x).all()) for x in grads)
+    print("PROBE OK" if ok else "PROBE non-finite gradients", flush=True)
+    return 0 if ok else 1
 
 
 def gpu_main(args, variants, dims, causals) -> int:
@@ -929,21 +1089,26 @@ def gpu_main(args, variants, dims, causals) -> int:
         print(f"flex compiled: {time.time() - t_start:.1f} s", flush=True)
     failures = {}
     for j, f in zip(jobs, futures, strict=True):
-        err = f.result()
+        try:
+            err = f.result(timeout=max(1.0, 600 - (time.time() - t_start)))
+        except Exception as e:  # a worker that died (BrokenProcessPool) or a compile still running
+            err = f"{type(e).__name__}: {str(e)[:200]}"
         if err:
             failures[j] = err
             print(f"compile FAILED {job_label(j)}: {err}", flush=True)
-    pool.shutdown()
+    pool.shutdown(wait=False, cancel_futures=True)
     if shipped_thread is not None:
         shipped_thread.join(timeout=240)
     print(f"precompiled {len(jobs)} variant kernels ({len(failures)} failed): {time.time() - t_start:.1f} s",
           flush=True)
+    skip = probe_variants(variants, dims, causals, failures, args.probe_timeout)
+    print(f"probes done: {time.time() - t_start:.1f} s", flush=True)
 
     rows = []  # (case label, impl, whole ms, tflops, dkdv ms, dq ms, error ratio, bits, note)
     infos = {}
     for d in dims:
         for causal in causals:
-            run_case(b, h, s, d, causal, variants, args, H, A, oracle, rows, infos)
+            run_case(b, h, s, d, causal, variants, args, H, A, oracle, rows, infos, skip)
             torch.cuda.empty_cache()
 
     lines = [f"attention backward variants, B={b} H={h} S={s} bf16, {torch.cuda.get_device_name()}, "
@@ -1039,6 +1204,9 @@ def main(argv=None) -> int:
     p.add_argument("--list", action="store_true")
     p.add_argument("--compile-only", action="store_true", help="offline sm_90 compile stats (no GPU)")
     p.add_argument("--interpret-check", action="store_true", help="CPU: bits vs the shipped interpreter path")
+    p.add_argument("--probe", default="", help=argparse.SUPPRESS)  # NAME,D,CAUSAL (internal, see probe_main)
+    p.add_argument("--probe-timeout", type=float, default=90.0,
+                   help="seconds for the subprocess first launches of probe=True variants (all run at once)")
     args = p.parse_args(argv)
     dims = tuple(int(x) for x in args.d.split(","))
     causals = tuple(bool(int(x)) for x in args.causal.split(","))
@@ -1059,6 +1227,8 @@ def main(argv=None) -> int:
             cfgs = "; ".join(f"D{d}: {show(d)}" for d in (64, 128))
             print(f"{var.name:12s} {cfgs}{'' if var.default else '  [extra]'}\n{'':12s} {var.why}")
         return 0
+    if args.probe:
+        return probe_main(args.probe)
     if args.compile_only:
         return compile_only(variants, dims, causals, args.workers or os.cpu_count() or 1)
     if args.interpret_check:

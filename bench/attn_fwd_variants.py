@@ -163,6 +163,24 @@ def _loop_sub2(acc0, m0_i, l0_i, q0, offs_m0, acc1, m1_i, l1_i, q1, offs_m1, k_p
 
 
 @triton.jit
+def _loop_ws(acc, m_i, l_i, q, k_desc, v_desc, offs_m, hi, C1, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+             STAGES: tl.constexpr):
+    """ws: _loop with Triton 3.6's automatic warp specialization (Hopper: a TMA producer warpgroup and two
+    consumer warpgroups of 64 rows each); one loop over [0, hi), causal with the select in every step (a
+    no-op on the fully visible blocks: the pass fails on a function with two loops)."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(0, hi, BLOCK_N, num_stages=STAGES, warp_specialize=True):
+        offs_n = start_n + offs_n0
+        k = k_desc.load([start_n, 0])
+        s = tl.dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32))
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, offs_n, C1, MASKED)
+        acc = acc * alpha[:, None]
+        v = v_desc.load([start_n, 0])
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _finish(acc, m_i, l_i, o_ptr, m_ptr, l_ptr, head, st, offs_m, offs_d, HEAD_DIM: tl.constexpr):
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # empty rows (l = 0) give 0, not 0/0
     tl.store(o_ptr + head + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out.to(o_ptr.dtype.element_ty))
@@ -174,7 +192,8 @@ def _finish(acc, m_i, l_i, o_ptr, m_ptr, l_ptr, head, st, offs_m, offs_d, HEAD_D
 def v_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, seqlen, n_m_blocks, C1,
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  STAGES: tl.constexpr, MODE: tl.constexpr, SKIP: tl.constexpr):
-    """MODE 0: copy (SKIP: exact-skip); 1: subtile2; 2: next-qk. Grid (n_m_blocks, B * H) as shipped."""
+    """MODE 0: copy (SKIP: exact-skip); 1: subtile2; 2: next-qk; 3: ws (automatic warp specialization, every
+    tile through in-kernel TMA descriptors over the head). Grid (n_m_blocks, B * H) as shipped."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     if CAUSAL:  # the shipped REVERSE: the longest query blocks (most keys) first
@@ -215,6 +234,21 @@ def v_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, seqlen, n_m_blocks, C
                                                             BLOCK_N, True, STAGES)
         _finish(acc0, m0_i, l0_i, o_ptr, m_ptr, l_ptr, head, st, offs_m0, offs_d, HEAD_DIM)
         _finish(acc1, m1_i, l1_i, o_ptr, m_ptr, l_ptr, head, st, offs_m1, offs_d, HEAD_DIM)
+    elif MODE == 3:
+        # Every dot operand through TMA (the pass lowers only TMA producer loads), in-kernel descriptors (the
+        # pass splits q's 128 rows between the two consumers and can shrink only an in-kernel box).
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        q = tl.make_tensor_descriptor(q_ptr + head, [seqlen, HEAD_DIM], [HEAD_DIM, 1],
+                                      [BLOCK_M, HEAD_DIM]).load([m0, 0])
+        k_desc = tl.make_tensor_descriptor(k_ptr + head, [seqlen, HEAD_DIM], [HEAD_DIM, 1],
+                                           [BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(v_ptr + head, [seqlen, HEAD_DIM], [HEAD_DIM, 1],
+                                           [BLOCK_N, HEAD_DIM])
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc, m_i, l_i = _loop_ws(acc, m_i, l_i, q, k_desc, v_desc, offs_m, hi, C1, BLOCK_N, CAUSAL, STAGES)
+        _finish(acc, m_i, l_i, o_ptr, m_ptr, l_ptr, head, st, offs_m, offs_d, HEAD_DIM)
     else:
         offs_m = m0 + tl.arange(0, BLOCK_M)
         q = tl.load(q_ptr + head + offs_m[:, None] * HEAD_DIM + offs_d[None, :])
@@ -244,11 +278,11 @@ class Cfg:
     block_n: int
     warps: int
     stages: int
-    mode: int = 0  # 0 copy, 1 subtile2, 2 next-qk
+    mode: int = 0  # 0 copy, 1 subtile2, 2 next-qk, 3 ws (needs 4 warps, BLOCK_M 128)
     skip: bool = False  # exact-skip (mode 0 only)
 
     def label(self) -> str:
-        extra = {0: "", 1: " sub2", 2: " nextqk"}[self.mode] + (" skip" if self.skip else "")
+        extra = {0: "", 1: " sub2", 2: " nextqk", 3: " ws"}[self.mode] + (" skip" if self.skip else "")
         return f"({self.block_m},{self.block_n},{self.warps}w,{self.stages}s{extra})"
 
 
@@ -302,6 +336,11 @@ VARIANTS = [
             {d: Cfg(64, 128, 4, 2) for d in (64, 128)}, default=False),
     Variant("subtile2-w8-s3", "subtile2-w8 with 3 stages", {d: Cfg(256, 64, 8, 3, mode=1) for d in (64, 128)},
             default=False),
+    Variant("ws", "Triton 3.6 automatic warp specialization: 1 TMA producer + 2 consumer warpgroups of 64 "
+            "rows (4 warps each), in-kernel TMA descriptors, 2 stages; causal as one loop (same bits "
+            "expected)",
+            {d: Cfg(128, 64, 4, 2, mode=3) for d in (64, 128)}, default=False),
+    Variant("ws-s3", "ws with 3 stages", {d: Cfg(128, 64, 4, 3, mode=3) for d in (64, 128)}, default=False),
 ]
 VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
 
@@ -357,6 +396,10 @@ def forward(cfg: Cfg, q, k, v, causal: bool, scale: float):
 
     check_shape(q, cfg)
     b, h, s, d = q.shape
+    if cfg.mode == 3 and q.is_cuda:
+        from safeops.ops._launch import ensure_tma_allocator  # in-kernel descriptors need global scratch
+
+        ensure_tma_allocator()
     o = torch.empty_like(q)
     m = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
@@ -628,7 +671,7 @@ def _kernel_info(compiled) -> str:
 
 
 def run_case(b, h, s, d, causal, variants, args, H, A, oracle, rows, device="cuda", dtype=None,
-             shrink=False) -> None:
+             shrink=False, skip=None) -> None:
     """Checks and times the shipped forward, every variant and the peers on one (D, causal) case. A CPU dry
     run (tests/test_attn_fwd_variants.py) passes device "cpu", fp16 and shrink=True (interpreter blocks)."""
     import torch
@@ -652,6 +695,11 @@ def run_case(b, h, s, d, causal, variants, args, H, A, oracle, rows, device="cud
     print(f"{label}: safeops shipped {ms:.3f} ms {tflops(ms):.0f} TFLOP/s oracle {ratio:.3f}", flush=True)
     for var in variants:
         if not var.runs(d):
+            continue
+        if skip and (var.name, d, causal) in skip:  # failed to compile, or its probe crashed / hung
+            rows.append((label, var.name, math.nan, math.nan, math.nan, "-", "",
+                         f"skipped: {skip[(var.name, d, causal)][:200]}"))
+            print(f"{label}: {var.name}: skipped: {skip[(var.name, d, causal)]}", flush=True)
             continue
         cfg = small(var.cfg[d]) if shrink else var.cfg[d]
         try:
@@ -701,6 +749,59 @@ def table(rows, head: str) -> list[str]:
     return lines
 
 
+def probe_variants(variants, dims, causals, failures, timeout: float, seq: int) -> dict:
+    """{(variant, d, causal): reason} for variants not to launch in this process: a kernel that failed to
+    precompile, or (ws variants, mode 3) a first launch that crashed, hung or gave non-finite output in a
+    subprocess (``--probe``), so that a hung warp-specialized kernel cannot hang the whole run."""
+    import subprocess
+
+    skip = {}
+    for var in variants:
+        for d in dims:
+            for causal in causals:
+                if var.runs(d) and (var.cfg[d], d, causal) in failures:
+                    skip[(var.name, d, causal)] = "compile failed: " + failures[(var.cfg[d], d, causal)]
+    todo = [(v.name, d, c) for v in variants for d in dims for c in causals
+            if v.runs(d) and v.cfg[d].mode == 3 and (v.name, d, c) not in skip]
+    procs = []
+    for name, d, causal in todo:  # concurrently; the kernels are in Triton's cache already
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--probe", f"{name},{d},{int(causal)}",
+               "--seq", str(seq)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=str(ROOT))
+        procs.append(((name, d, causal), proc))
+    t0 = time.time()
+    for key, proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, timeout - (time.time() - t0)))
+            if proc.returncode != 0 or "PROBE OK" not in out:
+                tail = " | ".join(out.strip().splitlines()[-3:])
+                skip[key] = f"probe failed (rc {proc.returncode}): {tail}"
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            skip[key] = f"probe timed out after {timeout:.0f} s (hang?)"
+        print(f"probe {key}: {skip.get(key, 'ok')}", flush=True)
+    return skip
+
+
+def probe_main(spec: str, seq: int) -> int:
+    """--probe NAME,D,CAUSAL: one forward of the variant at the timed size (B4 H16, bf16) on random inputs,
+    synchronised; prints PROBE OK when it finished with finite outputs."""
+    import torch
+
+    import safeops  # noqa: F401  (the TMA allocator helper)
+
+    name, d, causal = spec.split(",")
+    d, causal = int(d), bool(int(causal))
+    q, k, v = (torch.randn(4, 16, seq, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    o, m, l = forward(VARIANTS_BY_NAME[name].cfg[d], q, k, v, causal, 1.0 / math.sqrt(d))
+    torch.cuda.synchronize()
+    ok = bool(torch.isfinite(o).all()) and bool(torch.isfinite(m).all()) and bool(torch.isfinite(l).all())
+    print("PROBE OK" if ok else "PROBE non-finite output", flush=True)
+    return 0 if ok else 1
+
+
 def gpu_main(args, variants, dims, causals) -> int:
     from concurrent.futures import ProcessPoolExecutor
 
@@ -738,18 +839,22 @@ def gpu_main(args, variants, dims, causals) -> int:
     print(f"shipped + flex compiled: {time.time() - t_start:.1f} s", flush=True)
     failures = {}
     for j, f in zip(jobs, futures, strict=True):
-        err = f.result()
+        try:
+            err = f.result(timeout=max(1.0, 600 - (time.time() - t_start)))
+        except Exception as e:  # a worker that died (BrokenProcessPool) or a compile still running
+            err = f"{type(e).__name__}: {str(e)[:200]}"
         if err:
             failures[j] = err
             print(f"compile FAILED {job_label(j)}: {err}", flush=True)
-    pool.shutdown()
+    pool.shutdown(wait=False, cancel_futures=True)
     print(f"precompiled {len(jobs)} variant kernels ({len(failures)} failed): {time.time() - t_start:.1f} s",
           flush=True)
+    skip = probe_variants(variants, dims, causals, failures, args.probe_timeout, s)
 
     rows = []  # (case, impl, ms, tflops, oracle ratio, bits, regs/spills/smem, note)
     for d in dims:
         for causal in causals:
-            run_case(b, h, s, d, causal, variants, args, H, A, oracle, rows)
+            run_case(b, h, s, d, causal, variants, args, H, A, oracle, rows, skip=skip)
             torch.cuda.empty_cache()
     head = (f"attention forward variants, B={b} H={h} S={s} bf16, {torch.cuda.get_device_name()}, "
             f"torch {torch.__version__}, triton {triton.__version__}")
@@ -780,6 +885,9 @@ def main(argv=None) -> int:
     p.add_argument("--list", action="store_true")
     p.add_argument("--compile-only", action="store_true", help="offline sm_90 compile stats (no GPU)")
     p.add_argument("--interpret-check", action="store_true", help="CPU: oracle + bits vs the shipped path")
+    p.add_argument("--probe", default="", help=argparse.SUPPRESS)  # NAME,D,CAUSAL (internal, see probe_main)
+    p.add_argument("--probe-timeout", type=float, default=90.0,
+                   help="seconds for the subprocess first launches of the ws variants (all run at once)")
     args = p.parse_args(argv)
     dims = tuple(int(x) for x in args.d.split(","))
     causals = tuple(bool(int(x)) for x in args.causal.split(","))
@@ -793,6 +901,8 @@ def main(argv=None) -> int:
             cfgs = "; ".join(f"D{d}: {c.label()}" for d, c in var.cfg.items())
             print(f"{var.name:14s} {cfgs}{'' if var.default else '  [extra]'}\n{'':14s} {var.why}")
         return 0
+    if args.probe:
+        return probe_main(args.probe, args.seq)
     if args.compile_only:
         return compile_only(variants, dims, causals, args.workers or os.cpu_count() or 1)
     if args.interpret_check:
