@@ -14,8 +14,9 @@ recomputed from x and the saved fp32 row max and row sum with the shipped instru
 fp32 inside, ``enable_fp_fusion=False``. What changes is the schedule:
 
 - ``copy``: the shipped kernel specialised to this case with the shipped config (must give the shipped bits;
-  its row addressing is ``row * stride``, not the shipped 3-level div/mod, which the offline SASS shows is
-  12-17% of the shipped kernel's instructions);
+  its row addressing is ``row * stride``; the shipped kernel used a 3-level div/mod, 12-17% of its
+  instructions, until session 6 took both this and its load order: shipped and copy now time alike; at 16K
+  the shipped backward is the persistent grid, whose masked bits differ from this copy's);
 - ``evict-first``: the copy with ``eviction_policy="evict_first"`` on the x / grad loads (streamed once);
 - ``persist-s2`` / ``-s3`` / ``-s4``: a persistent grid (as many programs as fit) looping over row blocks
   with ``tl.range(..., num_stages=S)``. Triton 3.6 turns the loads into cp.async copies to shared memory
