@@ -65,6 +65,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 if str(HERE) not in sys.path:  # bench/ helpers (also in spawned pool workers, which import this module)
     sys.path.insert(0, str(HERE))
+import _probes  # noqa: E402
 import _sm90  # noqa: E402
 
 NEG_INF = tl.constexpr(float("-inf"))
@@ -970,8 +971,6 @@ def probe_variants(variants, dims, causals, failures, timeout: float) -> dict:
     """{(variant, d, causal): reason} for the variants not to launch in this process: a kernel that failed to
     precompile, or (``probe=True`` variants) a first launch that crashed, hung or gave non-finite gradients
     in a subprocess (``--probe``; a hung warp-specialized kernel would otherwise hang the whole run)."""
-    import subprocess
-
     skip = {}
     for var in variants:
         for d in dims:
@@ -984,24 +983,8 @@ def probe_variants(variants, dims, causals, failures, timeout: float) -> dict:
                     skip[(var.name, d, causal)] = "compile failed: " + bad[0]
     todo = [(v.name, d, c) for v in variants if v.probe for d in dims for c in causals
             if v.runs(d, c) and (v.name, d, c) not in skip]
-    procs = []
-    for name, d, causal in todo:  # concurrently: each is one launch after its imports (compiles are cached)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--probe", f"{name},{d},{int(causal)}"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                cwd=str(ROOT))
-        procs.append(((name, d, causal), proc))
-    t0 = time.time()
-    for key, proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=max(1.0, timeout - (time.time() - t0)))
-            if proc.returncode != 0 or "PROBE OK" not in out:
-                tail = " | ".join(out.strip().splitlines()[-3:])
-                skip[key] = f"probe failed (rc {proc.returncode}): {tail}"
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            skip[key] = f"probe timed out after {timeout:.0f} s (hang?)"
-        print(f"probe {key}: {skip.get(key, 'ok')}", flush=True)
+    jobs = [((name, d, causal), ["--probe", f"{name},{d},{int(causal)}"]) for name, d, causal in todo]
+    skip.update(_probes.run_probes(__file__, jobs, timeout, ROOT))
     return skip
 
 

@@ -68,6 +68,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 if str(HERE) not in sys.path:  # bench/ helpers (also in spawned pool workers, which import this module)
     sys.path.insert(0, str(HERE))
+import _probes  # noqa: E402
 import _sm90  # noqa: E402
 
 NEG_INF = tl.constexpr(float("-inf"))
@@ -753,8 +754,6 @@ def probe_variants(variants, dims, causals, failures, timeout: float, seq: int) 
     """{(variant, d, causal): reason} for variants not to launch in this process: a kernel that failed to
     precompile, or (ws variants, mode 3) a first launch that crashed, hung or gave non-finite output in a
     subprocess (``--probe``), so that a hung warp-specialized kernel cannot hang the whole run."""
-    import subprocess
-
     skip = {}
     for var in variants:
         for d in dims:
@@ -763,25 +762,9 @@ def probe_variants(variants, dims, causals, failures, timeout: float, seq: int) 
                     skip[(var.name, d, causal)] = "compile failed: " + failures[(var.cfg[d], d, causal)]
     todo = [(v.name, d, c) for v in variants for d in dims for c in causals
             if v.runs(d) and v.cfg[d].mode == 3 and (v.name, d, c) not in skip]
-    procs = []
-    for name, d, causal in todo:  # concurrently; the kernels are in Triton's cache already
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--probe", f"{name},{d},{int(causal)}",
-               "--seq", str(seq)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                cwd=str(ROOT))
-        procs.append(((name, d, causal), proc))
-    t0 = time.time()
-    for key, proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=max(1.0, timeout - (time.time() - t0)))
-            if proc.returncode != 0 or "PROBE OK" not in out:
-                tail = " | ".join(out.strip().splitlines()[-3:])
-                skip[key] = f"probe failed (rc {proc.returncode}): {tail}"
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            skip[key] = f"probe timed out after {timeout:.0f} s (hang?)"
-        print(f"probe {key}: {skip.get(key, 'ok')}", flush=True)
+    jobs = [((name, d, causal), ["--probe", f"{name},{d},{int(causal)}", "--seq", str(seq)])
+            for name, d, causal in todo]  # the kernels are in Triton's cache already
+    skip.update(_probes.run_probes(__file__, jobs, timeout, ROOT))
     return skip
 
 
