@@ -38,12 +38,14 @@ ROW_RESIDENT_MAX_COLS = {1: 16384, 2: 16384, 4: 16384}
 # Short rows, by element size: (smallest tile of BLOCK_M x BLOCK_N elements, elements per thread).
 ROWS_FWD = {1: (4096, 32), 2: (4096, 32), 4: (1024, 16)}
 ROWS_BWD = {1: (1024, 16), 2: (1024, 16), 4: (1024, 8)}
-# Backward of unit-stride rows of at least this many columns (block width), by element size: a persistent
-# grid of ROWS_BWD_PERSIST_PER_SM programs per SM whose loop Triton pipelines over ROWS_BWD_STAGES stages.
+# Backward of unit-stride rows of these block widths (BLOCK_N), by element size: a persistent grid of
+# ROWS_BWD_PERSIST_PER_SM programs per SM whose loop Triton pipelines over ROWS_BWD_STAGES stages. The
+# pipeline keeps ROWS_BWD_STAGES - 1 tiles of x and grad (and the mask) in shared memory: 131 KB at 16K
+# bf16 (164 KB masked), so wider blocks would not fit.
 # At 16K bf16 columns one 32-warp program fills an SM and nothing else hides its loads' latency:
 # 2.65 -> 4.1-4.2 TB/s on an H200 (bench/softmax_bwd_variants.py, 2026-11-30). fp32 rows do not fit two
 # stages in shared memory, and shorter rows measured slower persistent (92-95% of copy against 100%).
-ROWS_BWD_PERSIST = {1: 16384, 2: 16384}
+ROWS_BWD_PERSIST: dict[int, tuple[int, ...]] = {1: (16384,), 2: (16384,)}
 ROWS_BWD_STAGES = 3
 ROWS_BWD_PERSIST_PER_SM = 1
 # Long rows: columns each program of a split row owns (held in registers by the one-launch kernel).
@@ -99,7 +101,7 @@ def rows_config(n_cols: int, elem_size: int, col_stride_is_one: bool, backward: 
         min_tile = max(min_tile, 8192)
     block_m = max(1, min(64, min_tile // block_n))
     num_warps = max(1, min(32, block_m * block_n // (32 * per_thread)))
-    if backward and col_stride_is_one and block_n >= ROWS_BWD_PERSIST.get(elem_size, 1 << 62):
+    if backward and col_stride_is_one and block_n in ROWS_BWD_PERSIST.get(elem_size, ()):
         return RowsConfig(block_m=block_m, block_n=block_n, num_warps=num_warps, stages=ROWS_BWD_STAGES,
                           programs_per_sm=ROWS_BWD_PERSIST_PER_SM)
     return RowsConfig(block_m=block_m, block_n=block_n, num_warps=num_warps)
