@@ -24,6 +24,18 @@ and writes attention_sweep.csv plus the best per kernel, to paste into
 ``FWD_CONFIGS``/``DKDV_CONFIGS``/``DQ_CONFIGS``. Each candidate compiles one kernel (seconds): filter to
 fit a time slot, e.g. ``--kernels dkdv,dq --d 128``.
 
+``--sweep --shape llama`` sweeps the backward at one layer of bench/model.py's 1.1B Llama (B=1, 32 query /
+4 kv heads, S=4K, D=64, causal, bf16, the model's (B, S, H, D)-transposed layout): dk/dv configs, the GQA
+split (programs per kv head's query group, with a few dk/dv configs), the causal head grouping
+(``BACKWARD_HEAD_GROUP``) and dq configs (``--kernels dkdv,split,group,dq``). Each candidate: loose check of
+dq / dk / dv against fp32 SDPA, bits against the default, whole-backward time, device time per kernel
+(torch.profiler; dk/dv, dq, delta, other = the split's sums and copies) and host time per call; writes
+attention_sweep_llama.csv. ``--compile-only`` (no GPU) compiles the same candidates for sm_90 with Triton
+3.6 (/tmp/t36) and prints registers / spills / shared memory:
+
+    python3 bench/attention.py --sweep --shape llama --out DIR [--kernels dkdv,split] [--no-per-kernel]
+    python3 bench/attention.py --sweep --shape llama --compile-only
+
 Needs a CUDA GPU; without one it exits with a message.
 """
 
@@ -32,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import dataclasses
 import math
 import sys
 import time
@@ -463,6 +476,443 @@ def sweep(out_dir: Path, deadline: float, kernels=("fwd", "dkdv", "dq"), dims=(6
     print(f"wrote {out_dir / 'attention_sweep.csv'}")
 
 
+# ------------------------------------------------------------------------------------------------------
+# Sweep at a model layer's shape (--shape llama): dk/dv configs, the GQA split, the head grouping, dq configs
+# ------------------------------------------------------------------------------------------------------
+# The 1.1B Llama of bench/model.py, one layer: B=1, 32 query / 4 kv heads (group 8), S=4096, D=64, causal,
+# bf16, q / k / v / grad in the model's layout: a (B, S, H, D) tensor transposed to (B, H, S, D) ("bshd").
+# There the dk/dv kernel (shipped (32, 128, 4, 2), split 8) takes ~477 us per layer against ~218 for dq.
+LLAMA = dict(b=1, hq=32, hkv=4, s=4096, d=64, causal=True, layout="bshd")
+
+
+def _say(*args) -> None:
+    print(*args, flush=True)  # a run cut by `timeout` keeps every line printed so far
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaCand:
+    """One point of the sweep: what it changes from the launcher's defaults (None: the default)."""
+    kind: str  # "base", "dkdv", "split", "group" or "dq"
+    dkdv: tuple | None = None  # (block_m, block_n, num_warps, num_stages[, warp_specialize, tma])
+    dq: tuple | None = None
+    split: int | None = None  # programs per kv head's query group in dk/dv (attention_launch.dkdv_split)
+    head_group: int | None = None  # attention_launch.BACKWARD_HEAD_GROUP (causal grid order, dk/dv and dq)
+
+    @property
+    def label(self) -> str:
+        parts = [f"dkdv={self.dkdv}" if self.dkdv else "", f"dq={self.dq}" if self.dq else "",
+                 f"split={self.split}" if self.split else "",
+                 f"hg={self.head_group}" if self.head_group else ""]
+        return " ".join(p for p in parts if p) or "default"
+
+
+# dk/dv at this shape, split 8 (offline sm_90, Triton 3.6, `--compile-only`; regs / spill bytes): shipped
+# (32, 128, 4, 2) 255 / 0 (28-36 B spill in the MHA case of scratch/notes_attn_bwd.md); (32, 128, 8, 3)
+# 146 / 0; (64, 64, 4, 2) 225 / 0; FlexAttention's tile (64, 128, 8, 3) 186 / 0; every entry compiles without
+# spill. At split 1-4 the shipped tile spills 216-268 B (the 8-warp tiles do not); all numbers in
+# scratch/notes_attn_llama_sweep.md.
+LLAMA_DKDV = [(32, 128, 4, 2), (32, 128, 8, 3), (32, 128, 8, 2), (32, 128, 8, 4), (64, 64, 4, 2),
+              (64, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 2), (32, 64, 4, 3),
+              (16, 128, 4, 2), (32, 128, 4, 2, False, True)]
+# The split's candidates (split 8 = the default is in LLAMA_DKDV): each divides the group (8).
+LLAMA_SPLITS = (1, 2, 4)
+LLAMA_SPLIT_CONFIGS = [(32, 128, 4, 2), (32, 128, 8, 3), (64, 64, 4, 2), (64, 128, 8, 3)]
+LLAMA_HEAD_GROUPS = (1, 4, 16, 32)  # default 8; n_bh = 32 for dk/dv (split 8) and for dq
+LLAMA_DQ = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3),
+            (128, 128, 8, 2), (64, 64, 4, 2, False, True)]
+LLAMA_KINDS = ("dkdv", "split", "group", "dq")
+
+
+def llama_candidates(kinds=LLAMA_KINDS) -> list[LlamaCand]:
+    """The default first, then each kind's candidates (the default's own point left out)."""
+    out = [LlamaCand("base")]
+    if "dkdv" in kinds:
+        out += [LlamaCand("dkdv", dkdv=c) for c in LLAMA_DKDV if c != LLAMA_DKDV[0]]
+    if "split" in kinds:
+        out += [LlamaCand("split", dkdv=c, split=s) for c in LLAMA_SPLIT_CONFIGS for s in LLAMA_SPLITS]
+    if "group" in kinds:
+        out += [LlamaCand("group", head_group=g) for g in LLAMA_HEAD_GROUPS]
+    if "dq" in kinds:
+        out += [LlamaCand("dq", dq=c) for c in LLAMA_DQ if c != LLAMA_DQ[0]]
+    return out
+
+
+@contextlib.contextmanager
+def llama_knobs(cand: LlamaCand):
+    """The candidate's configs (``config_override``), split (``dkdv_split`` replaced) and head grouping
+    (``BACKWARD_HEAD_GROUP``) inside the block; the launcher's plans see the change (both are part of
+    ``attention_launch._settings``) and everything is restored on exit."""
+    from safeops.ops import attention_launch as L
+
+    overrides = {}
+    if cand.dkdv:
+        overrides["dkdv"] = L.AttnConfig(*cand.dkdv)
+    if cand.dq:
+        overrides["dq"] = L.AttnConfig(*cand.dq)
+    saved = L.dkdv_split, L.BACKWARD_HEAD_GROUP
+    try:
+        if cand.split is not None:
+            def forced_split(group: int, kv_elements: int, split=cand.split) -> int:
+                if group % split:
+                    raise ValueError(f"split: {split} does not divide the query group {group}")
+                return split
+            L.dkdv_split = forced_split
+        if cand.head_group is not None:
+            L.BACKWARD_HEAD_GROUP = cand.head_group
+        with L.config_override(**overrides):
+            yield
+    finally:
+        L.dkdv_split, L.BACKWARD_HEAD_GROUP = saved
+
+
+def llama_tensors(shape: dict, device, dtype=torch.bfloat16, seed: int = 0) -> dict:
+    """q, k, v, grad (random, or meta) in the shape's layout, the forward's (out, m, l) left to the caller."""
+    b, hq, hkv, s, d = (shape[n] for n in ("b", "hq", "hkv", "s", "d"))
+    meta = torch.device(device).type == "meta"
+    gen = None if meta else torch.Generator(device=device).manual_seed(seed)
+
+    def make(h):
+        if shape.get("layout", "bhsd") == "bshd":
+            size, back = (b, s, h, d), (lambda t: t.transpose(1, 2))
+        else:
+            size, back = (b, h, s, d), (lambda t: t)
+        t = (torch.empty(size, dtype=dtype, device=device) if meta else
+             torch.randn(size, dtype=dtype, device=device, generator=gen))
+        return back(t)
+    return {"q": make(hq), "k": make(hkv), "v": make(hkv), "g": make(hq)}
+
+
+def _llama_options(shape: dict) -> tuple:
+    s, d, causal = shape["s"], shape["d"], bool(shape["causal"])
+    return (None, 0, None, None, s, s, causal, 1.0 / math.sqrt(d), None, -1, 0 if causal else -1, 0)
+
+
+def llama_reference(shape: dict, t: dict) -> tuple:
+    """fp32 (dq, dk, dv) from SDPA with k / v repeated over each query group (efficient or math backend)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = shape["hq"] // shape["hkv"]
+    q, k, v = (t[n].float().requires_grad_(True) for n in ("q", "k", "v"))
+    ke, ve = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        out = torch.nn.functional.scaled_dot_product_attention(q, ke, ve, is_causal=bool(shape["causal"]))
+    return tuple(x.detach() for x in torch.autograd.grad(out, (q, k, v), t["g"].float()))
+
+
+def llama_check(outs: tuple, ref: tuple) -> str | None:
+    """The sweep's loose check (2% of the largest reference value + 1e-3) on dq, dk and dv."""
+    bad = []
+    for name, o, r in zip(("dq", "dk", "dv"), outs, ref, strict=True):
+        err, scale = (o.float() - r).abs().max().item(), r.abs().max().item()
+        if not err <= 0.02 * scale + 1e-3:
+            bad.append(f"{name} max error {err:.3g} > {0.02 * scale + 1e-3:.3g}")
+    return "; ".join(bad) or None
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int16),
+                                              b.contiguous().view(torch.int16))
+
+
+def _effective(shape: dict, t: dict) -> tuple:
+    """(dk/dv block_m, split, dq block_n) the launcher uses now (inside ``llama_knobs``): what the bits of
+    dk / dv (query step and partial sums) and of dq (key step) depend on."""
+    from safeops.ops import attention_launch as L
+
+    q, k, v = t["q"], t["k"], t["v"]
+    block_d = L.block_dim(shape["d"])
+    kv = L.config("dkdv", block_d, q.dtype, bool(shape["causal"]), q.device)
+    dq = L.config("dq", block_d, q.dtype, bool(shape["causal"]), q.device)
+    return kv.block_m, L.dkdv_split(shape["hq"] // shape["hkv"], k.numel() + v.numel()), dq.block_n
+
+
+KERNEL_GROUPS = (("dkdv", "attn_bwd_dkdv_kernel"), ("dq", "attn_bwd_dq_kernel"),
+                 ("delta", "attn_bwd_delta_kernel"))
+
+
+def kernel_times_us(fn, iters: int = 20) -> dict[str, float]:
+    """Device time per call of each backward kernel (torch.profiler): dkdv, dq, delta, and "other" (the
+    split's sums and copies), in microseconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:  # as bench/compile.py
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    attr = "device_time_total" if events and hasattr(events[0], "device_time_total") else "cuda_time_total"
+    out = {name: 0.0 for name, _ in KERNEL_GROUPS} | {"other": 0.0}
+    for e in events:
+        us = getattr(e, attr, 0) or 0
+        if us <= 0 or e.device_type.name not in ("CUDA", "PrivateUse1"):
+            continue
+        name = next((n for n, kernel in KERNEL_GROUPS if kernel in e.key), "other")
+        out[name] += us / iters
+    return out
+
+
+def host_us(fn, n: int = 50) -> float:
+    """Host time to enqueue one call, no synchronization inside the loop (microseconds)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def _record_llama(shape: dict, cands: list[LlamaCand]) -> list[tuple[LlamaCand, list[dict]]]:
+    """Each candidate's launches (forward + backward) as the launcher plans them for CUDA, on meta tensors."""
+    from safeops.ops import attention_launch as L
+
+    t = llama_tensors(shape, "meta")
+    options = _llama_options(shape)
+    out = []
+    for cand in cands:
+        with L.recording() as launches, llama_knobs(cand):
+            o, m, l = L.forward(t["q"], t["k"], t["v"], *options)
+            L.backward(t["g"], t["q"], t["k"], t["v"], o, m, l, *options)
+        out.append((cand, list(launches)))
+    return out
+
+
+def precompile_llama(shape: dict, cands: list[LlamaCand], log=_say) -> None:
+    """``precompile`` for the Llama candidates: their distinct kernels compiled in parallel into Triton's
+    cache before the timing loop."""
+    import json
+
+    from safeops.ops import attention_launch as L
+
+    unique = {json.dumps(x, sort_keys=True): x for _, ls in _record_llama(shape, cands) for x in ls}
+    start = time.time()
+    try:
+        results = L.compile_launches(list(unique.values()), timeout=300)["results"]
+        log(f"sweep llama: precompiled {len(unique)} kernels in {time.time() - start:.1f} s "
+            f"({sum(not r['ok'] for r in results)} failed)")
+    except Exception as e:  # only a warm-up
+        log(f"sweep llama: precompile failed ({str(e).splitlines()[0][:200]}); compiling one by one")
+
+
+def sweep_llama(out_dir: Path | None, deadline: float = math.inf, kinds=LLAMA_KINDS,
+                shape: dict | None = None, device: str = "cuda", cands: list[LlamaCand] | None = None,
+                timer=None, per_kernel: bool = True, warm: bool = True, log=_say,
+                dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> list[dict]:
+    """Times the backward (delta + dk/dv + split sums + dq) with each candidate at one model layer's shape
+    (default ``LLAMA``), the forward's outputs computed once with the default configs. Per candidate: the
+    loose check of dq / dk / dv against fp32 SDPA, their bits against the default's (expected equal where
+    the dk/dv query step and split, resp. the dq key step, are the default's: "diff(unexpected)" otherwise;
+    "same" where a difference was possible is no error), the backward's CUDA-event
+    time, and on CUDA the device time per kernel (profiler) and the host time per call. ``timer(fn) -> ms``
+    replaces the CUDA-event timer (CPU tests, which also pass fp16: Triton 3.9's interpreter mishandles
+    bf16); rows go to ``out_dir/attention_sweep_llama.csv``."""
+    import safeops  # noqa: F401
+
+    shape = shape or LLAMA
+    cands = cands if cands is not None else llama_candidates(kinds)
+    on_cuda = torch.device(device).type == "cuda"
+    timer = timer or (lambda fn: H.bench_ms(fn, 25, 100)[0])
+    if warm and on_cuda:
+        precompile_llama(shape, cands, log)
+    t = llama_tensors(shape, device, dtype, seed)
+    options = _llama_options(shape)
+    q, k, v, g = t["q"], t["k"], t["v"], t["g"]
+    out, m, l = torch.ops.safeops.attention(q, k, v, *options)
+    ref = llama_reference(shape, t)
+    b, hq, s, d = shape["b"], shape["hq"], shape["s"], shape["d"]
+    flop = 2.5 * 4.0 * b * hq * s * s * d / (2 if shape["causal"] else 1)
+
+    def backward():
+        return torch.ops.safeops.attention_backward(g, q, k, v, out, m, l, *options)
+
+    rows: list[dict] = []
+    base_bits = base_eff = None
+    for cand in cands:
+        if time.time() > deadline:
+            log("sweep llama: time budget used up")
+            break
+        row = dict(kind=cand.kind, candidate=cand.label, status="ok", ms=math.nan, tflops=math.nan, bits="",
+                   host_us=math.nan, **{f"{n}_us": math.nan for n in ("dkdv", "dq", "delta", "other")})
+        try:
+            with llama_knobs(cand):
+                eff = _effective(shape, t)
+                grads = backward()
+                if on_cuda:
+                    torch.cuda.synchronize()
+                problem = llama_check(grads, ref)
+                if problem:
+                    row["status"] = f"wrong: {problem}"
+                if base_bits is None:
+                    base_bits, base_eff = [x.clone() for x in grads], eff
+                same = [_same_bits(x, y) for x, y in zip(grads, base_bits, strict=True)]
+                expect = [eff[2] == base_eff[2], eff[:2] == base_eff[:2], eff[:2] == base_eff[:2]]
+                row["bits"] = " ".join(
+                    f"{n}={'same' if sm else 'diff'}{'(unexpected)' if ex and not sm else ''}"
+                    for n, sm, ex in zip(("dq", "dk", "dv"), same, expect, strict=True))
+                row["ms"] = timer(backward)
+                row["tflops"] = flop / (row["ms"] * 1e-3) * 1e-12
+                if on_cuda and per_kernel:
+                    try:
+                        row.update({f"{n}_us": us for n, us in kernel_times_us(backward).items()})
+                    except Exception as e:  # the profiler is a bonus: keep the row
+                        log(f"sweep llama: per-kernel times failed ({str(e).splitlines()[0][:120]})")
+                if on_cuda:
+                    row["host_us"] = host_us(backward)
+        except Exception as e:  # out of resources, a split that does not divide: record and go on
+            row["status"] = f"error: {str(e).splitlines()[0][:120]}"
+        rows.append(row)
+        log(f"sweep llama {cand.kind:5s} {cand.label:42s} {row['status'][:60]:8s} {row['ms']:.4f} ms "
+            f"{row['tflops']:.1f} TFLOP/s | dkdv {row['dkdv_us']:.1f} dq {row['dq_us']:.1f} delta "
+            f"{row['delta_us']:.1f} other {row['other_us']:.1f} us | host {row['host_us']:.1f} us | "
+            f"{row['bits']}")
+    best: dict[str, dict] = {}
+    for row in rows:
+        if row["status"] == "ok" and (row["kind"] not in best or row["ms"] < best[row["kind"]]["ms"]):
+            best[row["kind"]] = row
+    log("\nbest per kind (whole backward, CUDA events):")
+    for kind, row in best.items():
+        log(f"  {kind}: {row['candidate']}  {row['ms']:.4f} ms  dkdv {row['dkdv_us']:.1f} us")
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / "attention_sweep_llama.csv"
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]) + ["shape"] if rows else ["shape"])
+            w.writeheader()
+            for row in rows:
+                w.writerow(row | {"shape": json_shape(shape)})
+        log(f"wrote {path}")
+    return rows
+
+
+def json_shape(shape: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in shape.items())
+
+
+# Offline build statistics: Triton's compile worker (attention_launch._COMPILE_WORKER) with triton.compile
+# wrapped to keep the compiled kernel, whose binary bench/_sm90.py rebuilds with ptxas -v for registers and
+# spill bytes. Runs in a Triton-only venv (no torch, no GPU).
+_STATS_WORKER = r"""
+import json, multiprocessing, os, sys
+from concurrent.futures import ProcessPoolExecutor
+
+import triton
+
+request = json.load(sys.stdin)
+sys.path.insert(0, request["bench_dir"])
+import _sm90
+
+worker = {"__name__": "safeops_compile_worker"}
+exec(request["worker_source"], worker)
+_last = []
+_compile = triton.compile
+
+
+def _keep(*args, **kwargs):
+    c = _compile(*args, **kwargs)
+    _last.append(c)
+    return c
+
+
+triton.compile = _keep
+
+
+def stats(job):
+    _last.clear()
+    result = worker["compile_one"](job)
+    if result.get("ok") and _last:
+        try:
+            result["regs"], result["spill"], _ = _sm90.binary_stats(_last[-1])
+        except Exception as e:
+            result["regs"] = result["spill"] = -1
+            result["stats_error"] = str(e)[-300:]
+    return result
+
+
+if __name__ == "__main__":
+    jobs = [(request["kernel_file"], request["arch"], launch) for launch in request["launches"]]
+    workers = max(1, min(len(jobs), request.get("workers") or os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        results = list(pool.map(stats, jobs, chunksize=1))
+    print(json.dumps({"triton": triton.__version__, "results": results}))
+"""
+
+
+def compile_stats(launches: list[dict], python: str | None = None, workers: int | None = None,
+                  timeout: float = 1800) -> dict:
+    """``attention_launch.compile_launches`` plus registers / spill bytes per launch (ptxas -v, sm_90a)."""
+    import json
+    import os
+    import subprocess
+
+    from safeops.ops import attention_launch as L
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if "TRITON_INTERPRET" in env:
+        env["TRITON_INTERPRET"] = "0"
+    request = json.dumps({"kernel_file": L.KERNEL_FILE, "arch": 90, "launches": launches, "workers": workers,
+                          "bench_dir": str(HERE), "worker_source": L._COMPILE_WORKER})
+    proc = subprocess.run([python or sys.executable, "-c", _STATS_WORKER], input=request, capture_output=True,
+                          text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"offline compile worker failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def default_compile_python() -> str:
+    """/tmp/t36's Python (Triton 3.6, the GPU machine's) when it exists, else this one."""
+    import os
+
+    for candidate in (os.environ.get("SAFEOPS_COMPILE_PYTHON"), "/tmp/t36/bin/python"):
+        if candidate and os.path.exists(candidate):
+            return candidate
+    return sys.executable
+
+
+def compile_only_llama(shape: dict | None = None, cands: list[LlamaCand] | None = None,
+                       python: str | None = None, log=_say) -> list[dict]:
+    """Compiles every candidate's dk/dv and dq kernels for sm_90 offline and prints registers, spill bytes
+    and shared memory. Returns one row per (candidate, kernel)."""
+    import json
+
+    shape = shape or LLAMA
+    cands = cands if cands is not None else llama_candidates()
+    recorded = _record_llama(shape, cands)
+    wanted = ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
+    unique: dict[str, dict] = {}
+    for _, launches in recorded:
+        for x in launches:
+            if x["kernel"] in wanted:
+                unique.setdefault(json.dumps(x, sort_keys=True), x)
+    keys = list(unique)
+    start = time.time()
+    answer = compile_stats([unique[key] for key in keys], python or default_compile_python())
+    by_key = dict(zip(keys, answer["results"], strict=True))
+    log(f"compile-only: Triton {answer['triton']}, {len(keys)} kernels for sm_90 in "
+        f"{time.time() - start:.0f} s ({json_shape(shape)})")
+    rows = []
+    shows = {"base": wanted, "dkdv": wanted[:1], "split": wanted[:1], "dq": wanted[1:], "group": ()}
+    for cand, launches in recorded:
+        for x in launches:
+            if x["kernel"] not in shows.get(cand.kind, wanted):  # the kernels the candidate changes
+                continue
+            r = by_key[json.dumps(x, sort_keys=True)]
+            kw = x["kwargs"]
+            cfg = (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["NUM_STAGES"])
+            row = dict(kind=cand.kind, candidate=cand.label, kernel=x["kernel"], config=cfg,
+                       split=kw.get("SPLIT", ""), tma=kw.get("USE_TMA"), ok=r["ok"], regs=r.get("regs"),
+                       spill=r.get("spill"), shared=r.get("shared"), error=r.get("error", "")[-200:])
+            rows.append(row)
+            short = x["kernel"].removeprefix("attn_bwd_").removesuffix("_kernel")
+            status = (f"regs={row['regs']} spill={row['spill']} smem={row['shared']}" if r["ok"] else
+                      f"FAILED {row['error']}")
+            log(f"  {cand.kind:5s} {cand.label:42s} {short:4s} {cfg} split={row['split']} "
+                f"tma={row['tma']}: {status}")
+    return rows
+
+
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
@@ -474,7 +924,21 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="bf16 S=4K only; unless --impl: safeops (+ fusion on), cuDNN, SDPA flash, flex")
     p.add_argument("--sweep", action="store_true", help="tune safeops' kernel configurations instead")
-    p.add_argument("--kernels", default="fwd,dkdv,dq", help="--sweep: which kernels' candidates to time")
+    p.add_argument("--kernels", default="",
+                   help="--sweep: which kernels' candidates to time (default fwd,dkdv,dq; with "
+                        "--shape llama: dkdv,split,group,dq)")
+    p.add_argument("--shape", default="mha", choices=("mha", "llama"),
+                   help="--sweep: mha = bf16 B=4 H=16 S=4K (--d, --causal); llama = one layer of "
+                        "bench/model.py's 1.1B Llama (B=1, 32 q / 4 kv heads, S=4K, D=64, causal, "
+                        "(B, S, H, D) layout)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="--sweep --shape llama: compile the candidates for sm_90 offline and print "
+                        "registers / spills / shared memory (no GPU; Triton from --compile-python)")
+    p.add_argument("--compile-python", default="",
+                   help="--compile-only: the Python whose Triton compiles (default: /tmp/t36/bin/python "
+                        "if it exists)")
+    p.add_argument("--no-per-kernel", action="store_true",
+                   help="--shape llama: skip the per-kernel device times (torch.profiler)")
     p.add_argument("--no-precompile", action="store_true",
                    help="--sweep: do not compile the candidates in parallel first")
     p.add_argument("--d", default="64,128", help="head dims (sweep and benchmark)")
@@ -484,14 +948,34 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=float, default=25)
     p.add_argument("--rep", type=float, default=100)
     args = p.parse_args(argv)
+    kinds = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
+    if args.shape == "llama":
+        if not args.sweep:
+            p.error("--shape llama: only with --sweep")
+        unknown = set(kinds) - set(LLAMA_KINDS)
+        if unknown:
+            p.error(f"--kernels: unknown {sorted(unknown)} for --shape llama; choose from "
+                    f"{list(LLAMA_KINDS)}")
+        kinds = kinds or LLAMA_KINDS
+        if args.compile_only:
+            import safeops  # noqa: F401
+
+            rows = compile_only_llama(cands=llama_candidates(kinds), python=args.compile_python or None)
+            return 1 if any(not r["ok"] for r in rows) else 0
+    elif args.compile_only:
+        p.error("--compile-only: only with --sweep --shape llama")
     H.require_cuda("bench/attention.py")
     import safeops  # noqa: F401
 
     out_dir = Path(args.out)
     deadline = time.time() + args.budget_s if args.budget_s else None
     dims, causals = _ints(args.d), _ints(args.causal)
+    if args.sweep and args.shape == "llama":
+        sweep_llama(out_dir, deadline or math.inf, kinds, per_kernel=not args.no_per_kernel,
+                    warm=not args.no_precompile)
+        return 0
     if args.sweep:
-        kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
+        kernels = kinds or ("fwd", "dkdv", "dq")
         unknown = set(kernels) - set(SWEEP_KERNELS)
         if unknown:
             p.error(f"--kernels: unknown {sorted(unknown)}; choose from {sorted(SWEEP_KERNELS)}")
