@@ -29,9 +29,9 @@ ROW_STRIDES = [f"s{t}{i}" for t in "gxodm" for i in range(3)] + ["n_rows", "B1",
 def _row_offsets(rows, B1, B2, s0, s1, s2, ALIGN: tl.constexpr, ROW_DIMS: tl.constexpr = 3):
     # ROW_DIMS: how many of the three batch dims the launcher's row view uses (the unused ones are the
     # outer ones, of size 1). One dim, the common case of rows that lie one stride apart, needs no
-    # division: a row's offset is `row * s2`. The division costs 12-17% of the short-row kernels'
-    # instructions (offline SASS), so this is worth a compile of its own; the offsets, and so the tile
-    # layout and every result bit, are the same either way.
+    # division: a row's offset is `row * s2`. The division is 10-36% of the short-row kernels' SASS (sm_90,
+    # offline: forward 16 x 256 tile 1,304 -> 832 instructions), so this is worth a compile of its own; the
+    # offsets, and so the tile layout and every result bit, are the same either way (GPU test).
     # Row indices and batch sizes fit 32 bits (the launcher checks), so the division is 32-bit, which is
     # several times cheaper than 64-bit; the offsets are 64-bit: tensors past 2**31 elements must index
     # correctly (contract section 8).
