@@ -365,7 +365,7 @@ def _forward_plan(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_sum
     _, B1, B2 = rows.sizes
     kwargs = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask is not None, WIDE=_wide(rows), **al,
                   ROW_DIMS=_row_dims(rows), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_launch_options(cfg))
-    grid = (triton.cdiv(rows.n_rows, cfg.block_m),)
+    grid = cfg.grid(rows.n_rows, x.device)
     scalars = (rows.n_rows, rows.n_cols, B1, B2, *rows.args("x"), *rows.args("out"), *rows.args("mask"))
     return _RowsPlan(KernelLaunch(kernels().softmax_fwd_rows_kernel, grid, kwargs), scalars, rows.n_rows)
 
@@ -416,7 +416,7 @@ def _forward_general(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_
     elem = x.element_size()
     cfg = rows_config(rows.n_cols, elem, rows.args("x")[3] == 1)
     if cfg is not None:
-        grid = (triton.cdiv(rows.n_rows, cfg.block_m),)
+        grid = cfg.grid(rows.n_rows, x.device)
         k.softmax_fwd_rows_kernel[grid](
             x_, out_, mask_arg, scale_ptr, row_max, row_sum,
             rows.n_rows, rows.n_cols, B1, B2,
