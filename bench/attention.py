@@ -913,6 +913,32 @@ def compile_only_llama(shape: dict | None = None, cands: list[LlamaCand] | None 
     return rows
 
 
+def layer_shape(text: str) -> dict:
+    """``LLAMA`` with the ``key=value`` pairs of ``text`` (comma separated) replaced."""
+    shape = dict(LLAMA)
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, _, value = item.partition("=")
+        if key not in LLAMA or not value:
+            raise ValueError(f"--layer: expected key=value with a key of {sorted(LLAMA)}, got {item!r}")
+        shape[key] = value if key == "layout" else int(value)
+    if shape["hq"] % shape["hkv"]:
+        raise ValueError(f"--layer: hq={shape['hq']} is not a multiple of hkv={shape['hkv']}")
+    return shape
+
+
+def _tiles(text: str) -> list[tuple | None]:
+    return [tuple(int(v) for v in t.split(":")) for t in text.split(";") if t.strip()] or [None]
+
+
+def split_candidates(shape: dict, splits: tuple[int, ...], tiles: list[tuple | None]) -> list[LlamaCand]:
+    """The default, then each dk/dv tile (None: the shipped one) at each split that divides the group."""
+    group = shape["hq"] // shape["hkv"]
+    out = [LlamaCand("base")]
+    for tile in tiles:
+        out += [LlamaCand("split", dkdv=tile, split=s) for s in splits if group % s == 0]
+    return out
+
+
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
@@ -937,6 +963,15 @@ def main(argv=None) -> int:
     p.add_argument("--compile-python", default="",
                    help="--compile-only: the Python whose Triton compiles (default: /tmp/t36/bin/python "
                         "if it exists)")
+    p.add_argument("--layer", action="append", default=[],
+                   help="--shape llama: another layer shape instead of the 1.1B Llama's, e.g. "
+                        "'hq=32,hkv=8,d=128' (keys of LLAMA; the rest as LLAMA); repeatable, one sweep each "
+                        "into OUT/<layer>")
+    p.add_argument("--splits", default="",
+                   help="--shape llama: instead of the kinds' candidates, the default and every listed "
+                        "GQA split that divides the layer's group (with --split-configs' dk/dv tiles)")
+    p.add_argument("--split-configs", default="",
+                   help="--splits: dk/dv tiles 'BM:BN:W:S;...' (default: the shipped tile)")
     p.add_argument("--no-per-kernel", action="store_true",
                    help="--shape llama: skip the per-kernel device times (torch.profiler)")
     p.add_argument("--no-precompile", action="store_true",
@@ -971,8 +1006,13 @@ def main(argv=None) -> int:
     deadline = time.time() + args.budget_s if args.budget_s else None
     dims, causals = _ints(args.d), _ints(args.causal)
     if args.sweep and args.shape == "llama":
-        sweep_llama(out_dir, deadline or math.inf, kinds, per_kernel=not args.no_per_kernel,
-                    warm=not args.no_precompile)
+        for text in args.layer or [""]:
+            shape = layer_shape(text)
+            cands = (split_candidates(shape, _ints(args.splits), _tiles(args.split_configs))
+                     if args.splits else None)
+            sweep_llama(out_dir / text.replace(",", "_").replace("=", "") if text else out_dir,
+                        deadline or math.inf, kinds, shape=shape, cands=cands,
+                        per_kernel=not args.no_per_kernel, warm=not args.no_precompile)
         return 0
     if args.sweep:
         kernels = kinds or ("fwd", "dkdv", "dq")

@@ -109,3 +109,19 @@ def test_two_candidates_compile_for_sm90_with_register_counts():
                                                          ("dkdv", "attn_bwd_dkdv_kernel")], text
     assert all(r["ok"] and 0 < r["regs"] <= 255 and 0 < r["shared"] <= 232448 for r in rows), text
     assert rows[2]["spill"] == 0 and rows[2]["config"] == (32, 128, 8, 3), text
+
+
+def test_layer_shapes_and_split_candidates():
+    A = _module()
+    shape = A.layer_shape("hq=32,hkv=8,d=128")
+    assert shape == dict(A.LLAMA, hkv=8, d=128)
+    assert A.layer_shape("") == A.LLAMA
+    for bad in ("hq=32,heads=4", "hkv=", "hq=30,hkv=4"):
+        with pytest.raises(ValueError, match="--layer"):
+            A.layer_shape(bad)
+    cands = A.split_candidates(shape, (1, 2, 3, 4, 8), A._tiles("64:64:4:3;32:128:4:2"))
+    assert cands[0] == A.LlamaCand("base")
+    assert [(c.dkdv, c.split) for c in cands[1:]] == [
+        ((64, 64, 4, 3), 1), ((64, 64, 4, 3), 2), ((64, 64, 4, 3), 4),
+        ((32, 128, 4, 2), 1), ((32, 128, 4, 2), 2), ((32, 128, 4, 2), 4)]  # 3 and 8 do not divide 4
+    assert [c.dkdv for c in A.split_candidates(shape, (2,), A._tiles(""))] == [None, None]
