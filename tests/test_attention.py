@@ -291,19 +291,31 @@ def test_deterministic(backend, seed):
         assert torch.equal(a, b), f"{seed}"
 
 
+def test_gqa_dkdv_split_rule():
+    """Two query heads per dk/dv program for a group of 4 or more (a divisor of the group), one below; the
+    memory cap takes the next smaller divisor."""
+    from safeops.ops import attention_launch
+
+    assert [attention_launch.dkdv_split(g, 1) for g in (1, 2, 3, 4, 5, 6, 8, 16)] == [1, 2, 3, 2, 5, 3, 4, 8]
+    cap = attention_launch.DKDV_SPLIT_MAX_BYTES
+    assert attention_launch.dkdv_split(16, cap // 4 // 8) == 8
+    assert attention_launch.dkdv_split(16, cap // 4 // 8 + 1) == 4
+    assert attention_launch.dkdv_split(6, cap // 4 // 2 + 1) == 1
+
+
 @pytest.mark.parametrize("cap_elements", [None, 2, 1], ids=["split4", "split2", "nosplit"])
 def test_gqa_dkdv_split(triton_backend, seed, monkeypatch, cap_elements):
     """The dk/dv kernel splits a kv head's query group over several programs (fp32 partials summed in a
-    fixed order); the memory cap shrinks the split down to the unsplit kernel. Every split matches the
-    oracle, and the splits agree closely with each other."""
+    fixed order by one kernel); the memory cap shrinks the split down to the unsplit kernel. Every split
+    matches the oracle."""
     from safeops.ops import attention_launch
 
-    q, k, v = qkv(seed, b=2, hq=8, hkv=2, sq=23, sk=37, d=16)
+    q, k, v = qkv(seed, b=2, hq=16, hkv=2, sq=23, sk=37, d=16)
     kv = k.numel() + v.numel()
-    assert attention_launch.dkdv_split(4, kv) == 4
+    assert attention_launch.dkdv_split(8, kv) == 4
     if cap_elements is not None:  # room for fp32 partials of `cap_elements` x the k/v elements
         monkeypatch.setattr(attention_launch, "DKDV_SPLIT_MAX_BYTES", kv * cap_elements * 4)
-        assert attention_launch.dkdv_split(4, kv) == cap_elements
+        assert attention_launch.dkdv_split(8, kv) == cap_elements
     check_against_oracle(q, k, v, seed, is_causal=True, window=(15, None))
 
 

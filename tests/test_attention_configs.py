@@ -134,8 +134,9 @@ def _label(launch: dict) -> str:
 
 
 def test_recorder_sees_the_launchers_choice():
-    """The meta-tensor plan records the configuration table's entry (the recorder is not blind)."""
-    launches = record([dict(d=128, dtype=torch.bfloat16)])
+    """The meta-tensor plan records the configuration table's entry (the recorder is not blind); a GQA group
+    of 2 splits dk/dv (two programs per group), so the split's sum is launched too."""
+    launches = record([dict(d=128, dtype=torch.bfloat16, group=2)])
     fwd = [x for x in launches if x["kernel"] == "attn_fwd_kernel"]
     assert len(fwd) == 1
     cfg = L.config("fwd", 128, torch.bfloat16, False, torch.device("cuda"))

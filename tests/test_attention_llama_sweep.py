@@ -50,9 +50,9 @@ def test_knobs_reach_the_planned_launches_and_are_restored():
         got[cand.kind] = ((dkdv["BLOCK_M"], dkdv["BLOCK_N"], dkdv["num_warps"], dkdv["NUM_STAGES"]),
                           dkdv["SPLIT"], (dq["BLOCK_M"], dq["BLOCK_N"], dq["num_warps"], dq["NUM_STAGES"]))
         assert dkdv["GROUP"] == 8 and dkdv["EVEN"] and dkdv["MASK_KIND"] == 0
-    assert got["base"] == (A.LLAMA_DKDV[0], 8, A.LLAMA_DQ[0])  # default split: the whole group (8)
+    assert got["base"] == (A.LLAMA_DKDV[0], 4, A.LLAMA_DQ[0])  # default split: two heads per program
     assert got["split"] == ((64, 128, 8, 3), 2, A.LLAMA_DQ[0])
-    assert got["dq"] == (A.LLAMA_DKDV[0], 8, (128, 32, 8, 3))
+    assert got["dq"] == (A.LLAMA_DKDV[0], 4, (128, 32, 8, 3))
     with A.llama_knobs(C("group", head_group=32)):
         assert L._backward_grid(32, 32, True) == (32, 32, 1)
     assert L._backward_grid(32, 32, True) == (L.BACKWARD_HEAD_GROUP, 32, 4)

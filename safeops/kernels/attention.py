@@ -665,3 +665,43 @@ def attn_bwd_dq_kernel(
     dq_base = dq_ptr + pid_b.to(tl.int64) * sdqb + pid_h.to(tl.int64) * sdqh + q_start.to(tl.int64) * sdqs
     tl.store(dq_base + offs_m[:, None] * sdqs + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty),
              mask=q_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _split_sum_tile(part_ptr, out_ptr, r0, rows, n_heads, inner, spo, sph, spi, soo, soh, soi,
+                    DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows r0 .. r0 + BLOCK_R of the flattened (outer, kv head, inner) result: outer / inner are (batch,
+    position) dense and (token, 1) packed. Partial j of kv head h is head h * SPLIT + j of the partials; they
+    are added in order j = 0, 1, ... from +0, then rounded once to the result's dtype."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_r < rows)[:, None] & (offs_d < DIM)[None, :]
+    i = offs_r % inner
+    t = offs_r // inner
+    h = t % n_heads
+    o = t // n_heads
+    p_rows = o.to(tl.int64) * spo + (h * SPLIT).to(tl.int64) * sph + i.to(tl.int64) * spi
+    p_ptrs = part_ptr + p_rows[:, None] + offs_d[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for j in tl.static_range(SPLIT):
+        acc = acc + tl.load(p_ptrs + j * sph, mask=ok, other=0.0)
+    o_rows = o.to(tl.int64) * soo + h.to(tl.int64) * soh + i.to(tl.int64) * soi
+    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["rows", "n_heads", "inner", "n_blocks_k"])
+def attn_bwd_split_sum_kernel(
+    dkp_ptr, dvp_ptr, dk_ptr, dv_ptr, rows, n_heads, inner, n_blocks_k,
+    skpo, skph, skpi, svpo, svph, svpi, sko, skh, ski, svo, svh, svi,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """The GQA split's fp32 dk / dv partials summed per kv head and stored in dk's / dv's dtype and layout,
+    one launch for both: programs 0 .. n_blocks_k - 1 take dk, the rest dv."""
+    pid = tl.program_id(0)
+    if pid < n_blocks_k:
+        _split_sum_tile(dkp_ptr, dk_ptr, pid * BLOCK_R, rows, n_heads, inner, skpo, skph, skpi, sko, skh, ski,
+                        HEAD_DIM, SPLIT, BLOCK_R, BLOCK_D)
+    else:
+        _split_sum_tile(dvp_ptr, dv_ptr, (pid - n_blocks_k) * BLOCK_R, rows, n_heads, inner, svpo, svph, svpi,
+                        svo, svh, svi, HEAD_DIM_V, SPLIT, BLOCK_R, BLOCK_DV)

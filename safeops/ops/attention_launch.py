@@ -295,14 +295,21 @@ def _common_constexprs(p: _Problem, mask_kind: int, softcap) -> dict:
 # GQA: the dk/dv kernel runs one program per (key block, kv head), looping over the head's query group. With
 # few kv heads that is too few programs (a 4-kv-head model at S=4K: 128 programs for 132 SMs, 3.5x slower
 # than the whole dq kernel on the H200), so each group is split over SPLIT programs writing fp32 partials.
-# The split depends on the group size only (plus a memory cap), never on the sequence lengths.
+# Two query heads per program beat one wherever the group has 4 or more (H200, causal bf16, whole backward:
+# 32q/4kv D64 0.758 -> 0.684 ms, 32q/8kv D64 0.771 -> 0.693, 32q/8kv D128 1.228 -> 1.113, 64q/4kv D64
+# 1.443 -> 1.282, 32q/4kv D128 1.211 -> 1.095, B4 S1K 0.318 -> 0.306; one head per program or the unsplit
+# kernel were slower at every shape: bench/results/attention_split_sweep_2026-11-30-s7.txt).
+# The split depends on the group size only (plus a memory cap), never on the sequence lengths or the batch.
 DKDV_SPLIT_MAX_BYTES = 4 << 30
+DKDV_HEADS_PER_PROGRAM = 2
 
 
 def dkdv_split(group: int, kv_elements: int) -> int:
-    """How many programs share one kv head's query group in the dk/dv kernel (a divisor of ``group``): all
-    of it, unless the fp32 partials (``2 x split x`` the elements of k and v) would pass the memory cap."""
-    split = group
+    """How many programs share one kv head's query group in the dk/dv kernel (a divisor of ``group``):
+    ``group / DKDV_HEADS_PER_PROGRAM`` for a group of 4 or more, the whole group (one head per program) below,
+    fewer if the fp32 partials (``2 x split x`` the elements of k and v) would pass the memory cap."""
+    per = DKDV_HEADS_PER_PROGRAM
+    split = group // per if group >= 4 and group % per == 0 else group
     while split > 1 and kv_elements * split * 4 > DKDV_SPLIT_MAX_BYTES:
         split = max(d for d in range(1, split) if group % d == 0)
     return split
@@ -329,14 +336,34 @@ def _even(p: _Problem, cfg: AttnConfig) -> bool:
     return not p.varlen and p.max_q % cfg.block_m == 0 and p.max_k % cfg.block_n == 0
 
 
-def _sum_split(part: torch.Tensor, split: int, varlen: bool) -> torch.Tensor:
-    """(B, Hkv * split, S, D) -> (B, Hkv, S, D) (packed: (T, Hkv * split, D) -> (T, Hkv, D)), fp32, in a
-    fixed order (deterministic)."""
+# The GQA split's sum: rows (kv head x position) per program and warps. 32 x 8 keeps D=64 at split 8 near 100
+# registers (offline sm_90, Triton 3.6); on the H200 it runs the 1.1B Llama layer's sums and casts in 28.6
+# against 45.2 us for two torch sums + two copies (bench/results/attn_split_sum_2026-11-30-s7.txt).
+SPLIT_SUM_BLOCK_R = 32
+SPLIT_SUM_WARPS = 8
+
+
+def _bhs3(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(outer, head, inner) strides of a (B, H, S, D) tensor, or (t, h, 0) of a packed (T, H, D) one."""
     if varlen:
-        t, h, d = part.shape
-        return part.view(t, h // split, split, d).sum(2)
-    b, h, s, d = part.shape
-    return part.view(b, h // split, split, s, d).sum(2)
+        return t.stride(0), t.stride(1), 0
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _split_sum(dk_part, dv_part, dk, dv, split: int, varlen: bool, record: list | None) -> None:
+    """dk / dv = the fp32 partials of each kv head's SPLIT programs (heads h * split .. h * split + split - 1
+    of dk_part / dv_part), added in a fixed order and rounded once to dk's / dv's dtype: one launch."""
+    rows = dk.shape[0] * dk.shape[1] * (1 if varlen else dk.shape[2])
+    on_gpu = _gpu(dk.device)
+    block_r = SPLIT_SUM_BLOCK_R if on_gpu else 16
+    n_blocks = _cdiv(rows, block_r)
+    _launch(kernels().attn_bwd_split_sum_kernel, (2 * n_blocks,),
+        dk_part, dv_part, dk, dv, rows, dk.shape[1], 1 if varlen else dk.shape[2], n_blocks,
+        *_bhs3(dk_part, varlen), *_bhs3(dv_part, varlen), *_bhs3(dk, varlen), *_bhs3(dv, varlen),
+        HEAD_DIM=dk.shape[-1], HEAD_DIM_V=dv.shape[-1], SPLIT=split, BLOCK_R=block_r,
+        BLOCK_D=block_dim(dk.shape[-1]), BLOCK_DV=block_dim(dv.shape[-1]),
+        num_warps=SPLIT_SUM_WARPS if on_gpu else 1, enable_fp_fusion=_config.fp_fusion, record=record,
+    )
 
 
 def _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale, softcap, wl, wr,
@@ -415,22 +442,23 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
     )
     kv = config("dkdv", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
     split = dkdv_split(p.hq // p.hkv, k.numel() + v.numel())
+    dkp, dvp = dk_, dv_
     if split > 1:  # fp32 partials per slice of each kv head's query group, summed below
-        dk_, dv_ = (torch.empty(*t.shape[:-2], t.shape[-2] * split, t.shape[-1], dtype=torch.float32,
+        dkp, dvp = (torch.empty(*t.shape[:-2], t.shape[-2] * split, t.shape[-1], dtype=torch.float32,
                                 device=t.device) if p.varlen else
                     torch.empty(t.shape[0], t.shape[1] * split, *t.shape[2:], dtype=torch.float32,
                                 device=t.device) for t in (dk, dv))
     n_bh = p.batch * p.hkv * split
     _launch(k_mod.attn_bwd_dkdv_kernel, _backward_grid(_cdiv(p.max_k, kv.block_n), n_bh, p.masked),
-        q_, k_, v_, g_, dk_, dv_, row_max, row_sum, delta, p.mask_arg, p.cu_q, p.cu_k,
+        q_, k_, v_, g_, dkp, dvp, row_max, row_sum, delta, p.mask_arg, p.cu_q, p.cu_k,
         *_bhs(q_, p.varlen), *_bhs(k_, p.varlen), *_bhs(v_, p.varlen), *_bhs(g_, p.varlen),
-        *_bhs(dk_, p.varlen), *_bhs(dv_, p.varlen), *st, *p.mask_strides,
+        *_bhs(dkp, p.varlen), *_bhs(dvp, p.varlen), *st, *p.mask_strides,
         p.hq, n_bh, p.max_q, p.max_k, p.window_left, p.window_right, c1, c2, scale_ds,
         **common, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, NUM_STAGES=kv.num_stages,
         USE_TMA=_use_tma(kv, q_, g_), SPLIT=split, EVEN=_even(p, kv), **_launch_options(kv), record=record,
     )
     if split > 1:
-        dk_, dv_ = (_sum_split(t, split, p.varlen) for t in (dk_, dv_))
+        _split_sum(dkp, dvp, dk_, dv_, split, p.varlen, record)
     qc = config("dq", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
     n_m_blocks = _cdiv(p.max_q, qc.block_m)
     _launch(k_mod.attn_bwd_dq_kernel, _backward_grid(n_m_blocks, p.batch * p.hq, p.masked),
@@ -478,8 +506,9 @@ def clear_plans() -> None:
 def _settings() -> tuple:
     """What plans depend on beyond their keys; plans are dropped when any of it is replaced."""
     return (kernels, _kernels, _config.fp_fusion, tuple(_override.items()), DKDV_SPLIT_MAX_BYTES,
-            BACKWARD_HEAD_GROUP, DELTA_BLOCK_M, INTERPRETER_CONFIG, config, dkdv_split, _gpu, _check_device,
-            _use_tma, launch, FWD_CONFIGS, DKDV_CONFIGS, DQ_CONFIGS, MASK_CONFIGS, FP32_FWD, FP32_BWD)
+            SPLIT_SUM_BLOCK_R, SPLIT_SUM_WARPS, BACKWARD_HEAD_GROUP, DELTA_BLOCK_M, INTERPRETER_CONFIG,
+            config, dkdv_split, DKDV_HEADS_PER_PROGRAM, _gpu, _check_device, _use_tma, launch, FWD_CONFIGS,
+            DKDV_CONFIGS, DQ_CONFIGS, MASK_CONFIGS, FP32_FWD, FP32_BWD)
 
 
 def _tables() -> tuple[dict, dict]:
@@ -534,7 +563,7 @@ class _FwdPlan:
 
 class _BwdPlan:
     __slots__ = ("delta", "delta_scalars", "dkdv", "dkdv_scalars", "dq", "dq_scalars", "split", "part_shape",
-                 "mask_bool", "varlen", "grad_dtype")
+                 "sum", "sum_scalars", "mask_bool", "varlen", "grad_dtype")
 
 
 def _forward_plan(q, k, v, mask, cu_q, out_dtype, result, record) -> _FwdPlan | str:
@@ -596,7 +625,11 @@ def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale
 def _backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype, result, record
                    ) -> _BwdPlan | str:
     dq, dk, dv = result
-    if len(record) != 3:
+    if len(record) == 4:  # delta, dk/dv, the split's sum, dq
+        record, sum_launch = [record[0], record[1], record[3]], record[2]
+    elif len(record) == 3:
+        sum_launch = None
+    else:
         return _GENERAL
     (dk_d, grid_d, args_d, kw_d), (dk_k, grid_k, args_k, kw_k), (dk_q, grid_q, args_q, kw_q) = record
     delta_scalars, dkdv_scalars, dq_scalars = _split_args(args_d, 5), _split_args(args_k, 12), _split_args(
@@ -614,13 +647,24 @@ def _backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype,
     if not same:
         return _GENERAL
     split = kw_k["SPLIT"]
+    sum_scalars = None
     if split == 1:
-        if args_k[4] is not dk or args_k[5] is not dv:
+        if sum_launch is not None or args_k[4] is not dk or args_k[5] is not dv:
             return _GENERAL
-    elif not (args_k[4].shape == args_k[5].shape and args_k[4].dtype == args_k[5].dtype == torch.float32
-              and args_k[4].is_contiguous() and args_k[5].is_contiguous()):
-        return _GENERAL
+    else:
+        if sum_launch is None or not (args_k[4].shape == args_k[5].shape
+                                      and args_k[4].dtype == args_k[5].dtype == torch.float32
+                                      and args_k[4].is_contiguous() and args_k[5].is_contiguous()):
+            return _GENERAL
+        args_s = sum_launch[2]
+        sum_scalars = _split_args(args_s, 4)
+        if (sum_scalars is None or args_s[0] is not args_k[4] or args_s[1] is not args_k[5]
+                or args_s[2] is not dk or args_s[3] is not dv):
+            return _GENERAL
     plan = _BwdPlan()
+    plan.sum, plan.sum_scalars = None, sum_scalars
+    if sum_launch is not None:
+        plan.sum = _launcher(sum_launch[0], sum_launch[1], sum_launch[3], q.device)
     plan.delta = _launcher(dk_d, grid_d, kw_d, q.device)
     plan.dkdv = _launcher(dk_k, grid_k, kw_k, q.device)
     plan.dq = _launcher(dk_q, grid_q, kw_q, q.device)
@@ -674,11 +718,8 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
         dk_, dv_ = dk, dv
     plan.dkdv(q, k, v, grad, dk_, dv_, row_max, row_sum, delta, mask_arg, cu_q, cu_k, *plan.dkdv_scalars)
     if split > 1:
-        dk_, dv_ = _sum_split(dk_, split, plan.varlen), _sum_split(dv_, split, plan.varlen)
+        plan.sum(dk_, dv_, dk, dv, *plan.sum_scalars)
     plan.dq(q, k, v, grad, dq, row_max, row_sum, delta, mask_arg, cu_q, cu_k, *plan.dq_scalars)
-    if split > 1:
-        dk.copy_(dk_)
-        dv.copy_(dv_)
     return dq, dk, dv
 
 
@@ -687,7 +728,8 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
 # every configuration for sm_90 offline; bench/attention.py --sweep warms Triton's cache in parallel.
 # ------------------------------------------------------------------------------------------------------
 
-KERNEL_NAMES = ("attn_fwd_kernel", "attn_bwd_delta_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
+KERNEL_NAMES = ("attn_fwd_kernel", "attn_bwd_delta_kernel", "attn_bwd_dkdv_kernel",
+                "attn_bwd_split_sum_kernel", "attn_bwd_dq_kernel")
 KERNEL_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels",
                            "attention.py")
 
