@@ -286,10 +286,11 @@ def launch_config(cfg: dict, n: int, elem: int):
             set_attr(L, name, value)
 
     try:
-        if "path" in cfg and hasattr(L, RESIDENT_KNOB):
-            limits = getattr(L, RESIDENT_KNOB)
-            cur = limits.get(elem, 8192) if isinstance(limits, dict) else limits
-            set_knob(RESIDENT_KNOB, max(cur, n) if cfg["path"] == "rows" else min(cur, n - 1))
+        for knob in (RESIDENT_KNOB, RESIDENT_KNOB + "_FWD"):  # the second: the forward's own limit
+            if "path" in cfg and hasattr(L, knob):
+                limits = getattr(L, knob)
+                cur = limits.get(elem, 8192) if isinstance(limits, dict) else limits
+                set_knob(knob, max(cur, n) if cfg["path"] == "rows" else min(cur, n - 1))
         for name in SPLIT_KNOBS:
             if name in cfg:
                 set_knob(name, cfg[name])

@@ -1,9 +1,10 @@
 """Experimental "looped" softmax / log-softmax kernels for long bf16 rows (32K-256K columns), forward and
 backward, checked and timed in one GPU run.
 
-Rows longer than ``ROW_RESIDENT_MAX_COLS`` (16K) take the shipped split path (safeops/ops/softmax_launch.py,
-two launches: ``softmax_{fwd,bwd}_partial_kernel`` writes one (max, sum) or gradient partial per 4096-column
-block, ``softmax_{fwd,bwd}_finish_kernel`` combines a row's partials in a fixed order and writes it). Every
+Rows longer than ``ROW_RESIDENT_MAX_COLS`` (16K; the forward keeps up to 32K resident since session 7) take
+the shipped split path (safeops/ops/softmax_launch.py, two launches: ``softmax_{fwd,bwd}_partial_kernel``
+writes one (max, sum) or gradient partial per 4096-column block, ``softmax_{fwd,bwd}_finish_kernel``
+combines a row's partials in a fixed order and writes it). Every
 element is read twice from DRAM, so it tops out at 2/3 (forward) and 3/5 (backward) of copy bandwidth; an
 H200 measures 55-59% from 32K to 4M columns, where torch.compile's "looped reduction" (one program per row,
 a first loop over column blocks for the statistics, a second loop re-reading the row, which is still in L2)
@@ -666,17 +667,21 @@ INTERP_BLOCK = 64
 def interpreter_split(L, block: int = INTERP_BLOCK):
     """The launcher (module L) sends rows over 32 columns down the split path with ``block``-column blocks,
     the blocks of the interpreter's variants (small_cfg): the same partials in the same combine order."""
-    saved = dict(L.SPLIT_BLOCK_N), dict(L.ROW_RESIDENT_MAX_COLS)
+    limits = [L.ROW_RESIDENT_MAX_COLS, *([L.ROW_RESIDENT_MAX_COLS_FWD]
+                                         if hasattr(L, "ROW_RESIDENT_MAX_COLS_FWD") else [])]
+    saved = dict(L.SPLIT_BLOCK_N), [dict(d) for d in limits]
     try:
         for key in L.SPLIT_BLOCK_N:
             L.SPLIT_BLOCK_N[key] = block
-        for key in L.ROW_RESIDENT_MAX_COLS:
-            L.ROW_RESIDENT_MAX_COLS[key] = 32
+        for d in limits:
+            for key in d:
+                d[key] = 32
         L.clear_plans()
         yield
     finally:
         L.SPLIT_BLOCK_N.update(saved[0])
-        L.ROW_RESIDENT_MAX_COLS.update(saved[1])
+        for d, old in zip(limits, saved[1], strict=True):
+            d.update(old)
         L.clear_plans()
 
 
@@ -924,8 +929,10 @@ def launcher_note(L, ns, fp32_ns) -> str:
     note = ""
     for elem, sizes in ((2, ns), (4, fp32_ns)):
         for n in sizes:
-            if L.rows_config(n, elem, True) is not None:
-                note += f" N={n} ({elem} B): the launcher keeps the row resident;"
+            resident = [d for d, bwd in (("fwd", False), ("bwd", True))
+                        if L.rows_config(n, elem, True, backward=bwd) is not None]
+            if resident:
+                note += f" N={n} ({elem} B): the launcher keeps the row resident ({'+'.join(resident)});"
                 continue
             sc = L.split_config(n, elem)
             if (sc.block_n, sc.cols_per_split, sc.num_warps, sc.maxnreg) != (SHIPPED_BLOCK[elem],

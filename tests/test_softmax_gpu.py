@@ -56,8 +56,9 @@ X_STD = 30.0
 def _split_boundaries() -> set[int]:
     """The single-block / split boundary of every element size (and one past it), read from the launcher
     so that retuning the table keeps both sides covered."""
-    limits = getattr(softmax_launch, "ROW_RESIDENT_MAX_COLS", {})
-    return {int(v) for v in limits.values()} | {int(v) + 1 for v in limits.values()}
+    limits = [*getattr(softmax_launch, "ROW_RESIDENT_MAX_COLS", {}).values(),
+              *getattr(softmax_launch, "ROW_RESIDENT_MAX_COLS_FWD", {}).values()]
+    return {int(v) for v in limits} | {int(v) + 1 for v in limits}
 
 
 BASE_N = (1, 7, 256, 1000, 4096, 16384, 16385, 65536, 300000)

@@ -130,8 +130,10 @@ def test_layouts_match_oracle(backend, op, dtype, layout, seed):
 
 SPLIT_CASES = {
     # Rows too long for one program take the split path (several programs per row; on CPU tensors always
-    # the two-launch kernels: the one-launch kernel is for CUDA only).
+    # the two-launch kernels: the one-launch kernel is for CUDA only). Up to 32K columns the forward keeps
+    # a row in one program and only the backward splits it (the 20000 cases); beyond, both split.
     "fp32_20000": (torch.float32, (2, 20000), -1),
+    "fp32_40000": (torch.float32, (2, 40000), -1),
     "fp16_40000": (torch.float16, (2, 40000), -1),
     "fp32_20000_dim0": (torch.float32, (20000, 2), 0),
 }
@@ -142,7 +144,9 @@ SPLIT_CASES = {
 def test_long_rows_split_path_match_oracle(backend, op, case, seed):
     dtype, shape, dim = SPLIT_CASES[case]
     elem = torch.finfo(dtype).bits // 8
-    assert softmax_launch.rows_config(shape[dim], elem, True) is None, "no longer a split-path case"
+    assert softmax_launch.rows_config(shape[dim], elem, True, backward=True) is None, "no longer a split case"
+    forward_rows = softmax_launch.rows_config(shape[dim], elem, True) is not None
+    assert forward_rows == (shape[dim] <= 32768), "the forward's row-resident limit moved"
     assert softmax_launch.split_config(shape[dim], elem).n_splits > 1, "one program per row"
     x = seed.randn(*shape, dtype=dtype, std=3.0)
     mask = seed.mask(*shape, keep=0.9)

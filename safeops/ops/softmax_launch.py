@@ -33,8 +33,14 @@ def _check_device(x: torch.Tensor) -> None:
         check_triton_device(x, "x", kernels().softmax_fwd_rows_kernel)
 
 
-# Longest row a single program keeps entirely in registers, by element size in bytes.
+# Longest row a single program keeps entirely in registers, by element size in bytes: the backward's limit
+# (and the forward's where ROW_RESIDENT_MAX_COLS_FWD has no larger one).
 ROW_RESIDENT_MAX_COLS = {1: 16384, 2: 16384, 4: 16384}
+# The forward holds one value per element: a 32K row fits one 32-warp program without spilling (offline
+# sm_90, Triton 3.6: 51-64 registers for every kind, scale mode and mask, bf16 and fp32; 64K spills 200-252
+# bytes). H200 bf16 32K: 3.22 against 2.49 TB/s on the split path (bench/results/softmax_sweep_32k_
+# 2026-11-30-s6.txt). The backward, holding x and grad, spills at 32K (1.83 TB/s) and keeps the 16K limit.
+ROW_RESIDENT_MAX_COLS_FWD = {1: 32768, 2: 32768, 4: 32768}
 # Short rows, by element size: (smallest tile of BLOCK_M x BLOCK_N elements, elements per thread).
 ROWS_FWD = {1: (4096, 32), 2: (4096, 32), 4: (1024, 16)}
 ROWS_BWD = {1: (1024, 16), 2: (1024, 16), 4: (1024, 8)}
@@ -92,7 +98,10 @@ class SplitConfig:
 def rows_config(n_cols: int, elem_size: int, col_stride_is_one: bool, backward: bool = False
                 ) -> RowsConfig | None:
     """Whole rows per program. Tile and elements per thread come from a sweep on an H200 (bench/)."""
-    if n_cols > ROW_RESIDENT_MAX_COLS.get(elem_size, 8192):
+    limit = ROW_RESIDENT_MAX_COLS.get(elem_size, 8192)
+    if not backward:
+        limit = max(limit, ROW_RESIDENT_MAX_COLS_FWD.get(elem_size, 0))
+    if n_cols > limit:
         return None
     block_n = triton.next_power_of_2(max(n_cols, 1))
     min_tile, per_thread = (ROWS_BWD if backward else ROWS_FWD).get(elem_size, (1024, 16))
@@ -307,8 +316,8 @@ _plan_tables: dict = {}
 
 def _settings() -> tuple:
     """What plans depend on besides their key; benchmarks replace these module attributes to sweep them."""
-    return (rows_config, ROW_RESIDENT_MAX_COLS, ROWS_FWD, ROWS_BWD, ROWS_BWD_PERSIST, ROWS_BWD_STAGES,
-            ROWS_BWD_PERSIST_PER_SM, _config.fp_fusion, kernels())
+    return (rows_config, ROW_RESIDENT_MAX_COLS, ROW_RESIDENT_MAX_COLS_FWD, ROWS_FWD, ROWS_BWD,
+            ROWS_BWD_PERSIST, ROWS_BWD_STAGES, ROWS_BWD_PERSIST_PER_SM, _config.fp_fusion, kernels())
 
 
 def _plans(direction: int) -> dict:
