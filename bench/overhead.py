@@ -726,16 +726,8 @@ def attention_cpu(calls: int, s: int = 32) -> None:
               f"q (1, 32, {s}, 64), k / v (1, 4, {s}, 64) bf16 with a Llama layer's strides, causal")
         qn, kn, vn = (t.detach() for t in (q, k, v))
         _print(_attention_cases(q, k, v, leaves, g, hf), calls, 10)
-        parts = [torch.zeros(1, ATTN_SHAPE["hq"], s, ATTN_SHAPE["d"]) for _ in range(2)]
-        split = ATTN_SHAPE["hq"] // ATTN_SHAPE["hkv"]
-
-        def sums():  # what the backward does with the GQA split's fp32 partials (CPU arithmetic here)
-            for part, t in zip(parts, (kn, vn), strict=True):
-                torch.empty_like(t).copy_(L._sum_split(part, split, False))
-
         _print([
             ("  pieces: fwd+bwd of an empty autograd.Function", _empty_function_fwd_bwd(q, k, v, leaves, g)),
-            ("  pieces: GQA partials' 2 sums + 2 copies", sums),
             ("  pieces: torch.empty_like(q)", lambda: torch.empty_like(qn)),
             ("  pieces: eager_fast_path(q, k, v, ...)",
              lambda: softmax_ops.eager_fast_path(qn, kn, vn, None, None, None)),

@@ -390,19 +390,20 @@ def test_even_same_bits(d, case, rng, monkeypatch):
     g = rng.randn(b, hkv * group, s, d, dtype=torch.bfloat16)
     if "attn_mask" in options:
         options["attn_mask"] = _mask(options["attn_mask"], rng, b, hkv * group, s, s)
-    seen = []
+    seen, sums = [], []
     launch = L._launch
+    split_sum = L.kernels().attn_bwd_split_sum_kernel
 
     def spy(kernel, grid, *args, **kwargs):
-        seen.append(kwargs.get("EVEN"))
+        (sums if kernel is split_sum else seen).append(kwargs.get("EVEN"))
         return launch(kernel, grid, *args, **kwargs)
 
     monkeypatch.setattr(L, "_launch", spy)
-    L.kernels()
     L.clear_plans()
     try:
         even = _run(q, k, v, g, **options)
         assert seen == [True, None, True, True], f"launches' EVEN: {seen}"  # fwd, delta, dk/dv, dq
+        assert len(sums) == (group > 1), "the GQA split's sum: launched exactly when dk/dv is split"
         monkeypatch.setattr(L, "_even", lambda p, cfg: False)
         L.clear_plans()
         generic = _run(q, k, v, g, **options)
