@@ -520,7 +520,7 @@ LLAMA_SPLITS = (1, 2, 8)
 LLAMA_SPLIT_CONFIGS = [(32, 128, 4, 2), (32, 128, 8, 3), (64, 64, 4, 2), (64, 128, 8, 3)]
 LLAMA_HEAD_GROUPS = (1, 4, 16, 32)  # default 8; n_bh = 32 for dk/dv (split 8) and for dq
 LLAMA_DQ = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3),
-            (128, 128, 8, 2), (64, 64, 4, 2, False, True)]
+            (128, 128, 8, 2), (64, 64, 4, 2, False, False)]  # the last: the shipped tile without TMA
 LLAMA_KINDS = ("dkdv", "split", "group", "dq")
 
 

@@ -348,8 +348,8 @@ def test_long_sequence_causal_gqa(rng):
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_tma_same_bits(d, rng):
-    """The TMA-descriptor loads (sweep candidates, off by default) give the pointer path's bits, forward
-    and backward."""
+    """The TMA-descriptor loads give the pointer path's bits, forward and backward, on the first call (the
+    general path) and on a repeated one (the cached plan, whose launches set the scratch allocator)."""
     from safeops.ops import attention_launch as L
 
     q = rng.randn(2, 8, 777, d, dtype=torch.bfloat16)
@@ -362,9 +362,14 @@ def test_tma_same_bits(d, rng):
         with L.config_override(fwd=fwd, dkdv=dkdv, dq=dq):
             plain = _run(q, k, v, g, **options)
         with L.config_override(**tma):
+            L.clear_plans()
             got = _run(q, k, v, g, **options)
-        for i, (a, b) in enumerate(zip(plain, got, strict=True)):
+            planned = [p for p in (*L._fwd_plans.values(), *L._bwd_plans.values()) if p is not L._GENERAL]
+            assert len(planned) == 2 and all(p.tma for p in planned), "TMA launches kept as plans"
+            again = _run(q, k, v, g, **options)
+        for i, (a, b, c) in enumerate(zip(plain, got, again, strict=True)):
             assert torch.equal(a, b), f"output {i} differs with TMA loads ({options})"
+            assert torch.equal(a, c), f"output {i} differs with TMA loads from the plan ({options})"
 
 
 EVEN_CASES = {

@@ -70,8 +70,10 @@ FWD_CONFIGS = _table({32: AttnConfig(128, 64, 4, 3), 64: AttnConfig(128, 64, 8, 
 DKDV_CONFIGS = _table({32: AttnConfig(32, 128, 4, 2), 64: AttnConfig(32, 128, 4, 2),
                        128: AttnConfig(32, 64, 4, 3), 256: AttnConfig(32, 64, 8, 1)})
 # dq kernel: block_m queries per program, block_n keys per step. (128, 32, 4, 2) at D=16 crashed ptxas
-# (SIGSEGV, Triton 3.6's ptxas 12.8) on the H200: not used.
-DQ_CONFIGS = _table({32: AttnConfig(64, 64, 4, 2), 64: AttnConfig(64, 64, 4, 2),
+# (SIGSEGV, Triton 3.6's ptxas 12.8) on the H200: not used. D=64 loads K / V through TMA descriptors (same
+# bits): at the 1.1B Llama layer ((B, S, H, D) layout, GQA) 195 against 225 us on the H200
+# (bench/results/attention_sweep_llama_2026-11-30-s7b.txt), MHA causal 168 against 165 TFLOP/s.
+DQ_CONFIGS = _table({32: AttnConfig(64, 64, 4, 2), 64: AttnConfig(64, 64, 4, 2, tma=True),
                      128: AttnConfig(128, 64, 8, 3), 256: AttnConfig(64, 32, 8, 1)})
 # A dense attn_mask is loaded tile by tile beside K/V, and the pipeliner stages its tiles through shared
 # memory too: (kind, head-dim block, smallest mask element size) -> the config to use instead; kind is
@@ -188,10 +190,9 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
 def _launch(kernel, grid: tuple, *args, record: list | None = None, **kwargs) -> None:
     if record is not None:  # building a plan (see "Plans" below): the launch as the general path makes it
         record.append((kernel, grid, args, kwargs))
-    if kwargs.get("USE_TMA"):  # descriptors' scratch is set up per launch by JITFunction.run
-        kernel[grid](*args, **kwargs)
-    else:
-        launch(kernel, grid, *args, **kwargs)  # cached, direct launches (safeops.ops._launch)
+    # Cached, direct launches (safeops.ops._launch). A TMA launch's descriptor scratch is allocated by
+    # Triton's launcher at each launch, from the allocator ``_use_tma`` set for this thread.
+    launch(kernel, grid, *args, **kwargs)
 
 
 def _use_tma(cfg: AttnConfig, *tensors: torch.Tensor) -> bool:
@@ -486,9 +487,10 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
 # launches, and keeps them as a plan: the scalar arguments, constexprs and options exactly as the general
 # path passed them, and a launch object (on CUDA a ``KernelLaunch``: the compiled kernel launched directly).
 # A later call allocates the outputs as the general path does (same shapes, strides, dtypes) and launches
-# with the same arguments, so the kernels and their bits are the same. Layouts the plan does not cover
-# (inputs that need a copy to unit head-dim stride, empty tensors, TMA launches) run the general path on
-# every call. Editing a config table in place is not seen: call ``clear_plans()`` after that.
+# with the same arguments, so the kernels and their bits are the same (a plan with TMA loads sets Triton's
+# per-thread scratch allocator first, as the general path does). Layouts the plan does not cover (inputs
+# that need a copy to unit head-dim stride, empty tensors) run the general path on every call. Editing a
+# config table in place is not seen: call ``clear_plans()`` after that.
 
 _GENERAL = "general"
 _PLANS_MAX = 1024
@@ -558,12 +560,12 @@ def _sig(t: torch.Tensor | None) -> tuple | None:
 
 class _FwdPlan:
     __slots__ = ("run", "scalars", "out_like_q", "out_shape", "out_dtype", "stat_shape", "acc", "mask_bool",
-                 "varlen")
+                 "varlen", "tma")
 
 
 class _BwdPlan:
     __slots__ = ("delta", "delta_scalars", "dkdv", "dkdv_scalars", "dq", "dq_scalars", "split", "part_shape",
-                 "sum", "sum_scalars", "mask_bool", "varlen", "grad_dtype")
+                 "sum", "sum_scalars", "mask_bool", "varlen", "grad_dtype", "tma")
 
 
 def _forward_plan(q, k, v, mask, cu_q, out_dtype, result, record) -> _FwdPlan | str:
@@ -572,10 +574,11 @@ def _forward_plan(q, k, v, mask, cu_q, out_dtype, result, record) -> _FwdPlan | 
         return _GENERAL
     kernel, grid, args, kwargs = record[0]
     scalars = _split_args(args, 9)
-    if (kwargs.get("USE_TMA") or scalars is None or args[0] is not q or args[1] is not k or args[2] is not v
+    if (scalars is None or args[0] is not q or args[1] is not k or args[2] is not v
             or args[3] is not out or args[4] is not row_max or args[5] is not row_sum):
         return _GENERAL
     plan = _FwdPlan()
+    plan.tma = bool(kwargs.get("USE_TMA"))
     plan.run = _launcher(kernel, grid, kwargs, q.device)
     plan.scalars = scalars
     plan.out_like_q = (out_dtype is None or out_dtype == q.dtype) and q.shape[-1] == v.shape[-1]
@@ -615,6 +618,8 @@ def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale
     row_max = torch.empty(plan.stat_shape, dtype=plan.acc, device=device)
     row_sum = torch.empty(plan.stat_shape, dtype=plan.acc, device=device)
     mask_arg = q if mask is None else mask.view(torch.uint8) if plan.mask_bool else mask
+    if plan.tma:  # Triton's scratch allocator is per thread (autograd's backward thread too)
+        ensure_tma_allocator()
     if plan.varlen:
         plan.run(q, k, v, out, row_max, row_sum, mask_arg, cu_q, cu_k, *plan.scalars)
     else:
@@ -634,8 +639,7 @@ def _backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype,
     (dk_d, grid_d, args_d, kw_d), (dk_k, grid_k, args_k, kw_k), (dk_q, grid_q, args_q, kw_q) = record
     delta_scalars, dkdv_scalars, dq_scalars = _split_args(args_d, 5), _split_args(args_k, 12), _split_args(
         args_q, 11)
-    if (delta_scalars is None or dkdv_scalars is None or dq_scalars is None or kw_k.get("USE_TMA")
-            or kw_q.get("USE_TMA") or kw_d.get("USE_TMA")):
+    if delta_scalars is None or dkdv_scalars is None or dq_scalars is None:
         return _GENERAL
     delta = args_d[2]
     inputs = (q, k, v, grad)
@@ -662,6 +666,7 @@ def _backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype,
                 or args_s[2] is not dk or args_s[3] is not dv):
             return _GENERAL
     plan = _BwdPlan()
+    plan.tma = bool(kw_k.get("USE_TMA") or kw_q.get("USE_TMA"))
     plan.sum, plan.sum_scalars = None, sum_scalars
     if sum_launch is not None:
         plan.sum = _launcher(sum_launch[0], sum_launch[1], sum_launch[3], q.device)
@@ -709,6 +714,8 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
     mask_arg = q if mask is None else mask.view(torch.uint8) if plan.mask_bool else mask
     if not plan.varlen:
         cu_q = cu_k = q
+    if plan.tma:
+        ensure_tma_allocator()
     plan.delta(out, grad, delta, cu_q, cu_k, *plan.delta_scalars)
     split = plan.split
     if split > 1:  # fp32 partials per slice of each kv head's query group, summed below
