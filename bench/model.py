@@ -17,6 +17,7 @@ torch's SDPA can produce NaN in padded rows and safeops gives 0.
 
     python bench/model.py [--seq 4096] [--batch 1] [--layers 22] [--impls sdpa,safeops] [--pad 0]
                           [--warmup-ms 200] [--rep-ms 1500] [--out bench/out/model.md]
+    python bench/model.py --profile      # GPU kernel time by kernel and host enqueue time of one step
 
 Needs a CUDA GPU and transformers (``pip install 'safeops[transformers]'``).
 """
@@ -103,6 +104,44 @@ def measure(model, impl: str, ids, mask, args, reference) -> dict:
     return row
 
 
+def profile(model, impl: str, ids, mask, top: int = 18) -> str:
+    """One step's GPU kernel time by kernel (torch.profiler, summed over the step) and its host enqueue time
+    (``time.perf_counter`` around a step with no synchronization inside; when the launch queue fills, the
+    host waits on the GPU and this approaches the GPU time)."""
+    import time
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    set_impl(model, impl)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    by_kernel: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name[:90]
+            by_kernel[name] = by_kernel.get(name, 0.0) + (e.time_range.end - e.time_range.start)
+    lines = [f"{impl}: host enqueue {1e3 * (t1 - t0):.1f} ms, wall {1e3 * (t2 - t0):.1f} ms, "
+             f"GPU kernel time {sum(by_kernel.values()) / 1e3:.1f} ms"]
+    for name, us in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"  {us / 1e3:8.2f} ms  {name}")
+    return "\n".join(lines)
+
+
 def markdown(rows, meta, args, n_params) -> str:
     lines = [
         f"### Llama-style model, one training step, sdpa vs safeops: measured {meta.get('date')} on "
@@ -148,6 +187,9 @@ def main(argv=None) -> int:
     p.add_argument("--rep-ms", type=float, default=1500)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(HERE / "out" / "model.md"))
+    p.add_argument("--profile", action="store_true",
+                   help="instead of timing: each implementation's GPU kernel time by kernel and host enqueue "
+                        "time of one step")
     args = p.parse_args(argv)
     impls = [s.strip() for s in args.impls.split(",") if s.strip()]
     bad = [i for i in impls if i not in IMPLS]
@@ -169,6 +211,10 @@ def main(argv=None) -> int:
     mask = torch.ones_like(ids)
     if args.pad:
         mask[:, : args.pad] = 0
+    if args.profile:
+        for impl in impls:
+            print(profile(model, impl, ids, mask), flush=True)
+        return 0
     rows, reference = [], None
     for impl in impls:
         row = measure(model, impl, ids, mask, args, reference)
