@@ -495,12 +495,14 @@ class LlamaCand:
     kind: str  # "base", "dkdv", "split", "group" or "dq"
     dkdv: tuple | None = None  # (block_m, block_n, num_warps, num_stages[, warp_specialize, tma])
     dq: tuple | None = None
+    fwd: tuple | None = None  # the forward's tile (sweep_llama_fwd)
     split: int | None = None  # programs per kv head's query group in dk/dv (attention_launch.dkdv_split)
     head_group: int | None = None  # attention_launch.BACKWARD_HEAD_GROUP (causal grid order, dk/dv and dq)
 
     @property
     def label(self) -> str:
         parts = [f"dkdv={self.dkdv}" if self.dkdv else "", f"dq={self.dq}" if self.dq else "",
+                 f"fwd={self.fwd}" if self.fwd else "",
                  f"split={self.split}" if self.split else "",
                  f"hg={self.head_group}" if self.head_group else ""]
         return " ".join(p for p in parts if p) or "default"
@@ -520,7 +522,9 @@ LLAMA_SPLITS = (1, 2, 8)
 LLAMA_SPLIT_CONFIGS = [(32, 128, 4, 2), (32, 128, 8, 3), (64, 64, 4, 2), (64, 128, 8, 3)]
 LLAMA_HEAD_GROUPS = (1, 4, 16, 32)  # default 8; n_bh = 32 for dk/dv (split 8) and for dq
 LLAMA_DQ = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3),
-            (128, 128, 8, 2), (64, 64, 4, 2, False, False)]  # the last: the shipped tile without TMA
+            (128, 128, 8, 2), (64, 64, 4, 2, False, False),  # the shipped tile without TMA
+            (64, 64, 4, 3, False, True), (128, 64, 8, 2, False, True), (64, 32, 4, 3, False, True),
+            (128, 32, 8, 3, False, True)]
 LLAMA_KINDS = ("dkdv", "split", "group", "dq")
 
 
@@ -550,6 +554,8 @@ def llama_knobs(cand: LlamaCand):
         overrides["dkdv"] = L.AttnConfig(*cand.dkdv)
     if cand.dq:
         overrides["dq"] = L.AttnConfig(*cand.dq)
+    if cand.fwd:
+        overrides["fwd"] = L.AttnConfig(*cand.fwd)
     saved = L.dkdv_split, L.BACKWARD_HEAD_GROUP
     try:
         if cand.split is not None:
@@ -788,6 +794,79 @@ def sweep_llama(out_dir: Path | None, deadline: float = math.inf, kinds=LLAMA_KI
     return rows
 
 
+# The forward at the layer's shape (--kernels fwd): the shipped tile first, then tiles with and without TMA
+# loads of K / V ((block_m, block_n, num_warps, num_stages[, warp_specialize, tma])).
+LLAMA_FWD = [(128, 64, 8, 3), (128, 64, 8, 3, False, True), (128, 64, 8, 2, False, True), (128, 64, 4, 3),
+             (128, 128, 8, 3), (128, 128, 8, 2, False, True), (64, 64, 4, 3), (64, 64, 4, 3, False, True),
+             (128, 32, 8, 3), (128, 32, 4, 3, False, True)]
+
+
+def sweep_llama_fwd(out_dir: Path | None, deadline: float = math.inf, shape: dict | None = None,
+                    device: str = "cuda", tiles: list[tuple] | None = None, timer=None, warm: bool = True,
+                    log=_say, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> list[dict]:
+    """Times the forward with each tile (``LLAMA_FWD``) at one model layer's shape: the loose check of the
+    output against fp32 SDPA (k / v repeated over each query group), its bits and the lse's against the
+    shipped tile's (the same block_m and block_n give the same bits; TMA only changes how K / V are loaded),
+    CUDA-event time, TFLOP/s. Rows go to ``out_dir/attention_sweep_llama_fwd.csv``."""
+    import safeops  # noqa: F401
+    from safeops.ops import attention_launch as L
+
+    shape = shape or LLAMA
+    tiles = tiles or LLAMA_FWD
+    on_cuda = torch.device(device).type == "cuda"
+    timer = timer or (lambda fn: H.bench_ms(fn, 25, 100)[0])
+    cands = [LlamaCand("base")] + [LlamaCand("fwd", fwd=tile) for tile in tiles[1:]]
+    if warm and on_cuda:
+        precompile_llama(shape, cands, log)
+    t = llama_tensors(shape, device, dtype, seed)
+    options = _llama_options(shape)
+    q, k, v = t["q"], t["k"], t["v"]
+    group = shape["hq"] // shape["hkv"]
+    ke, ve = (x.float().repeat_interleave(group, dim=1) for x in (k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), ke, ve, is_causal=bool(shape["causal"]))
+    b, hq, s, d = shape["b"], shape["hq"], shape["s"], shape["d"]
+    flop = 4.0 * b * hq * s * s * d / (2 if shape["causal"] else 1)
+
+    def forward():
+        return torch.ops.safeops.attention(q, k, v, *options)
+
+    rows, base = [], None
+    for cand in cands:
+        if time.time() > deadline:
+            log("sweep llama fwd: time budget used up")
+            break
+        tile = cand.fwd or tiles[0]
+        row = dict(candidate=str(tile), status="ok", ms=math.nan, tflops=math.nan, bits="")
+        try:
+            with L.config_override(fwd=L.AttnConfig(*tile)):
+                out, lse, _ = forward()
+                err, scale = (out.float() - ref).abs().max().item(), ref.abs().max().item()
+                if not err <= 0.02 * scale + 1e-3:
+                    row["status"] = f"wrong: max error {err:.3g}"
+                if base is None:
+                    base = (tile, out.clone(), lse.clone())
+                same = _same_bits(out, base[1]) and torch.equal(lse, base[2])
+                expect = tuple(tile[:2]) == tuple(base[0][:2])
+                row["bits"] = ("same" if same else "diff") + ("(unexpected)" if expect and not same else "")
+                row["ms"] = timer(forward)
+                row["tflops"] = flop / (row["ms"] * 1e-3) * 1e-12
+        except Exception as e:  # out of resources: record and go on
+            row["status"] = f"error: {str(e).splitlines()[0][:120]}"
+        rows.append(row)
+        log(f"sweep llama fwd {row['candidate']:32s} {row['status'][:60]:8s} {row['ms']:.4f} ms "
+            f"{row['tflops']:.1f} TFLOP/s | out/lse bits {row['bits']}")
+    if out_dir is not None and rows:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / "attention_sweep_llama_fwd.csv"
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]) + ["shape"])
+            w.writeheader()
+            for row in rows:
+                w.writerow(row | {"shape": json_shape(shape)})
+        log(f"wrote {path}")
+    return rows
+
+
 def json_shape(shape: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in shape.items())
 
@@ -988,10 +1067,15 @@ def main(argv=None) -> int:
     if args.shape == "llama":
         if not args.sweep:
             p.error("--shape llama: only with --sweep")
-        unknown = set(kinds) - set(LLAMA_KINDS)
+        unknown = set(kinds) - set(LLAMA_KINDS) - {"fwd"}
         if unknown:
             p.error(f"--kernels: unknown {sorted(unknown)} for --shape llama; choose from "
-                    f"{list(LLAMA_KINDS)}")
+                    f"{list(LLAMA_KINDS) + ['fwd']}")
+        if kinds == ("fwd",):
+            if args.compile_only:
+                p.error("--compile-only: not for --kernels fwd")
+        elif "fwd" in kinds:
+            p.error("--kernels fwd: on its own (the forward sweep times the forward only)")
         kinds = kinds or LLAMA_KINDS
         if args.compile_only:
             import safeops  # noqa: F401
@@ -1006,6 +1090,11 @@ def main(argv=None) -> int:
     out_dir = Path(args.out)
     deadline = time.time() + args.budget_s if args.budget_s else None
     dims, causals = _ints(args.d), _ints(args.causal)
+    if args.sweep and args.shape == "llama" and kinds == ("fwd",):
+        for text in args.layer or [""]:
+            sweep_llama_fwd(out_dir / text.replace(",", "_").replace("=", "") if text else out_dir,
+                            deadline or math.inf, shape=layer_shape(text), warm=not args.no_precompile)
+        return 0
     if args.sweep and args.shape == "llama":
         for text in args.layer or [""]:
             shape = layer_shape(text)

@@ -93,7 +93,8 @@ def test_loose_check_rejects_a_wrong_gradient(seed):
 def test_cli_refuses_misplaced_options():
     A = _module()
     for argv in (["--shape", "llama"], ["--compile-only"],
-                 ["--sweep", "--shape", "llama", "--kernels", "fwd"]):
+                 ["--sweep", "--shape", "llama", "--kernels", "fwd,dq"],
+                 ["--sweep", "--shape", "llama", "--kernels", "fwd", "--compile-only"]):
         with pytest.raises(SystemExit):
             A.main(argv)
 
@@ -125,3 +126,21 @@ def test_layer_shapes_and_split_candidates():
         ((64, 64, 4, 3), 1), ((64, 64, 4, 3), 2), ((64, 64, 4, 3), 4),
         ((32, 128, 4, 2), 1), ((32, 128, 4, 2), 2), ((32, 128, 4, 2), 4)]  # 3 and 8 do not divide 4
     assert [c.dkdv for c in A.split_candidates(shape, (2,), A._tiles(""))] == [None, None]
+
+
+def test_forward_sweep_on_cpu(monkeypatch, tmp_path, seed):
+    """The forward sweep under the interpreter (fp32): every tile passes the loose check against fp32 SDPA,
+    TMA loads give the pointer loads' bits, and the CSV is written; the tile list starts from the shipped
+    forward config."""
+    monkeypatch.setenv("SAFEOPS_BACKEND", "triton")
+    A = _module()
+    assert A.LLAMA_FWD[0] == tuple(vars(L.FWD_CONFIGS[(64, 2, True)]).values())[:4]
+    shape = dict(b=1, hq=4, hkv=2, s=40, d=16, causal=True, layout="bshd")
+    tiles = [(16, 16, 1, 1), (16, 16, 1, 1, False, True), (32, 16, 1, 1), (16, 32, 1, 1)]
+    lines = []
+    rows = A.sweep_llama_fwd(tmp_path, shape=shape, device="cpu", tiles=tiles, log=lines.append,
+                             timer=lambda fn: (fn(), 1.0)[1], dtype=torch.float32, seed=seed.value)
+    text = "\n".join(lines)
+    assert [r["status"] for r in rows] == ["ok"] * 4, text
+    assert "(unexpected)" not in text and rows[1]["bits"] == "same", text
+    assert (tmp_path / "attention_sweep_llama_fwd.csv").read_text().count("\n") == len(rows) + 1
