@@ -1032,7 +1032,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="tune safeops' kernel configurations instead")
     p.add_argument("--kernels", default="",
                    help="--sweep: which kernels' candidates to time (default fwd,dkdv,dq; with "
-                        "--shape llama: dkdv,split,group,dq)")
+                        "--shape llama: dkdv,split,group,dq, or fwd alone for the forward's tiles)")
     p.add_argument("--shape", default="mha", choices=("mha", "llama"),
                    help="--sweep: mha = bf16 B=4 H=16 S=4K (--d, --causal); llama = one layer of "
                         "bench/model.py's 1.1B Llama (B=1, 32 q / 4 kv heads, S=4K, D=64, causal, "
