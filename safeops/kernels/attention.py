@@ -680,11 +680,10 @@ def _split_sum_tile(part_ptr, out_ptr, r0, rows, n_heads, inner, spo, sph, spi, 
     t = offs_r // inner
     h = t % n_heads
     o = t // n_heads
-    p_rows = o.to(tl.int64) * spo + (h * SPLIT).to(tl.int64) * sph + i.to(tl.int64) * spi
-    p_ptrs = part_ptr + p_rows[:, None] + offs_d[None, :]
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for j in tl.static_range(SPLIT):
-        acc = acc + tl.load(p_ptrs + j * sph, mask=ok, other=0.0)
+    for j in tl.static_range(SPLIT):  # 64-bit offsets: the partials can pass 2**31 elements
+        p_rows = o.to(tl.int64) * spo + (h * SPLIT + j).to(tl.int64) * sph + i.to(tl.int64) * spi
+        acc = acc + tl.load(part_ptr + p_rows[:, None] + offs_d[None, :], mask=ok, other=0.0)
     o_rows = o.to(tl.int64) * soo + h.to(tl.int64) * soh + i.to(tl.int64) * soi
     tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
 
