@@ -45,16 +45,17 @@ def make_case(b, hkv, s, d, dv, split, dtype, device, varlen, layout="bhsd", see
 
 
 def _groups(part, split, varlen):
+    """The partials with the split as dim 2: (T, Hkv, split, D) packed, (B, Hkv, split, S, D) dense."""
     if varlen:
         t, h, d = part.shape
-        return part.view(t, h // split, split, d), 2
+        return part.view(t, h // split, split, d)
     b, h, s, d = part.shape
-    return part.view(b, h // split, split, s, d), 2
+    return part.view(b, h // split, split, s, d)
 
 
 def emulate(part, split, varlen, dtype):
     """fp32 adds in the kernel's order, from +0, then one rounding to ``dtype``."""
-    x, dim = _groups(part, split, varlen)
+    x, dim = _groups(part, split, varlen), 2
     acc = torch.zeros_like(x.select(dim, 0))
     for j in range(split):
         acc = acc + x.select(dim, j)
@@ -85,7 +86,7 @@ def _check(device, dtypes, seed):
                     assert same_bits(got, want), label
                     # and it is a sum of the partials: within (split - 1) u sum|x| of the float64 sum,
                     # plus the final rounding
-                    x, dim = _groups(part.double(), split, varlen)
+                    x, dim = _groups(part.double(), split, varlen), 2
                     exact = x.sum(dim)
                     bound = ((split - 1) * 2.0**-24 * x.abs().sum(dim) + exact.abs() * torch.finfo(dtype).eps
                              + torch.finfo(dtype).tiny)
@@ -105,7 +106,7 @@ def test_split_sum_bits_interpreter(triton_backend, seed):
 def test_split_sum_order_is_visible(seed):
     """The emulated order is not any order: adding the partials last to first changes bits at split 8."""
     dkp, _, _, _ = make_case(1, 2, 64, 32, 32, 8, torch.float32, "cpu", False, seed=seed.value)
-    x, dim = _groups(dkp, 8, False)
+    x, dim = _groups(dkp, 8, False), 2
     backwards = torch.zeros_like(x.select(dim, 0))
     for j in reversed(range(8)):
         backwards = backwards + x.select(dim, j)

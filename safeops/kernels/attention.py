@@ -671,7 +671,7 @@ def attn_bwd_dq_kernel(
 def _split_sum_tile(part_ptr, out_ptr, r0, rows, n_heads, inner, spo, sph, spi, soo, soh, soi,
                     DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows r0 .. r0 + BLOCK_R of the flattened (outer, kv head, inner) result: outer / inner are (batch,
-    position) dense and (token, 1) packed. Partial j of kv head h is head h * SPLIT + j of the partials; they
+    position) dense and (1, token) packed. Partial j of kv head h is head h * SPLIT + j of the partials; they
     are added in order j = 0, 1, ... from +0, then rounded once to the result's dtype."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)

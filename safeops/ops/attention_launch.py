@@ -344,23 +344,18 @@ SPLIT_SUM_BLOCK_R = 32
 SPLIT_SUM_WARPS = 8
 
 
-def _bhs3(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
-    """(outer, head, inner) strides of a (B, H, S, D) tensor, or (t, h, 0) of a packed (T, H, D) one."""
-    if varlen:
-        return t.stride(0), t.stride(1), 0
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
 def _split_sum(dk_part, dv_part, dk, dv, split: int, varlen: bool, record: list | None) -> None:
     """dk / dv = the fp32 partials of each kv head's SPLIT programs (heads h * split .. h * split + split - 1
-    of dk_part / dv_part), added in a fixed order and rounded once to dk's / dv's dtype: one launch."""
-    rows = dk.shape[0] * dk.shape[1] * (1 if varlen else dk.shape[2])
+    of dk_part / dv_part), added in a fixed order and rounded once to dk's / dv's dtype: one launch. Rows are
+    (batch, kv head, position); a packed tensor is one batch of T positions (``_bhs``: batch stride 0)."""
+    batch, heads, inner = (1, dk.shape[1], dk.shape[0]) if varlen else dk.shape[:3]
+    rows = batch * heads * inner
     on_gpu = _gpu(dk.device)
     block_r = SPLIT_SUM_BLOCK_R if on_gpu else 16
     n_blocks = _cdiv(rows, block_r)
     _launch(kernels().attn_bwd_split_sum_kernel, (2 * n_blocks,),
-        dk_part, dv_part, dk, dv, rows, dk.shape[1], 1 if varlen else dk.shape[2], n_blocks,
-        *_bhs3(dk_part, varlen), *_bhs3(dv_part, varlen), *_bhs3(dk, varlen), *_bhs3(dv, varlen),
+        dk_part, dv_part, dk, dv, rows, heads, inner, n_blocks,
+        *_bhs(dk_part, varlen), *_bhs(dv_part, varlen), *_bhs(dk, varlen), *_bhs(dv, varlen),
         HEAD_DIM=dk.shape[-1], HEAD_DIM_V=dv.shape[-1], SPLIT=split, BLOCK_R=block_r,
         BLOCK_D=block_dim(dk.shape[-1]), BLOCK_DV=block_dim(dv.shape[-1]),
         num_warps=SPLIT_SUM_WARPS if on_gpu else 1, enable_fp_fusion=_config.fp_fusion, record=record,
