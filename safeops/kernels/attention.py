@@ -507,41 +507,44 @@ def attn_bwd_dkdv_kernel(
     # Query i sees key j iff j - right <= i <= j + left: the roles of left and right swap.
     lo, a, b, hi = _block_ranges(n0, BLOCK_N, BLOCK_M, q_len, window_right, window_left, HAS_WR, HAS_WL)
     tail_hi = _tail_end(b, hi, HAS_WL, EVEN)
-    for g in range(GROUP // SPLIT):
+    # The head loop keeps LICM off, and each query-block range rebuilds its row / key index vectors (and
+    # from them the pointer tiles and the masks' per-element indices) from a zero the compiler cannot see
+    # through ((pid_h + r) // (n_heads + r): 0, pid_h < n_heads), so they die with the range's loop instead
+    # of staying live across the others. Hoisted, they filled the registers of the unmasked loop, and ptxas
+    # serialized every wgmma of a causal program holding one head (C7515; H200 causal MHA D=64 backward
+    # -9.9%, bench/results/attn_dkdv_variants_2026-11-30-s7.txt). Same arithmetic, same order, same bits.
+    for g in tl.range(GROUP // SPLIT, disable_licm=True):
         pid_h = kv_h * GROUP + part * (GROUP // SPLIT) + g
         q_base = q_ptr + pid_b.to(tl.int64) * sqb + pid_h.to(tl.int64) * sqh + q_start.to(tl.int64) * sqs
         do_base = do_ptr + pid_b.to(tl.int64) * sdb + pid_h.to(tl.int64) * sdh + q_start.to(tl.int64) * sds
-        q_ptrs = q_base + offs_m0[:, None] * sqs + offs_d[None, :]
-        do_ptrs = do_base + offs_m0[:, None] * sds + offs_dv[None, :]
         if USE_TMA:
             rows = tl.maximum(q_len, 1)
             q_desc = tl.make_tensor_descriptor(q_base, shape=[rows, HEAD_DIM], strides=[sqs, 1],
                                                block_shape=[BLOCK_M, BLOCK_D])
             do_desc = tl.make_tensor_descriptor(do_base, shape=[rows, HEAD_DIM_V], strides=[sds, 1],
                                                 block_shape=[BLOCK_M, BLOCK_DV])
-        else:
-            q_desc = q_ptrs
-            do_desc = do_ptrs
         st_base = pid_b.to(tl.int64) * stb + pid_h.to(tl.int64) * sth + q_start.to(tl.int64) * sts
         mask_base = mask_ptr + pid_b.to(tl.int64) * smb + pid_h.to(tl.int64) * smh
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, m_ptr, l_ptr, delta_ptr, st_base,
-                             sts, mask_base,
-                             offs_n, offs_m0, offs_d, offs_dv, lo, a, q_len, k_len, sqs, sds, smi, smj,
-                             window_left, window_right, C1, C2, scale_ds, HEAD_DIM, HEAD_DIM_V, True,
-                             MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION, BLOCK_M, BLOCK_D, BLOCK_DV,
-                             NUM_STAGES, USE_TMA, EVEN)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, m_ptr, l_ptr, delta_ptr, st_base,
-                             sts, mask_base,
-                             offs_n, offs_m0, offs_d, offs_dv, a, b, q_len, k_len, sqs, sds, smi, smj,
-                             window_left, window_right, C1, C2, scale_ds, HEAD_DIM, HEAD_DIM_V, False,
-                             MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION, BLOCK_M, BLOCK_D, BLOCK_DV,
-                             NUM_STAGES, USE_TMA, EVEN)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, m_ptr, l_ptr, delta_ptr, st_base,
-                             sts, mask_base,
-                             offs_n, offs_m0, offs_d, offs_dv, b, tail_hi, q_len, k_len, sqs, sds, smi, smj,
-                             window_left, window_right, C1, C2, scale_ds, HEAD_DIM, HEAD_DIM_V, True,
-                             MASK_KIND, HAS_WL, HAS_WR, SOFTCAP, PRECISION, BLOCK_M, BLOCK_D, BLOCK_DV,
-                             NUM_STAGES, USE_TMA, EVEN)
+        for r in tl.static_range(3):
+            zero = (pid_h + r) // (n_heads + r)
+            offs_m0_r = offs_m0 + zero * BLOCK_M  # times the block: the alignment facts survive
+            offs_n_r = offs_n + zero * BLOCK_N
+            q_ptrs = q_base + offs_m0_r[:, None] * sqs + offs_d[None, :]
+            do_ptrs = do_base + offs_m0_r[:, None] * sds + offs_dv[None, :]
+            if not USE_TMA:
+                q_desc = q_ptrs
+                do_desc = do_ptrs
+            if r == 0:  # the masked blocks before the fully visible ones, the visible ones, the masked tail
+                r_lo, r_hi = lo, a
+            elif r == 1:
+                r_lo, r_hi = a, b
+            else:
+                r_lo, r_hi = b, tail_hi
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, m_ptr, l_ptr, delta_ptr,
+                                 st_base, sts, mask_base, offs_n_r, offs_m0_r, offs_d, offs_dv, r_lo, r_hi,
+                                 q_len, k_len, sqs, sds, smi, smj, window_left, window_right, C1, C2,
+                                 scale_ds, HEAD_DIM, HEAD_DIM_V, r != 1, MASK_KIND, HAS_WL, HAS_WR, SOFTCAP,
+                                 PRECISION, BLOCK_M, BLOCK_D, BLOCK_DV, NUM_STAGES, USE_TMA, EVEN)
     dk = dk * scale_ds
     dk_base = dk_ptr + pid_b.to(tl.int64) * sdkb + out_h.to(tl.int64) * sdkh + k_start.to(tl.int64) * sdks
     dv_base = dv_ptr + pid_b.to(tl.int64) * sdvb + out_h.to(tl.int64) * sdvh + k_start.to(tl.int64) * sdvs
