@@ -796,8 +796,8 @@ def sweep_llama(out_dir: Path | None, deadline: float = math.inf, kinds=LLAMA_KI
 
 # The forward at the layer's shape (--kernels fwd): the shipped tile first, then tiles with and without TMA
 # loads of K / V ((block_m, block_n, num_warps, num_stages[, warp_specialize, tma])).
-LLAMA_FWD = [(128, 64, 8, 3), (128, 64, 8, 3, False, True), (128, 64, 8, 2, False, True), (128, 64, 4, 3),
-             (128, 128, 8, 3), (128, 128, 8, 2, False, True), (64, 64, 4, 3), (64, 64, 4, 3, False, True),
+LLAMA_FWD = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 3, False, True), (128, 64, 8, 2, False, True),
+             (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2, False, True), (64, 64, 4, 3, False, True),
              (128, 32, 8, 3), (128, 32, 4, 3, False, True)]
 
 

@@ -66,9 +66,16 @@ def _table(by_d: dict[int, AttnConfig]) -> dict[tuple[int, int, bool], AttnConfi
 
 FWD_CONFIGS = _table({32: AttnConfig(128, 64, 4, 3), 64: AttnConfig(128, 64, 8, 3),
                       128: AttnConfig(128, 64, 8, 3), 256: AttnConfig(128, 64, 8, 2)})
+# Causal / windowed forward at D=64: 64-query programs of 4 warps (same key block, so the same bits). H200,
+# session 8 (bench/results/attention_sweep_mha_2026-11-30-s8.txt): B4 H16 S4K causal 0.393 against 0.394 ms;
+# the 1.1B Llama layer 209 against 221 us (session 7). Dense stays (128, 64, 8, 3): 0.671 against 0.718 ms.
+FWD_CONFIGS[(64, 2, True)] = AttnConfig(64, 64, 4, 3)
 # dk/dv kernel: block_n keys per program, block_m queries per step.
 DKDV_CONFIGS = _table({32: AttnConfig(32, 128, 4, 2), 64: AttnConfig(32, 128, 4, 2),
                        128: AttnConfig(32, 64, 4, 3), 256: AttnConfig(32, 64, 8, 1)})
+# Dense dk/dv at D=64: three stages (same tile, same bits). H200, session 8, B4 H16 S4K whole backward 2.169
+# against 2.346 ms; causal keeps two (1.264 against 1.335 ms with three).
+DKDV_CONFIGS[(64, 2, False)] = AttnConfig(32, 128, 4, 3)
 # dq kernel: block_m queries per program, block_n keys per step. (128, 32, 4, 2) at D=16 crashed ptxas
 # (SIGSEGV, Triton 3.6's ptxas 12.8) on the H200: not used. D=64 loads K / V through TMA descriptors (same
 # bits): at the 1.1B Llama layer ((B, S, H, D) layout, GQA) 195 against 225 us on the H200
