@@ -5,7 +5,7 @@ FLOPs: forward 4 * B * H * Sq * Sk * D (halved for causal), backward 2.5x the fo
 {64, 128}, S in {1K, 4K, 16K}, causal and not, B * H * S = 2**18 (H = 16; B = 16, 4, 1); fp16 and fp32
 (per precision mode, against SDPA math/efficient) on fewer shapes. What each backward timing measures:
 
-- safeops: ``torch.ops.safeops.attention_backward`` alone (delta, dk/dv and dq kernels) from saved tensors;
+- safeops: ``torch.ops.safeops.attention_backward`` alone (dq with delta, dk/dv kernels) from saved tensors;
 - safeops, fusion on: the same kernels compiled with ``enable_fp_fusion=True``
   (``safeops._config.fp_fusion``), to measure what the contraction-free build costs (target < 3%); it is
   our variant, not a peer;
@@ -29,7 +29,7 @@ fit a time slot, e.g. ``--kernels dkdv,dq --d 128``.
 split (programs per kv head's query group, with a few dk/dv configs), the causal head grouping
 (``BACKWARD_HEAD_GROUP``) and dq configs (``--kernels dkdv,split,group,dq``). Each candidate: loose check of
 dq / dk / dv against fp32 SDPA, bits against the default, whole-backward time, device time per kernel
-(torch.profiler; dk/dv, dq, delta, other = the split's sums and copies) and host time per call; writes
+(torch.profiler; dk/dv, dq (delta included), other = the split's sum) and host time per call; writes
 attention_sweep_llama.csv. ``--compile-only`` (no GPU) compiles the same candidates for sm_90 with Triton
 3.6 (/tmp/t36) and prints registers / spills / shared memory:
 
@@ -371,7 +371,8 @@ def write_png(path: Path, results: list[H.Result], ceiling: float) -> None:
 # the forward (within 1%). ptxas crashes on TMA with D=128 128x128; warp_specialize with 4 warps fails to
 # compile: both show up as "error" rows.
 FWD_CANDIDATES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 4), (64, 64, 4, 3),
-                  (128, 64, 8, 3, True), (128, 64, 8, 3, False, True), (128, 128, 8, 3, False, True), (64, 64, 4, 4, False, True)]
+                  (128, 64, 8, 3, True), (128, 64, 8, 3, False, True), (128, 128, 8, 3, False, True),
+                  (64, 64, 4, 4, False, True)]
 # dk/dv: block_m queries per step, block_n keys per program. Run 4: D=128 (32, 64, 4, 3) 270 TFLOP/s whole
 # backward, (32, 128, 8, 2) 249, (64, 64, 4, 2) 247, 4 warps with 128 keys ~135; D=64 (32, 128, 4, 2) 213.
 # Offline D=128 (Triton 3.6 ptxas -v): all below 0-8 B spill; (64, 64, 4, 3) spills 348 B (left out).
@@ -380,7 +381,7 @@ FWD_CANDIDATES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4
 DKDV_CANDIDATES = [(32, 64, 4, 3), (32, 64, 4, 4), (16, 64, 4, 4), (16, 64, 4, 3), (16, 128, 8, 3),
                    (32, 128, 8, 3), (32, 64, 8, 3), (32, 64, 4, 3, False, True), (32, 128, 4, 2),
                    (32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2),
-                   (16, 128, 4, 2)]
+                   (16, 128, 4, 2), (32, 128, 4, 2, False, True)]
 # dq: block_m queries per program, block_n keys per step. Run 4: D=64 (64, 64, 4, 2) 195 / causal 165 (TMA
 # 168); D=128 not measured (default (128, 64, 8, 2): 1 CTA/SM at 131072 B smem; 4-warp tiles allow 2).
 # Offline D=128: no spills below; (64, 128, 4, 2) spills 356 B (left out).
@@ -421,7 +422,7 @@ def precompile(case: H.Case, kind: str, candidates) -> None:
 def sweep(out_dir: Path, deadline: float, kernels=("fwd", "dkdv", "dq"), dims=(64, 128),
           causals=(0, 1), warm: bool = True) -> None:
     """Times each candidate of each kernel (the others at their defaults) on bf16 B=4 H=16 S=4K. The dk/dv
-    and dq rows time the whole backward (delta + dk/dv + dq kernels), so only differences between rows of
+    and dq rows time the whole backward (dq with delta + dk/dv kernels), so only differences between rows of
     one kernel mean something."""
     import safeops  # noqa: F401
     from safeops.ops import attention_launch as L
@@ -633,13 +634,12 @@ def _effective(shape: dict, t: dict) -> tuple:
     return kv.block_m, L.dkdv_split(shape["hq"] // shape["hkv"], k.numel() + v.numel()), dq.block_n
 
 
-KERNEL_GROUPS = (("dkdv", "attn_bwd_dkdv_kernel"), ("dq", "attn_bwd_dq_kernel"),
-                 ("delta", "attn_bwd_delta_kernel"))
+KERNEL_GROUPS = (("dkdv", "attn_bwd_dkdv_kernel"), ("dq", "attn_bwd_dq_kernel"))
 
 
 def kernel_times_us(fn, iters: int = 20) -> dict[str, float]:
-    """Device time per call of each backward kernel (torch.profiler): dkdv, dq, delta, and "other" (the
-    split's sums and copies), in microseconds."""
+    """Device time per call of each backward kernel (torch.profiler): dkdv, dq (delta included), and "other"
+    (the split's sum), in microseconds."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -708,9 +708,9 @@ def sweep_llama(out_dir: Path | None, deadline: float = math.inf, kinds=LLAMA_KI
                 shape: dict | None = None, device: str = "cuda", cands: list[LlamaCand] | None = None,
                 timer=None, per_kernel: bool = True, warm: bool = True, log=_say,
                 dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> list[dict]:
-    """Times the backward (delta + dk/dv + split sums + dq) with each candidate at one model layer's shape
-    (default ``LLAMA``), the forward's outputs computed once with the default configs. Per candidate: the
-    loose check of dq / dk / dv against fp32 SDPA, their bits against the default's (expected equal where
+    """Times the backward (dq with delta + dk/dv + the split's sum) with each candidate at one model layer's
+    shape (default ``LLAMA``), the forward's outputs computed once with the default configs. Per candidate:
+    the loose check of dq / dk / dv against fp32 SDPA, their bits against the default's (expected equal where
     the dk/dv query step and split, resp. the dq key step, are the default's: "diff(unexpected)" otherwise;
     "same" where a difference was possible is no error), the backward's CUDA-event
     time, and on CUDA the device time per kernel (profiler) and the host time per call. ``timer(fn) -> ms``
@@ -742,7 +742,7 @@ def sweep_llama(out_dir: Path | None, deadline: float = math.inf, kinds=LLAMA_KI
             log("sweep llama: time budget used up")
             break
         row = dict(kind=cand.kind, candidate=cand.label, status="ok", ms=math.nan, tflops=math.nan, bits="",
-                   host_us=math.nan, **{f"{n}_us": math.nan for n in ("dkdv", "dq", "delta", "other")})
+                   host_us=math.nan, **{f"{n}_us": math.nan for n in ("dkdv", "dq", "other")})
         try:
             with llama_knobs(cand):
                 eff = _effective(shape, t)
@@ -772,8 +772,8 @@ def sweep_llama(out_dir: Path | None, deadline: float = math.inf, kinds=LLAMA_KI
             row["status"] = f"error: {str(e).splitlines()[0][:120]}"
         rows.append(row)
         log(f"sweep llama {cand.kind:5s} {cand.label:42s} {row['status'][:60]:8s} {row['ms']:.4f} ms "
-            f"{row['tflops']:.1f} TFLOP/s | dkdv {row['dkdv_us']:.1f} dq {row['dq_us']:.1f} delta "
-            f"{row['delta_us']:.1f} other {row['other_us']:.1f} us | host {row['host_us']:.1f} us | "
+            f"{row['tflops']:.1f} TFLOP/s | dkdv {row['dkdv_us']:.1f} dq {row['dq_us']:.1f} other "
+            f"{row['other_us']:.1f} us | host {row['host_us']:.1f} us | "
             f"{row['bits']}")
     best: dict[str, dict] = {}
     for row in rows:

@@ -107,6 +107,19 @@ if str(HERE) not in sys.path:  # bench/ helpers (also in spawned pool workers, w
     sys.path.insert(0, str(HERE))
 import _sm90  # noqa: E402
 
+
+def _load_reduce():
+    """safeops/kernels/reduce.py by path (triton only: importing the safeops package would import torch)."""
+    import importlib.util
+
+    path = ROOT / "safeops" / "kernels" / "reduce.py"
+    spec = importlib.util.spec_from_file_location("_safeops_reduce", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+row_sum_tree = _load_reduce().row_sum_tree
 NEG_INF = tl.constexpr(float("-inf"))
 
 # ------------------------------------------------------------------------------------------------------
@@ -435,7 +448,7 @@ CONFIGS = {
 EXTRA = {64: [Cfg(128, 8, 2), Cfg(64, 4, 1), Cfg(64, 4, 1, spin=0), Cfg(64, 4, 2, vec=1)],
          128: [Cfg(64, 8, 1), Cfg(64, 8, 1, spin=0), Cfg(64, 8, 2, vec=1)]}
 MAX_SPIN = 1 << 20  # acquire reads before a wait gives up (about 0.5-1 s); legal waits are microseconds
-DELTA_BLOCK_M = 64  # the shipped launcher's delta block on the GPU
+DELTA_BLOCK_M = 64  # the delta kernel's block on the GPU
 
 
 def _f32(x: float) -> float:
@@ -498,16 +511,24 @@ class Workspace:
 WORKSPACE = Workspace()
 
 
-def launch_delta(o, do, delta, block_m: int):
-    """delta = rowsum(dO * O) by the SHIPPED delta kernel (its fixed-order row sum), dense strides."""
-    from safeops.kernels.attention import attn_bwd_delta_kernel
+@triton.jit
+def delta_kernel(o_ptr, do_ptr, delta_ptr, seqlen, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta = rowsum(dO * O) in fp32 with the shipped fixed-order row sum (``row_sum_tree``, as the shipped
+    dq kernel computes it), dense (B, H, S, D) rows."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = rows < seqlen
+    head = tl.program_id(1).to(tl.int64)
+    offs = head * seqlen * HEAD_DIM + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    o = tl.load(o_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(delta_ptr + head * seqlen + rows, row_sum_tree(o * do, BLOCK_M, HEAD_DIM), mask=ok)
 
+
+def launch_delta(o, do, delta, block_m: int):
+    """delta = rowsum(dO * O) with the shipped numerics, dense strides."""
     b, h, s, d = o.shape
-    strides = (h * s * d, s * d, d)
-    attn_bwd_delta_kernel[(triton.cdiv(s, block_m), b * h)](
-        o, do, delta, None, None, *strides, *strides, h * s, s, 1, h, s, s,
-        HEAD_DIM_V=d, VARLEN=False, BLOCK_M=block_m, BLOCK_DV=d,
-        num_warps=4 if o.is_cuda else 1, enable_fp_fusion=False)
+    delta_kernel[(triton.cdiv(s, block_m), b * h)](
+        o, do, delta, s, HEAD_DIM=d, BLOCK_M=block_m, num_warps=4 if o.is_cuda else 1, enable_fp_fusion=False)
 
 
 def backward(cfg: Cfg, g, q, k, v, o, m, l, scale: float, max_spin: int = MAX_SPIN, ws: Workspace = WORKSPACE,

@@ -23,7 +23,8 @@ backward recomputes ``p = exp2(min(z2 - m, 0)) * (1 / l)`` from the same z2 form
 forward. ``dv = p^T dO``, ``dp = dO v^T``, ``ds = p * (dp - delta)`` with ``delta = rowsum(dO * O)``, then
 the chain rule through the scale (and ``1 - tanh^2`` for softcap). dk/dv are computed per key block,
 looping over the query heads of the group and the query blocks; dq per query block, looping over key
-blocks: no atomics, so the backward is deterministic.
+blocks: no atomics, so the backward is deterministic. The dq kernel runs first and also computes ``delta``
+for its rows, which the dk/dv kernel reads.
 
 Probabilities and ds enter the second matmul of each pair in the input dtype (bf16/fp16), as in every
 flash kernel; the row sum ``l`` is accumulated from the fp32 probabilities.
@@ -335,33 +336,20 @@ def attn_fwd_kernel(
         tl.store(l_ptr + st, l_i, mask=q_ok)
 
 
-@triton.jit(do_not_specialize=SIZE_ARGS)
-def attn_bwd_delta_kernel(
-    o_ptr, do_ptr, delta_ptr, cu_q_ptr, cu_k_ptr,
-    sob, soh, sos, sdb, sdh, sds, stb, sth, sts,
-    n_heads, seqlen_q, seqlen_k,
-    HEAD_DIM_V: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    """delta = rowsum(dO * O) in fp32, per query row."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_b = pid_bh // n_heads
-    pid_h = pid_bh % n_heads
-    q_start, q_len, k_start, k_len = _sequence(pid_b, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, VARLEN)
-    m0 = pid_m * BLOCK_M
-    if m0 >= q_len:
-        return
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    ok = (offs_m < q_len)[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
-    o_base = o_ptr + pid_b.to(tl.int64) * sob + pid_h.to(tl.int64) * soh + q_start.to(tl.int64) * sos
-    d_base = do_ptr + pid_b.to(tl.int64) * sdb + pid_h.to(tl.int64) * sdh + q_start.to(tl.int64) * sds
-    o = tl.load(o_base + offs_m[:, None] * sos + offs_dv[None, :], mask=ok, other=0.0).to(tl.float32)
-    do = tl.load(d_base + offs_m[:, None] * sds + offs_dv[None, :], mask=ok, other=0.0).to(tl.float32)
-    # A fixed addition order: tl.sum's would follow the memory layout of dO, which is read in place.
-    delta = row_sum_tree(o * do, BLOCK_M, BLOCK_DV)
-    st = pid_b.to(tl.int64) * stb + pid_h.to(tl.int64) * sth + (q_start + offs_m).to(tl.int64) * sts
-    tl.store(delta_ptr + st, delta, mask=offs_m < q_len)
+@triton.jit
+def _delta_rows(o, do, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """delta = rowsum(dO * O) in fp32, per query row, from the tiles as loaded (before any TF32 rounding).
+    A fixed addition order: tl.sum's would follow the memory layout of dO, which is read in place."""
+    return row_sum_tree(o.to(tl.float32) * do.to(tl.float32), BLOCK_M, BLOCK_DV)
+
+
+@triton.jit
+def _base_inv_l(m, l):
+    """(base, 1 / l) of query rows: empty and out-of-range rows (m = -inf, l = 0) get base 0 and 1 / l = 0,
+    so p = 0."""
+    base = tl.where(m == NEG_INF, 0.0, m)
+    inv_l = tl.where(l == 0.0, 0.0, 1.0 / tl.where(l == 0.0, 1.0, l))
+    return base, inv_l
 
 
 @triton.jit
@@ -383,8 +371,7 @@ def _row_stats(m_ptr, l_ptr, delta_ptr, st, ok, MASKED: tl.constexpr = True, EVE
         m = tl.load(m_ptr + st)
         l = tl.load(l_ptr + st)
         delta = tl.load(delta_ptr + st)
-    base = tl.where(m == NEG_INF, 0.0, m)
-    inv_l = tl.where(l == 0.0, 0.0, 1.0 / tl.where(l == 0.0, 1.0, l))
+    base, inv_l = _base_inv_l(m, l)
     return base, inv_l, delta
 
 
@@ -592,8 +579,8 @@ def _dq_inner(dq, q, do, base, inv_l, delta, k_ptrs, v_ptrs, k_desc, v_desc, mas
 
 @triton.jit(do_not_specialize=SIZE_ARGS)
 def attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, m_ptr, l_ptr, delta_ptr, mask_ptr, cu_q_ptr, cu_k_ptr,
-    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sdqb, sdqh, sdqs,
+    q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, dq_ptr, m_ptr, l_ptr, delta_ptr, mask_ptr, cu_q_ptr, cu_k_ptr,
+    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sob, soh, sos, sdqb, sdqh, sdqs,
     stb, sth, sts, smb, smh, smi, smj,
     n_heads, n_bh, seqlen_q, seqlen_k, n_m_blocks, window_left, window_right, C1, C2, scale_ds,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -602,9 +589,11 @@ def attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr = False, EVEN: tl.constexpr = False,
 ):
-    """dq of one query block, looping over the visible key blocks. ``EVEN`` (the launcher's promise: not
-    varlen, seqlen_q % BLOCK_M == 0 and seqlen_k % BLOCK_N == 0): every block is whole, so the steps need no
-    bounds masks and, without a right window, the masked tail [b, hi) is empty and not compiled."""
+    """dq of one query block, looping over the visible key blocks. First it computes delta = rowsum(dO * O) of
+    its rows and stores it for the dk/dv kernel, which the launcher runs after this one (every query row
+    belongs to exactly one program). ``EVEN`` (the launcher's promise: not varlen, seqlen_q % BLOCK_M == 0
+    and seqlen_k % BLOCK_N == 0): every block is whole, so the steps need no bounds masks and, without a
+    right window, the masked tail [b, hi) is empty and not compiled."""
     pid_m, pid_bh = _backward_program(n_bh)
     if pid_bh < 0:
         return
@@ -631,10 +620,16 @@ def attn_bwd_dq_kernel(
                 mask=q_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     do = tl.load(do_base + offs_m[:, None] * sds + offs_dv[None, :],
                  mask=q_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    o_base = o_ptr + pid_b.to(tl.int64) * sob + pid_h.to(tl.int64) * soh + q_start.to(tl.int64) * sos
+    o = tl.load(o_base + offs_m[:, None] * sos + offs_dv[None, :],
+                mask=q_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    st = pid_b.to(tl.int64) * stb + pid_h.to(tl.int64) * sth + (q_start + offs_m).to(tl.int64) * sts
+    delta = _delta_rows(o, do, BLOCK_M, BLOCK_DV)
+    tl.store(delta_ptr + st, delta, mask=q_ok)
     q = _prep(q, PRECISION)
     do = _prep(do, PRECISION)
-    st = pid_b.to(tl.int64) * stb + pid_h.to(tl.int64) * sth + (q_start + offs_m).to(tl.int64) * sts
-    base, inv_l, delta = _row_stats(m_ptr, l_ptr, delta_ptr, st, q_ok)
+    base, inv_l = _base_inv_l(tl.load(m_ptr + st, mask=q_ok, other=NEG_INF),
+                              tl.load(l_ptr + st, mask=q_ok, other=0.0))
     k_ptrs = k_base + offs_n0[:, None] * sks + offs_d[None, :]
     v_ptrs = v_base + offs_n0[:, None] * svs + offs_dv[None, :]
     if USE_TMA:

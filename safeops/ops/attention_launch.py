@@ -107,7 +107,6 @@ FP32_BWD = {(32, False): AttnConfig(32, 32, 4, 1), (64, False): AttnConfig(32, 3
             (128, True): AttnConfig(16, 32, 4, 1), (256, True): AttnConfig(16, 16, 4, 1)}
 # Under Triton's interpreter (CPU tensors): small blocks, so short test sequences span several blocks.
 INTERPRETER_CONFIG = AttnConfig(16, 16, 1, 1)
-DELTA_BLOCK_M = 64
 
 _override: dict[str, AttnConfig] = {}
 
@@ -435,13 +434,17 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
     c1, c2, scale_ds = constants(scale, softcap)
     block_d = max(block_dim(p.d), block_dim(p.dv))
 
-    on_gpu = _gpu(q.device)
-    dcfg = AttnConfig(DELTA_BLOCK_M if on_gpu else 16, 0, 4 if on_gpu else 1, 1)
-    _launch(k_mod.attn_bwd_delta_kernel, (_cdiv(p.max_q, dcfg.block_m), p.batch * p.hq),
-        o_, g_, delta, p.cu_q, p.cu_k, *_bhs(o_, p.varlen), *_bhs(g_, p.varlen), *st,
-        p.hq, p.max_q, p.max_k,
-        HEAD_DIM_V=p.dv, VARLEN=p.varlen, BLOCK_M=dcfg.block_m, BLOCK_DV=common["BLOCK_DV"],
-        **_launch_options(dcfg), record=record,
+    # dq first: its programs also compute delta = rowsum(dO * O) of their rows, which dk/dv reads.
+    qc = config("dq", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
+    n_m_blocks = _cdiv(p.max_q, qc.block_m)
+    _launch(k_mod.attn_bwd_dq_kernel, _backward_grid(n_m_blocks, p.batch * p.hq, p.masked),
+        q_, k_, v_, g_, o_, dq_, row_max, row_sum, delta, p.mask_arg, p.cu_q, p.cu_k,
+        *_bhs(q_, p.varlen), *_bhs(k_, p.varlen), *_bhs(v_, p.varlen), *_bhs(g_, p.varlen),
+        *_bhs(o_, p.varlen), *_bhs(dq_, p.varlen), *st, *p.mask_strides,
+        p.hq, p.batch * p.hq, p.max_q, p.max_k, n_m_blocks, p.window_left, p.window_right, c1, c2, scale_ds,
+        **common, REVERSE=p.has_wr,
+        BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, NUM_STAGES=qc.num_stages, USE_TMA=_use_tma(qc, k_, v_),
+        EVEN=_even(p, qc), **_launch_options(qc), record=record,
     )
     kv = config("dkdv", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
     split = dkdv_split(p.hq // p.hkv, k.numel() + v.numel())
@@ -462,17 +465,6 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
     )
     if split > 1:
         _split_sum(dkp, dvp, dk_, dv_, split, p.varlen, record)
-    qc = config("dq", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
-    n_m_blocks = _cdiv(p.max_q, qc.block_m)
-    _launch(k_mod.attn_bwd_dq_kernel, _backward_grid(n_m_blocks, p.batch * p.hq, p.masked),
-        q_, k_, v_, g_, dq_, row_max, row_sum, delta, p.mask_arg, p.cu_q, p.cu_k,
-        *_bhs(q_, p.varlen), *_bhs(k_, p.varlen), *_bhs(v_, p.varlen), *_bhs(g_, p.varlen),
-        *_bhs(dq_, p.varlen), *st, *p.mask_strides,
-        p.hq, p.batch * p.hq, p.max_q, p.max_k, n_m_blocks, p.window_left, p.window_right, c1, c2, scale_ds,
-        **common, REVERSE=p.has_wr,
-        BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, NUM_STAGES=qc.num_stages, USE_TMA=_use_tma(qc, k_, v_),
-        EVEN=_even(p, qc), **_launch_options(qc), record=record,
-    )
     for result, written in ((dq, dq_), (dk, dk_), (dv, dv_)):
         if written is not result:
             result.copy_(written)
@@ -510,7 +502,7 @@ def clear_plans() -> None:
 def _settings() -> tuple:
     """What plans depend on beyond their keys; plans are dropped when any of it is replaced."""
     return (kernels, _kernels, _config.fp_fusion, tuple(_override.items()), DKDV_SPLIT_MAX_BYTES,
-            SPLIT_SUM_BLOCK_R, SPLIT_SUM_WARPS, BACKWARD_HEAD_GROUP, DELTA_BLOCK_M, INTERPRETER_CONFIG,
+            SPLIT_SUM_BLOCK_R, SPLIT_SUM_WARPS, BACKWARD_HEAD_GROUP, INTERPRETER_CONFIG,
             config, dkdv_split, DKDV_HEADS_PER_PROGRAM, _gpu, _check_device, _use_tma, launch, FWD_CONFIGS,
             DKDV_CONFIGS, DQ_CONFIGS, MASK_CONFIGS, FP32_FWD, FP32_BWD)
 
@@ -566,7 +558,7 @@ class _FwdPlan:
 
 
 class _BwdPlan:
-    __slots__ = ("delta", "delta_scalars", "dkdv", "dkdv_scalars", "dq", "dq_scalars", "split", "part_shape",
+    __slots__ = ("dkdv", "dkdv_scalars", "dq", "dq_scalars", "split", "part_shape",
                  "sum", "sum_scalars", "mask_bool", "varlen", "grad_dtype", "tma")
 
 
@@ -632,24 +624,22 @@ def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale
 def _backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype, result, record
                    ) -> _BwdPlan | str:
     dq, dk, dv = result
-    if len(record) == 4:  # delta, dk/dv, the split's sum, dq
-        record, sum_launch = [record[0], record[1], record[3]], record[2]
-    elif len(record) == 3:
+    if len(record) == 3:  # dq (and delta), dk/dv, the split's sum
+        record, sum_launch = record[:2], record[2]
+    elif len(record) == 2:
         sum_launch = None
     else:
         return _GENERAL
-    (dk_d, grid_d, args_d, kw_d), (dk_k, grid_k, args_k, kw_k), (dk_q, grid_q, args_q, kw_q) = record
-    delta_scalars, dkdv_scalars, dq_scalars = _split_args(args_d, 5), _split_args(args_k, 12), _split_args(
-        args_q, 11)
-    if delta_scalars is None or dkdv_scalars is None or dq_scalars is None:
+    (dk_q, grid_q, args_q, kw_q), (dk_k, grid_k, args_k, kw_k) = record
+    dq_scalars, dkdv_scalars = _split_args(args_q, 12), _split_args(args_k, 12)
+    if dq_scalars is None or dkdv_scalars is None:
         return _GENERAL
-    delta = args_d[2]
+    delta = args_q[8]
     inputs = (q, k, v, grad)
-    same = (args_d[0] is out and args_d[1] is grad
+    same = (all(a is t for a, t in zip(args_q[:4], inputs, strict=True)) and args_q[4] is out
+            and args_q[5] is dq and args_q[6] is row_max and args_q[7] is row_sum
             and all(a is t for a, t in zip(args_k[:4], inputs, strict=True))
-            and all(a is t for a, t in zip(args_q[:4], inputs, strict=True))
-            and args_k[6] is row_max and args_k[7] is row_sum and args_k[8] is delta and args_q[4] is dq
-            and args_q[5] is row_max and args_q[6] is row_sum and args_q[7] is delta)
+            and args_k[6] is row_max and args_k[7] is row_sum and args_k[8] is delta)
     if not same:
         return _GENERAL
     split = kw_k["SPLIT"]
@@ -672,10 +662,9 @@ def _backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype,
     plan.sum, plan.sum_scalars = None, sum_scalars
     if sum_launch is not None:
         plan.sum = _launcher(sum_launch[0], sum_launch[1], sum_launch[3], q.device)
-    plan.delta = _launcher(dk_d, grid_d, kw_d, q.device)
     plan.dkdv = _launcher(dk_k, grid_k, kw_k, q.device)
     plan.dq = _launcher(dk_q, grid_q, kw_q, q.device)
-    plan.delta_scalars, plan.dkdv_scalars, plan.dq_scalars = delta_scalars, dkdv_scalars, dq_scalars
+    plan.dkdv_scalars, plan.dq_scalars = dkdv_scalars, dq_scalars
     plan.split, plan.part_shape = split, tuple(args_k[4].shape)
     plan.mask_bool = mask is not None and mask.dtype == torch.bool
     plan.varlen = cu_q is not None
@@ -718,7 +707,7 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
         cu_q = cu_k = q
     if plan.tma:
         ensure_tma_allocator()
-    plan.delta(out, grad, delta, cu_q, cu_k, *plan.delta_scalars)
+    plan.dq(q, k, v, grad, out, dq, row_max, row_sum, delta, mask_arg, cu_q, cu_k, *plan.dq_scalars)
     split = plan.split
     if split > 1:  # fp32 partials per slice of each kv head's query group, summed below
         dk_ = torch.empty(plan.part_shape, dtype=torch.float32, device=device)
@@ -728,7 +717,6 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
     plan.dkdv(q, k, v, grad, dk_, dv_, row_max, row_sum, delta, mask_arg, cu_q, cu_k, *plan.dkdv_scalars)
     if split > 1:
         plan.sum(dk_, dv_, dk, dv, *plan.sum_scalars)
-    plan.dq(q, k, v, grad, dq, row_max, row_sum, delta, mask_arg, cu_q, cu_k, *plan.dq_scalars)
     return dq, dk, dv
 
 
@@ -737,7 +725,7 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
 # every configuration for sm_90 offline; bench/attention.py --sweep warms Triton's cache in parallel.
 # ------------------------------------------------------------------------------------------------------
 
-KERNEL_NAMES = ("attn_fwd_kernel", "attn_bwd_delta_kernel", "attn_bwd_dkdv_kernel",
+KERNEL_NAMES = ("attn_fwd_kernel", "attn_bwd_dkdv_kernel",
                 "attn_bwd_split_sum_kernel", "attn_bwd_dq_kernel")
 KERNEL_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels",
                            "attention.py")
