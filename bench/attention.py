@@ -381,7 +381,7 @@ FWD_CANDIDATES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4
 DKDV_CANDIDATES = [(32, 64, 4, 3), (32, 64, 4, 4), (16, 64, 4, 4), (16, 64, 4, 3), (16, 128, 8, 3),
                    (32, 128, 8, 3), (32, 64, 8, 3), (32, 64, 4, 3, False, True), (32, 128, 4, 2),
                    (32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2),
-                   (16, 128, 4, 2), (32, 128, 4, 2, False, True)]
+                   (16, 128, 4, 2), (32, 128, 4, 2, False, False)]  # the last: the shipped tile without TMA
 # dq: block_m queries per program, block_n keys per step. Run 4: D=64 (64, 64, 4, 2) 195 / causal 165 (TMA
 # 168); D=128 not measured (default (128, 64, 8, 2): 1 CTA/SM at 131072 B smem; 4-warp tiles allow 2).
 # Offline D=128: no spills below; (64, 128, 4, 2) spills 356 B (left out).
@@ -516,7 +516,7 @@ class LlamaCand:
 # scratch/notes_attn_llama_sweep.md.
 LLAMA_DKDV = [(32, 128, 4, 2), (32, 128, 8, 3), (32, 128, 8, 2), (32, 128, 8, 4), (64, 64, 4, 2),
               (64, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 2), (32, 64, 4, 3),
-              (16, 128, 4, 2), (32, 128, 4, 2, False, True)]
+              (16, 128, 4, 2), (32, 128, 4, 2, False, False)]  # the last: the shipped tile without TMA
 # The split's candidates (split 4 = the default, two heads per program, is in LLAMA_DKDV): each divides the
 # group (8).
 LLAMA_SPLITS = (1, 2, 8)

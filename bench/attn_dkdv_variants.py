@@ -851,7 +851,8 @@ def layer_shape(text: str) -> dict:
 
 def recorded_dkdv(shape: dict, split: int | None = None) -> dict:
     """The shipped launcher's dk/dv launch (kernel name, argument dtypes / values, constexprs, options) at
-    ``shape`` on meta tensors, the GQA split forced to ``split`` (None: the launcher's own)."""
+    ``shape`` on meta tensors, the GQA split forced to ``split`` (None: the launcher's own), on pointer
+    loads (``pointer_loads``)."""
     import attention as bench_attention
 
     from safeops.ops import attention_launch as L
@@ -859,7 +860,7 @@ def recorded_dkdv(shape: dict, split: int | None = None) -> dict:
     t = bench_attention.llama_tensors(shape, "meta")
     options = bench_attention._llama_options(shape)
     cand = bench_attention.LlamaCand("split", split=split)
-    with L.recording() as launches, bench_attention.llama_knobs(cand):
+    with L.recording() as launches, bench_attention.llama_knobs(cand), pointer_loads():
         o, m, l = L.forward(t["q"], t["k"], t["v"], *options)
         L.backward(t["g"], t["q"], t["k"], t["v"], o, m, l, *options)
     (launch,) = [x for x in launches if x["kernel"] == SHIPPED]
@@ -963,7 +964,8 @@ class swapped:
 
 
 def forced_split(split: int | None):
-    """``attention_launch.dkdv_split`` forced to ``split`` inside the block (None: unchanged)."""
+    """``attention_launch.dkdv_split`` forced to ``split`` inside the block (None: unchanged), and the dk/dv
+    launch on pointer loads (``pointer_loads``)."""
     import contextlib
 
     from safeops.ops import attention_launch as L
@@ -974,9 +976,30 @@ def forced_split(split: int | None):
         if split is not None:
             L.dkdv_split = lambda group, kv_elements: split
         try:
-            yield
+            with pointer_loads():
+                yield
         finally:
             L.dkdv_split = saved
+    return scope()
+
+
+def pointer_loads():
+    """The shipped dk/dv configs with q / dO loaded through pointers, not TMA (the causal D=64 tile loads them
+    through TMA since session 8): the variants here are written for pointer loads, and the comparison is of
+    the same load path. A replaced table (not edited in place), so the launcher's plans see it."""
+    import contextlib
+    import dataclasses
+
+    from safeops.ops import attention_launch as L
+
+    @contextlib.contextmanager
+    def scope():
+        saved = L.DKDV_CONFIGS
+        L.DKDV_CONFIGS = {key: dataclasses.replace(cfg, tma=False) for key, cfg in saved.items()}
+        try:
+            yield
+        finally:
+            L.DKDV_CONFIGS = saved
     return scope()
 
 

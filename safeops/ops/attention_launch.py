@@ -76,6 +76,10 @@ DKDV_CONFIGS = _table({32: AttnConfig(32, 128, 4, 2), 64: AttnConfig(32, 128, 4,
 # Dense dk/dv at D=64: three stages (same tile, same bits). H200, session 8, B4 H16 S4K whole backward 2.169
 # against 2.346 ms; causal keeps two (1.264 against 1.335 ms with three).
 DKDV_CONFIGS[(64, 2, False)] = AttnConfig(32, 128, 4, 3)
+# Causal / windowed dk/dv at D=64: q / dO through TMA descriptors (same tile, same bits). H200, session 8
+# (bench/results/attention_sweep_dkdv_tma_2026-11-30-s8.txt): B4 H16 S4K causal whole backward 1.205 against
+# 1.255 ms; the 1.1B Llama layer's dk/dv 402 against 409 us.
+DKDV_CONFIGS[(64, 2, True)] = AttnConfig(32, 128, 4, 2, tma=True)
 # dq kernel: block_m queries per program, block_n keys per step. (128, 32, 4, 2) at D=16 crashed ptxas
 # (SIGSEGV, Triton 3.6's ptxas 12.8) on the H200: not used. D=64 loads K / V through TMA descriptors (same
 # bits): at the 1.1B Llama layer ((B, S, H, D) layout, GQA) 195 against 225 us on the H200
