@@ -106,20 +106,8 @@ ROOT = HERE.parent
 if str(HERE) not in sys.path:  # bench/ helpers (also in spawned pool workers, which import this module)
     sys.path.insert(0, str(HERE))
 import _sm90  # noqa: E402
+from attn_bwd_variants import row_sum_tree  # noqa: E402  (the shipped fixed-order row sum, loaded by path)
 
-
-def _load_reduce():
-    """safeops/kernels/reduce.py by path (triton only: importing the safeops package would import torch)."""
-    import importlib.util
-
-    path = ROOT / "safeops" / "kernels" / "reduce.py"
-    spec = importlib.util.spec_from_file_location("_safeops_reduce", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-row_sum_tree = _load_reduce().row_sum_tree
 NEG_INF = tl.constexpr(float("-inf"))
 
 # ------------------------------------------------------------------------------------------------------
