@@ -7,7 +7,10 @@ the same weights run one step, ``loss = model(ids, labels=ids).loss; loss.backwa
 reports:
 
 - step time: median of CUDA-event timings (``triton.testing.do_bench`` through ``bench/_harness.py``),
-  20th-80th percentile in brackets, and tokens per second from the median;
+  20th-80th percentile in brackets, and tokens per second from the median. ``--interleave R`` times the
+  implementations in R alternating rounds instead (A B, B A, ...; ``--round-steps`` steps each, every
+  implementation first run for ``--warmup-ms``), so a GPU clock still ramping up in the first one and
+  drift of the clock or the host's load land on all of them alike; medians over all rounds;
 - peak memory: ``torch.cuda.max_memory_allocated()`` over one step;
 - the loss, and the largest difference of the logits from the first implementation's, relative to its
   largest logit (same weights, same input: the two differ only in attention rounding).
@@ -16,7 +19,8 @@ Optional ``--pad N`` left-pads the first N tokens of the sequence (attention_mas
 torch's SDPA can produce NaN in padded rows and safeops gives 0.
 
     python bench/model.py [--seq 4096] [--batch 1] [--layers 22] [--impls sdpa,safeops] [--pad 0]
-                          [--warmup-ms 200] [--rep-ms 1500] [--out bench/out/model.md]
+                          [--warmup-ms 200] [--rep-ms 1500] [--interleave R [--round-steps K]]
+                          [--out bench/out/model.md]
     python bench/model.py --profile      # GPU kernel time by kernel and host enqueue time of one step
 
 Needs a CUDA GPU and transformers (``pip install 'safeops[transformers]'``).
@@ -66,7 +70,21 @@ def set_impl(model, impl: str) -> None:
         model.config._attn_implementation = impl
 
 
-def measure(model, impl: str, ids, mask, args, reference) -> dict:
+def _switcher(model, impl: str, ids, mask):
+    """For ``interleaved_ms``: switches the model to ``impl`` and returns its training step."""
+    def switch():
+        set_impl(model, impl)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        return step
+    return switch
+
+
+def measure(model, impl: str, ids, mask, args, reference, timed: bool = True) -> dict:
+    """One implementation's checks (loss, finiteness, logits against the reference, peak memory) and, if
+    ``timed``, its step time (do_bench)."""
     row = {"impl": impl, "status": "ok", "note": ""}
     try:
         set_impl(model, impl)
@@ -97,11 +115,64 @@ def measure(model, impl: str, ids, mask, args, reference) -> dict:
         step()
         torch.cuda.synchronize()
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        row["ms"], row["p20"], row["p80"] = H.bench_ms(step, args.warmup_ms, args.rep_ms)
-        row["tok_s"] = ids.numel() / (row["ms"] * 1e-3)
+        if timed:
+            row["ms"], row["p20"], row["p80"] = H.bench_ms(step, args.warmup_ms, args.rep_ms)
+            row["tok_s"] = ids.numel() / (row["ms"] * 1e-3)
     except Exception as e:  # one implementation failing must not lose the others' numbers
         row["status"], row["note"] = "error", H._short(e)
     return row
+
+
+def cuda_block_ms(fn, n: int) -> list[float]:
+    """CUDA-event time of each of ``n`` back-to-back calls of ``fn`` (no synchronization between them, so
+    the host enqueues ahead as in training; one at the end)."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    torch.cuda.synchronize()
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def quantile(sorted_values: list[float], q: float) -> float:
+    """The q-quantile of sorted values, linear between the two nearest ranks."""
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def interleaved_ms(steps: dict, rounds: int, per_round: int, warmup_ms: float, time_block=cuda_block_ms,
+                   clock=None) -> dict[str, tuple[float, float, float]]:
+    """(median, 20th, 80th percentile) step time in ms per implementation. ``steps`` maps a name to a
+    function that switches the model to that implementation and returns its step function. First every
+    implementation runs untimed for ``warmup_ms`` (``clock()``: seconds, default ``time.perf_counter``;
+    the GPU's clock ramps up on a process's first work); then ``rounds`` rounds each time ``per_round``
+    steps of every implementation, in the order of ``steps`` in even rounds and reversed in odd ones, after
+    one untimed step per switch. ``time_block(fn, n)`` returns the n calls' times in ms."""
+    import time
+
+    clock = clock or time.perf_counter
+    names = list(steps)
+    for name in names:
+        step = steps[name]()
+        t0 = clock()
+        step()
+        while (clock() - t0) * 1e3 < warmup_ms:
+            step()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            step = steps[name]()
+            step()
+            samples[name] += time_block(step, per_round)
+    out = {}
+    for name, values in samples.items():
+        values = sorted(values)
+        out[name] = (quantile(values, 0.5), quantile(values, 0.2), quantile(values, 0.8))
+    return out
 
 
 def profile(model, impl: str, ids, mask, top: int = 18) -> str:
@@ -153,7 +224,10 @@ def markdown(rows, meta, args, n_params) -> str:
         f"batch {args.batch}, sequence {args.seq}"
         + (f", first {args.pad} tokens left-padded" if args.pad else "")
         + ". One step = forward with labels + backward. Time: median of CUDA-event timings, 20th-80th "
-        "percentile in brackets. Logit diff: max |logits - first| / max |first|.",
+        "percentile in brackets"
+        + (f" ({args.interleave} alternating rounds of {args.round_steps} steps per implementation)"
+           if args.interleave else "")
+        + ". Logit diff: max |logits - first| / max |first|.",
         "",
         "| attn_implementation | step ms | tokens/s | vs first | peak GiB | loss | finite | logit diff |",
         "|---|---|---|---|---|---|---|---|",
@@ -185,6 +259,9 @@ def main(argv=None) -> int:
     p.add_argument("--impls", default="sdpa,safeops", help=f"comma list from {', '.join(IMPLS)}")
     p.add_argument("--warmup-ms", type=float, default=200)
     p.add_argument("--rep-ms", type=float, default=1500)
+    p.add_argument("--interleave", type=int, default=0,
+                   help="time the implementations in this many alternating rounds (0: one after another)")
+    p.add_argument("--round-steps", type=int, default=5, help="--interleave: timed steps per round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(HERE / "out" / "model.md"))
     p.add_argument("--profile", action="store_true",
@@ -217,15 +294,28 @@ def main(argv=None) -> int:
         return 0
     rows, reference = [], None
     for impl in impls:
-        row = measure(model, impl, ids, mask, args, reference)
+        row = measure(model, impl, ids, mask, args, reference, timed=not args.interleave)
         if reference is None and row["status"] == "ok":
             reference = row.pop("keep")
         row.pop("keep", None)
         rows.append(row)
+    if args.interleave:
+        ok = [row for row in rows if row["status"] == "ok"]
+        try:
+            times = interleaved_ms({row["impl"]: _switcher(model, row["impl"], ids, mask) for row in ok},
+                                   args.interleave, args.round_steps, args.warmup_ms)
+        except Exception as e:  # e.g. out of memory: report it in every timed row
+            times = None
+            for row in ok:
+                row["status"], row["note"] = "error", H._short(e)
+        for row in ok if times else []:
+            row["ms"], row["p20"], row["p80"] = times[row["impl"]]
+            row["tok_s"] = ids.numel() / (row["ms"] * 1e-3)
+    for row in rows:
         shown = (f"{row['ms']:.1f} ms, {row['tok_s']:.0f} tok/s, peak {row['peak_gib']:.2f} GiB, loss "
                  f"{row['loss']:.4f}, finite {row['finite']}" if row["status"] == "ok"
                  else f"{row['status']}: {row['note']}")
-        print(f"{impl}: {shown}", flush=True)
+        print(f"{row['impl']}: {shown}", flush=True)
     text = markdown(rows, meta, args, n_params)
     print("\n" + text)
     out = Path(args.out)
