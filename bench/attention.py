@@ -518,9 +518,9 @@ LLAMA_DKDV = [(32, 128, 4, 2), (32, 128, 8, 3), (32, 128, 8, 2), (32, 128, 8, 4)
               (64, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 2), (32, 64, 4, 3),
               (16, 128, 4, 2), (32, 128, 4, 2, False, False)]  # the last: the shipped tile without TMA
 # The split's candidates (split 4 = the default, two heads per program, is in LLAMA_DKDV): each divides the
-# group (8).
+# group (8). The first tile is the shipped one (TMA loads of q / dO).
 LLAMA_SPLITS = (1, 2, 8)
-LLAMA_SPLIT_CONFIGS = [(32, 128, 4, 2), (32, 128, 8, 3), (64, 64, 4, 2), (64, 128, 8, 3)]
+LLAMA_SPLIT_CONFIGS = [(32, 128, 4, 2, False, True), (32, 128, 8, 3), (64, 64, 4, 2), (64, 128, 8, 3)]
 LLAMA_HEAD_GROUPS = (1, 4, 16, 32)  # default 8; n_bh = 32 for dk/dv (split 8) and for dq
 LLAMA_DQ = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3),
             (128, 128, 8, 2), (64, 64, 4, 2, False, False),  # the shipped tile without TMA
