@@ -1,10 +1,11 @@
 """Fused, deterministic attention backward with dq accumulated in a fixed order (issue 5 experiment).
 
-The shipped backward (safeops/kernels/attention.py: ``attn_bwd_delta_kernel``, ``attn_bwd_dkdv_kernel``,
-``attn_bwd_dq_kernel``) is deterministic because no float is ever accumulated by an atomic: a dk/dv kernel
-(per key block: ``k q^T``, ``v dO^T``, ``dv += p^T dO``, ``dk += ds^T q``) and a separate dq kernel (per query
-block: ``q k^T``, ``dO v^T``, ``dq += ds k``) recompute the two score products: 7 matrix products per
-(query block, key block) pair where FlashAttention-2/3 do 5, accumulating dq with fp32 atomics in whatever
+The shipped backward (safeops/kernels/attention.py: ``attn_bwd_dkdv_kernel``, ``attn_bwd_dq_kernel``, and
+when this experiment was written a separate delta kernel, now part of the dq kernel) is deterministic because
+no float is ever accumulated by an atomic: a dk/dv kernel (per key block: ``k q^T``, ``v dO^T``, ``dv += p^T
+dO``, ``dk += ds^T q``) and a separate dq kernel (per query block: ``q k^T``, ``dO v^T``, ``dq += ds k``)
+recompute the two score products: 7 matrix products per (query block, key block) pair where
+FlashAttention-2/3 do 5, accumulating dq with fp32 atomics in whatever
 order the hardware picks (not allowed here: CONTRACT.md section 6).
 
 This file builds the 5-product backward for the CAUSAL dense case ((B, H, S, D) contiguous, MHA, S a multiple
@@ -521,7 +522,7 @@ def launch_delta(o, do, delta, block_m: int):
 
 def backward(cfg: Cfg, g, q, k, v, o, m, l, scale: float, max_spin: int = MAX_SPIN, ws: Workspace = WORKSPACE,
              delta=None, wrong_order: bool = False, poison: bool = False):
-    """(dq, dk, dv) of the causal backward: shipped delta kernel + the ordered fused kernel. ``delta``:
+    """(dq, dk, dv) of the causal backward: delta (shipped numerics) + the ordered fused kernel. ``delta``:
     reuse a precomputed one (timing the fused kernel alone). ``poison`` (the checks, not the timing): dq,
     dk, dv AND the fp32 dq buffer are filled with NaN first, so an output element never written, or a
     buffer read that comes before this launch's store of it (an ordering bug; with a buffer left over from

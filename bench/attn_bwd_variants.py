@@ -93,7 +93,8 @@ row_sum_tree = _load_reduce().row_sum_tree
 @triton.jit
 def v_delta_kernel(o_ptr, do_ptr, delta_ptr, n_heads, seqlen, so_b, so_h, so_s, sd_b, sd_h, sd_s,
                    st_b, st_h, st_s, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """delta = rowsum(dO * O) in fp32 (the shipped delta kernel, dense)."""
+    """delta = rowsum(dO * O) in fp32 (the shipped numerics, dense; shipped inside the dq kernel since
+    session 8)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_b = pid_bh // n_heads
