@@ -107,7 +107,7 @@ ROOT = HERE.parent
 if str(HERE) not in sys.path:  # bench/ helpers (also in spawned pool workers, which import this module)
     sys.path.insert(0, str(HERE))
 import _sm90  # noqa: E402
-from attn_bwd_variants import row_sum_tree  # noqa: E402  (the shipped fixed-order row sum, loaded by path)
+from attn_bwd_variants import v_delta_kernel  # noqa: E402  (delta with the shipped fixed-order row sum)
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -500,24 +500,14 @@ class Workspace:
 WORKSPACE = Workspace()
 
 
-@triton.jit
-def delta_kernel(o_ptr, do_ptr, delta_ptr, seqlen, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """delta = rowsum(dO * O) in fp32 with the shipped fixed-order row sum (``row_sum_tree``, as the shipped
-    dq kernel computes it), dense (B, H, S, D) rows."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ok = rows < seqlen
-    head = tl.program_id(1).to(tl.int64)
-    offs = head * seqlen * HEAD_DIM + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    o = tl.load(o_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-    tl.store(delta_ptr + head * seqlen + rows, row_sum_tree(o * do, BLOCK_M, HEAD_DIM), mask=ok)
-
-
 def launch_delta(o, do, delta, block_m: int):
-    """delta = rowsum(dO * O) with the shipped numerics, dense strides."""
+    """delta = rowsum(dO * O) with the shipped numerics (attn_bwd_variants' copy of the shipped row sum),
+    dense (B, H, S, D) strides."""
     b, h, s, d = o.shape
-    delta_kernel[(triton.cdiv(s, block_m), b * h)](
-        o, do, delta, s, HEAD_DIM=d, BLOCK_M=block_m, num_warps=4 if o.is_cuda else 1, enable_fp_fusion=False)
+    strides = (h * s * d, s * d, d)
+    v_delta_kernel[(triton.cdiv(s, block_m), b * h)](
+        o, do, delta, h, s, *strides, *strides, h * s, s, 1, HEAD_DIM=d, BLOCK_M=block_m,
+        num_warps=4 if o.is_cuda else 1, enable_fp_fusion=False)
 
 
 def backward(cfg: Cfg, g, q, k, v, o, m, l, scale: float, max_spin: int = MAX_SPIN, ws: Workspace = WORKSPACE,
