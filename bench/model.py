@@ -13,7 +13,10 @@ reports:
   drift of the clock or the host's load land on all of them alike; medians over all rounds;
 - peak memory: ``torch.cuda.max_memory_allocated()`` over one step;
 - the loss, and the largest difference of the logits from the first implementation's, relative to its
-  largest logit (same weights, same input: the two differ only in attention rounding).
+  largest logit (same weights, same input: the two differ only in attention rounding);
+- whether two steps give bit-identical gradients for every parameter ("repeatable"). safeops' backward has
+  no atomics (contract section 6); SDPA's cuDNN and flash backward gave different gradient bits from one
+  call to the next on the H200 (scratch measurement, session 9), so its step is expected not to be.
 
 Optional ``--pad N`` left-pads the first N tokens of the sequence (attention_mask 0 there), the case where
 torch's SDPA can produce NaN in padded rows and safeops gives 0.
@@ -22,6 +25,7 @@ torch's SDPA can produce NaN in padded rows and safeops gives 0.
                           [--warmup-ms 200] [--rep-ms 1500] [--interleave R [--round-steps K]]
                           [--out bench/out/model.md]
     python bench/model.py --profile      # GPU kernel time by kernel and host enqueue time of one step
+    python bench/model.py --deterministic  # under torch.use_deterministic_algorithms(True)
 
 Needs a CUDA GPU and transformers (``pip install 'safeops[transformers]'``).
 """
@@ -115,12 +119,26 @@ def measure(model, impl: str, ids, mask, args, reference, timed: bool = True) ->
         step()
         torch.cuda.synchronize()
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row["repeatable"] = grads_repeatable(model, step)
         if timed:
             row["ms"], row["p20"], row["p80"] = H.bench_ms(step, args.warmup_ms, args.rep_ms)
             row["tok_s"] = ids.numel() / (row["ms"] * 1e-3)
     except Exception as e:  # one implementation failing must not lose the others' numbers
         row["status"], row["note"] = "error", H._short(e)
     return row
+
+
+def grads_repeatable(model, step) -> bool:
+    """Whether two steps on the same weights and input give bit-identical gradients for every parameter
+    (a run that needs reproducible training needs this; atomics in a backward kernel break it)."""
+    step()
+    first = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    step()
+    same = all((a is None and p.grad is None) or (a is not None and p.grad is not None
+                                                   and torch.equal(a, p.grad))
+               for a, p in zip(first, model.parameters(), strict=True))
+    del first
+    return same
 
 
 def cuda_block_ms(fn, n: int) -> list[float]:
@@ -227,20 +245,24 @@ def markdown(rows, meta, args, n_params) -> str:
         "percentile in brackets"
         + (f" ({args.interleave} alternating rounds of {args.round_steps} steps per implementation)"
            if args.interleave else "")
-        + ". Logit diff: max |logits - first| / max |first|.",
+        + ". Logit diff: max |logits - first| / max |first|. Repeatable: two steps give bit-identical "
+        "gradients for every parameter"
+        + (" (under `torch.use_deterministic_algorithms(True)`)" if args.deterministic else "") + ".",
         "",
-        "| attn_implementation | step ms | tokens/s | vs first | peak GiB | loss | finite | logit diff |",
-        "|---|---|---|---|---|---|---|---|",
+        "| attn_implementation | step ms | tokens/s | vs first | peak GiB | loss | finite | logit diff "
+        "| repeatable |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     first = next((r for r in rows if r["status"] == "ok"), None)
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['impl']} | {r['status']}: {r['note']} | | | | | | |")
+            lines.append(f"| {r['impl']} | {r['status']}: {r['note']} | | | | | | | |")
             continue
         lines.append(
             f"| {r['impl']} | {r['ms']:.1f} [{r['p20']:.1f}-{r['p80']:.1f}] | {r['tok_s']:.0f} | "
             f"{first['ms'] / r['ms']:.2f}x | {r['peak_gib']:.2f} | {r['loss']:.4f} | "
-            f"{'yes' if r['finite'] else 'NO'} | {r['logit_diff']:.2e} |")
+            f"{'yes' if r['finite'] else 'NO'} | {r['logit_diff']:.2e} | "
+            f"{'yes' if r['repeatable'] else 'no'} |")
     lines += ["", "'vs first' > 1 means faster than the first row."]
     return "\n".join(lines)
 
@@ -263,6 +285,10 @@ def main(argv=None) -> int:
                    help="time the implementations in this many alternating rounds (0: one after another)")
     p.add_argument("--round-steps", type=int, default=5, help="--interleave: timed steps per round")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True) for every implementation (what a run that "
+                        "needs repeatable gradients sets); an implementation without a deterministic path "
+                        "reports the error")
     p.add_argument("--out", default=str(HERE / "out" / "model.md"))
     p.add_argument("--profile", action="store_true",
                    help="instead of timing: each implementation's GPU kernel time by kernel and host enqueue "
@@ -272,6 +298,11 @@ def main(argv=None) -> int:
     bad = [i for i in impls if i not in IMPLS]
     if bad:
         p.error(f"unknown implementation(s) {bad}; choose from {IMPLS}")
+    if args.deterministic:  # cuBLAS needs a fixed workspace for repeatable results, set before its first use
+        import os
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     H.require_cuda("bench/model.py")
     try:
         import transformers

@@ -64,3 +64,30 @@ def test_quantile_is_exact_on_ranks_and_linear_between():
     assert M.quantile(values, 0.5) == 4.0
     assert M.quantile(values, 0.125) == pytest.approx(1.5)
     assert M.quantile([7.0], 0.8) == 7.0
+
+
+def test_grads_repeatable_tells_identical_from_changed_gradients(seed):
+    """``grads_repeatable`` is True for a step that gives the same gradient bits twice, False when one
+    parameter's gradient changes in its last bit between the steps, and checks parameters without one."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    model[1].bias.requires_grad_(False)  # a parameter that never gets a gradient
+    x = seed.randn(16, 8)
+    calls = []
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+        calls.append(1)
+
+    assert _module().grads_repeatable(model, step)
+    assert len(calls) == 2
+
+    def drifting():
+        step()
+        if len(calls) % 2 == 0:  # the second step of a pair: one element one ulp away
+            g = model[0].weight.grad
+            g.view(-1)[3] = torch.nextafter(g.view(-1)[3], torch.tensor(float("inf")))
+
+    assert not _module().grads_repeatable(model, drifting)
