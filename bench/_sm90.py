@@ -27,6 +27,21 @@ def opcode(text: str) -> str:
     return t.split()[0] if t.split() else ""
 
 
+def keep_compiled() -> list:
+    """Wraps ``triton.compile`` so that every kernel it builds is appended to the returned list: the offline
+    stats workers let a compile worker build a kernel, then read its binary from there."""
+    kept = []
+    compile_ = triton.compile
+
+    def keep(*args, **kwargs):
+        compiled = compile_(*args, **kwargs)
+        kept.append(compiled)
+        return compiled
+
+    triton.compile = keep
+    return kept
+
+
 def binary_stats(compiled) -> tuple[int, int, str]:
     """(registers, spill-store bytes, SASS) of a CompiledKernel for sm_90a; -1 where ptxas said nothing.
     Triton 3.9's PTX needs the newer of its two ptxas binaries (ptxas-blackwell): the first that accepts the

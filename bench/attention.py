@@ -886,17 +886,7 @@ import _sm90
 
 worker = {"__name__": "safeops_compile_worker"}
 exec(request["worker_source"], worker)
-_last = []
-_compile = triton.compile
-
-
-def _keep(*args, **kwargs):
-    c = _compile(*args, **kwargs)
-    _last.append(c)
-    return c
-
-
-triton.compile = _keep
+_last = _sm90.keep_compiled()
 
 
 def stats(job):

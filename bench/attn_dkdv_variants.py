@@ -738,17 +738,7 @@ spec.loader.exec_module(variants)
 worker = {"__name__": "safeops_compile_worker"}
 exec(request["worker_source"], worker)
 worker["_module"] = variants
-_last = []
-_compile = triton.compile
-
-
-def _keep(*args, **kwargs):
-    c = _compile(*args, **kwargs)
-    _last.append(c)
-    return c
-
-
-triton.compile = _keep
+_last = _sm90.keep_compiled()
 
 
 def sass_loops(sass):
