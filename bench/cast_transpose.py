@@ -20,7 +20,12 @@ Implementations:
 - torch eager: the expression above, op by op;
 - torch.compile: the same expression compiled by stock Inductor (dynamic=False, one compile per shape);
 - copy of x (same bytes): ``x.clone()`` moves what the op must move (read 2 bytes, write 2 per element) at
-  the same shape: the per-shape bound (small shapes do not reach the large-copy bandwidth); not a peer.
+  the same shape: the per-shape bound (small shapes do not reach the large-copy bandwidth); not a peer;
+- transposing copy (same bytes): ``x.t().contiguous()``, torch's copy into the transposed layout;
+- same pattern without arithmetic: ``bench/_transpose_bound.py``, a Triton kernel that reads x once and writes
+  its high bytes row-major and column-major, i.e. the op's reads and writes with none of its arithmetic,
+  at the fastest of its tiles for the shape (checked byte for byte, tile printed): what the access pattern
+  allows.
 
 Every output (y and y_t) is checked bit for bit against eager once per shape before it is timed.
 
@@ -129,6 +134,34 @@ def build_copy_bound(case: H.Case, t: dict):
     return lambda: (_COPY_BOUND, x.clone())
 
 
+def build_transpose_copy(case: H.Case, t: dict):
+    x = t["x"]
+    if x.element_size() != 2:
+        raise H.Refused("the same-bytes copy needs a 2-byte input (bf16 / fp16)")
+    return lambda: (_COPY_BOUND, x.t().contiguous())
+
+
+_pattern_tiles: dict = {}
+
+
+def build_pattern_bound(case: H.Case, t: dict):
+    import _transpose_bound as TB
+
+    x = t["x"]
+    if x.element_size() != 2:
+        raise H.Refused("the pattern bound reads 2-byte elements (bf16 / fp16)")
+    m, k = x.shape
+    if (m, k) not in _pattern_tiles:
+        tile, ms = TB.best_pattern(x, lambda fn: H.bench_ms(fn, 10, 40)[0])
+        _pattern_tiles[(m, k)] = tile
+        print(f"[cast_transpose] {m}x{k}: pattern bound's fastest tile (BLOCK_M, BLOCK_K, warps, m_fast) "
+              f"{tile}: {ms * 1e3:.1f} us", flush=True)
+    tile = _pattern_tiles[(m, k)]
+    y = torch.empty(m, k, dtype=torch.uint8, device=x.device)
+    y_t = torch.empty(k, m, dtype=torch.uint8, device=x.device)
+    return lambda: (_COPY_BOUND, TB.launch(x, y, y_t, tile))
+
+
 def build_eager(case: H.Case, t: dict):
     x, s = t["x"], t["s"]
     return lambda: expression(x, s)
@@ -176,6 +209,8 @@ def build_benchmark(cases: list[H.Case], only: set[str] | None = None) -> H.Benc
     bench.add("torch eager", build_eager, tag="e", directions=DIRECTIONS)
     bench.add("torch.compile", build_compiled, tag="c", directions=DIRECTIONS)
     bench.add("copy of x (same bytes)", build_copy_bound, role="variant", directions=DIRECTIONS)
+    bench.add("transposing copy (same bytes)", build_transpose_copy, role="variant", directions=DIRECTIONS)
+    bench.add("same pattern without arithmetic", build_pattern_bound, role="variant", directions=DIRECTIONS)
     if only:
         bench.impls = [i for i in bench.impls if i.name in only]
     return bench
