@@ -381,7 +381,9 @@ FWD_CANDIDATES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4
 DKDV_CANDIDATES = [(32, 64, 4, 3), (32, 64, 4, 4), (16, 64, 4, 4), (16, 64, 4, 3), (16, 128, 8, 3),
                    (32, 128, 8, 3), (32, 64, 8, 3), (32, 64, 4, 3, False, True), (32, 128, 4, 2),
                    (32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2),
-                   (16, 128, 4, 2), (32, 128, 4, 2, False, False)]  # the last: the shipped tile without TMA
+                   (16, 128, 4, 2), (32, 128, 4, 2, False, False),  # the shipped tile without TMA
+                   (32, 128, 8, 2, False, True, 128), (32, 128, 8, 2, False, False, 128),  # capped: see LLAMA_DKDV
+                   (32, 128, 8, 3, False, False, 128)]
 # dq: block_m queries per program, block_n keys per step. Run 4: D=64 (64, 64, 4, 2) 195 / causal 165 (TMA
 # 168); D=128 not measured (default (128, 64, 8, 2): 1 CTA/SM at 131072 B smem; 4-warp tiles allow 2).
 # Offline D=128: no spills below; (64, 128, 4, 2) spills 356 B (left out).
@@ -457,7 +459,7 @@ def sweep(out_dir: Path, deadline: float, kernels=("fwd", "dkdv", "dq"), dims=(6
                     status = f"error: {str(e).splitlines()[0][:100]}"
                 tf = flops(case) / (ms * 1e-3) * 1e-12 if not math.isnan(ms) else math.nan
                 rows.append([kind, d, causal, *cand[:4], len(cand) > 4 and cand[4], len(cand) > 5 and cand[5],
-                             status, f"{ms:.4f}", f"{tf:.1f}"])
+                             cand[6] if len(cand) > 6 else "", status, f"{ms:.4f}", f"{tf:.1f}"])
                 print(f"sweep {kind:5s} D={d} causal={causal} {cand}: {status} {ms:.4f} ms  {tf:.1f} TFLOP/s "
                       f"({'whole backward' if kind != 'fwd' else 'forward'})", flush=True)
                 key = (kind, d, causal)
@@ -469,7 +471,7 @@ def sweep(out_dir: Path, deadline: float, kernels=("fwd", "dkdv", "dq"), dims=(6
     with open(out_dir / "attention_sweep.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["kernel", "D", "causal", "block_m", "block_n", "num_warps", "num_stages",
-                    "warp_specialize", "tma", "status", "ms", "tflops"])
+                    "warp_specialize", "tma", "maxnreg", "status", "ms", "tflops"])
         w.writerows(rows)
     print("\nbest (kernel, D, causal) -> (block_m, block_n, num_warps, num_stages):")
     for key, (cand, ms) in sorted(best.items()):
@@ -516,7 +518,12 @@ class LlamaCand:
 # scratch/notes_attn_llama_sweep.md.
 LLAMA_DKDV = [(32, 128, 4, 2), (32, 128, 8, 3), (32, 128, 8, 2), (32, 128, 8, 4), (64, 64, 4, 2),
               (64, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 2), (32, 64, 4, 3),
-              (16, 128, 4, 2), (32, 128, 4, 2, False, False)]  # the last: the shipped tile without TMA
+              (16, 128, 4, 2), (32, 128, 4, 2, False, False),  # the shipped tile without TMA
+              # 8-warp tiles capped at 128 registers (maxnreg): 2 programs per SM instead of 1; offline sm_90
+              # spills 8 B (TMA) / 32 B (s2) / 56 B (s3) / 80 B (s4) against 170-192 registers uncapped.
+              (32, 128, 8, 2, False, True, 128), (32, 128, 8, 2, False, False, 128),
+              (32, 128, 8, 3, False, True, 128), (32, 128, 8, 3, False, False, 128),
+              (32, 128, 8, 4, False, False, 128)]
 # The split's candidates (split 4 = the default, two heads per program, is in LLAMA_DKDV): each divides the
 # group (8). The first tile is the shipped one (TMA loads of q / dO).
 LLAMA_SPLITS = (1, 2, 8)
@@ -972,14 +979,15 @@ def compile_only_llama(shape: dict | None = None, cands: list[LlamaCand] | None 
             kw = x["kwargs"]
             cfg = (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["NUM_STAGES"])
             row = dict(kind=cand.kind, candidate=cand.label, kernel=x["kernel"], config=cfg,
-                       split=kw.get("SPLIT", ""), tma=kw.get("USE_TMA"), ok=r["ok"], regs=r.get("regs"),
+                       split=kw.get("SPLIT", ""), tma=kw.get("USE_TMA"), maxnreg=kw.get("maxnreg"),
+                       ok=r["ok"], regs=r.get("regs"),
                        spill=r.get("spill"), shared=r.get("shared"), error=r.get("error", "")[-200:])
             rows.append(row)
             short = x["kernel"].removeprefix("attn_bwd_").removesuffix("_kernel")
             status = (f"regs={row['regs']} spill={row['spill']} smem={row['shared']}" if r["ok"] else
                       f"FAILED {row['error']}")
             log(f"  {cand.kind:5s} {cand.label:42s} {short:4s} {cfg} split={row['split']} "
-                f"tma={row['tma']}: {status}")
+                f"tma={row['tma']} maxnreg={row['maxnreg']}: {status}")
     return rows
 
 

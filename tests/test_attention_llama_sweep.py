@@ -103,13 +103,19 @@ def test_two_candidates_compile_for_sm90_with_register_counts():
     A = _module()
     C = A.LlamaCand
     lines = []
-    rows = A.compile_only_llama(cands=[C("base"), C("dkdv", dkdv=(32, 128, 8, 3))], log=lines.append)
+    capped = (32, 128, 8, 2, False, True, 128)
+    rows = A.compile_only_llama(cands=[C("base"), C("dkdv", dkdv=(32, 128, 8, 3)), C("dkdv", dkdv=capped)],
+                                log=lines.append)
     text = "\n".join(lines)
     assert [(r["kind"], r["kernel"]) for r in rows] == [("base", "attn_bwd_dq_kernel"),  # launch order
                                                          ("base", "attn_bwd_dkdv_kernel"),
+                                                         ("dkdv", "attn_bwd_dkdv_kernel"),
                                                          ("dkdv", "attn_bwd_dkdv_kernel")], text
     assert all(r["ok"] and 0 < r["regs"] <= 255 and 0 < r["shared"] <= 232448 for r in rows), text
     assert rows[2]["spill"] == 0 and rows[2]["config"] == (32, 128, 8, 3), text
+    # The register cap reaches ptxas: uncapped this tile takes 170 registers (one 8-warp program per SM).
+    assert rows[2]["maxnreg"] is None and rows[3]["maxnreg"] == 128, text
+    assert rows[3]["regs"] <= 128 and rows[2]["regs"] > 128, text
 
 
 def test_layer_shapes_and_split_candidates():

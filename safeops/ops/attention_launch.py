@@ -47,6 +47,7 @@ class AttnConfig:
     num_stages: int
     warp_specialize: bool = False  # forward K/V loop only (tl.range warp_specialize); a tuning knob
     tma: bool = False  # loads of the looped-over tiles through TMA descriptors (if the layout allows); a knob
+    maxnreg: int | None = None  # ptxas register cap per thread (Triton's ``maxnreg``): more programs per SM
 
 
 # (head-dim block, element size, masked by causal/window) -> config, bf16 / fp16.
@@ -165,7 +166,10 @@ def config(kind: str, block_d: int, dtype: torch.dtype, masked: bool, device: to
 
 def _launch_options(cfg: AttnConfig) -> dict:
     # Fusion off: z2 = s * C1 must be rounded before it feeds both the max and z2 - m (contract section 1).
-    return {"num_warps": cfg.num_warps, "enable_fp_fusion": _config.fp_fusion}
+    options = {"num_warps": cfg.num_warps, "enable_fp_fusion": _config.fp_fusion}
+    if cfg.maxnreg is not None:
+        options["maxnreg"] = cfg.maxnreg
+    return options
 
 
 def _check_device(q: torch.Tensor) -> None:
