@@ -351,6 +351,15 @@ VARIANTS = [
             _blk(8, 16, per_sm=2, s1=3, s2=3, reverse=True), default=False),
     Variant("b8k-w16-p1-ev", "8K on 16 warps, 1/SM, evict_last pass 1, evict_first pass 2, reversed",
             _blk(8, 16, per_sm=1, ev1=1, ev2=2, reverse=True), default=False),
+    # Wide programs, one per row (session 10): few rows in flight per SM (2-4 at 16-32 warps), so pass 2's
+    # re-read finds the row in L2, while the hardware, not a persistent loop, overlaps one row's passes with
+    # another's (Inductor's 32K looped reduction reaches copy speed with this shape).
+    Variant("b8k-w16-row", "8K block on 16 warps, one program per row", _blk(8, 16), default=False),
+    Variant("b8k-w16-row-ev", "8K on 16 warps, one program per row, evict_last pass 1, evict_first pass 2",
+            _blk(8, 16, ev1=1, ev2=2), default=False),
+    Variant("b4k-w16-row", "4K block on 16 warps, one program per row", _blk(4, 16), default=False),
+    Variant("b16k-w32-row", "16K block on 32 warps, one program per row", _blk(16, 32), default=False),
+    Variant("b8k-w32-row", "8K block on 32 warps, one program per row", _blk(8, 32), default=False),
 ]
 VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
 
