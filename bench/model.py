@@ -18,6 +18,13 @@ reports:
   no atomics (contract section 6); SDPA's cuDNN and flash backward gave different gradient bits from one
   call to the next on the H200 (scratch measurement, session 9), so its step is expected not to be.
 
+``--cuda-graph`` captures each implementation's step in one CUDA graph (torch's whole-network capture) and
+times its replays: the GPU time of a step with no host in the loop, so the result does not depend on how
+fast the host enqueues (on the H200 machine the host's speed switches between two regimes ~1.5x apart,
+session 10). The replayed step's loss must equal the eager step's bit for bit, or the row says so. Without
+``--pad`` the model gets ``attention_mask=None`` there (transformers reads a mask's values on the host to
+decide whether SDPA may drop it, which a capture forbids).
+
 Optional ``--pad N`` left-pads the first N tokens of the sequence (attention_mask 0 there), the case where
 torch's SDPA can produce NaN in padded rows and safeops gives 0.
 
@@ -26,6 +33,7 @@ torch's SDPA can produce NaN in padded rows and safeops gives 0.
                           [--out bench/out/model.md]
     python bench/model.py --profile      # GPU kernel time by kernel and host enqueue time of one step
     python bench/model.py --deterministic  # under torch.use_deterministic_algorithms(True)
+    python bench/model.py --cuda-graph     # time replays of the step captured in a CUDA graph
 
 Needs a CUDA GPU and transformers (``pip install 'safeops[transformers]'``).
 """
@@ -120,12 +128,48 @@ def measure(model, impl: str, ids, mask, args, reference, timed: bool = True) ->
         torch.cuda.synchronize()
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         row["repeatable"] = grads_repeatable(model, step)
-        if timed:
+        if timed and getattr(args, "cuda_graph", False):
+            graph, loss = capture_step(model, ids, mask)
+            try:
+                graph.replay()
+                torch.cuda.synchronize()
+                if float(loss) != row["loss"]:
+                    row["note"] = f"replayed loss {float(loss)!r} != eager {row['loss']!r}"
+                row["ms"], row["p20"], row["p80"] = H.bench_ms(graph.replay, args.warmup_ms, args.rep_ms)
+            finally:
+                del graph, loss
+                model.zero_grad(set_to_none=True)  # the gradients live in the graph's memory pool
+                gc.collect()
+                torch.cuda.empty_cache()
+            row["tok_s"] = ids.numel() / (row["ms"] * 1e-3)
+        elif timed:
             row["ms"], row["p20"], row["p80"] = H.bench_ms(step, args.warmup_ms, args.rep_ms)
             row["tok_s"] = ids.numel() / (row["ms"] * 1e-3)
     except Exception as e:  # one implementation failing must not lose the others' numbers
         row["status"], row["note"] = "error", H._short(e)
     return row
+
+
+def capture_step(model, ids, mask):
+    """(graph, loss): one training step (forward with labels, backward) captured in a CUDA graph after a
+    warm-up on a side stream, as torch's whole-network capture does; the gradients are allocated in the
+    capture, so each replay writes them (and the loss) in place."""
+    def run():
+        return model(input_ids=ids, attention_mask=mask, labels=ids).loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            run().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    model.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = run()
+        loss.backward()
+    return graph, loss
 
 
 def grads_repeatable(model, step) -> bool:
@@ -245,6 +289,9 @@ def markdown(rows, meta, args, n_params) -> str:
         "percentile in brackets"
         + (f" ({args.interleave} alternating rounds of {args.round_steps} steps per implementation)"
            if args.interleave else "")
+        + (", timed over replays of the step captured in a CUDA graph (no host in the loop; "
+           "attention_mask=None)"
+           if getattr(args, "cuda_graph", False) else "")
         + ". Logit diff: max |logits - first| / max |first|. Repeatable: two steps give bit-identical "
         "gradients for every parameter"
         + (" (under `torch.use_deterministic_algorithms(True)`)" if args.deterministic else "") + ".",
@@ -264,6 +311,7 @@ def markdown(rows, meta, args, n_params) -> str:
             f"{'yes' if r['finite'] else 'NO'} | {r['logit_diff']:.2e} | "
             f"{'yes' if r['repeatable'] else 'no'} |")
     lines += ["", "'vs first' > 1 means faster than the first row."]
+    lines += [f"- {r['impl']}: {r['note']}" for r in rows if r["status"] == "ok" and r.get("note")]
     return "\n".join(lines)
 
 
@@ -290,10 +338,15 @@ def main(argv=None) -> int:
                         "needs repeatable gradients sets); an implementation without a deterministic path "
                         "reports the error")
     p.add_argument("--out", default=str(HERE / "out" / "model.md"))
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="time replays of each implementation's step captured in a CUDA graph (no host in the "
+                        "loop); without --pad the model then gets attention_mask=None")
     p.add_argument("--profile", action="store_true",
                    help="instead of timing: each implementation's GPU kernel time by kernel and host enqueue "
                         "time of one step")
     args = p.parse_args(argv)
+    if args.interleave and args.cuda_graph:
+        p.error("--cuda-graph times each implementation's replays one after another; drop --interleave")
     impls = [s.strip() for s in args.impls.split(",") if s.strip()]
     bad = [i for i in impls if i not in IMPLS]
     if bad:
@@ -319,6 +372,8 @@ def main(argv=None) -> int:
     mask = torch.ones_like(ids)
     if args.pad:
         mask[:, : args.pad] = 0
+    elif args.cuda_graph:
+        mask = None  # see the module docstring: a mask's values would be read on the host in the capture
     if args.profile:
         for impl in impls:
             print(profile(model, impl, ids, mask), flush=True)

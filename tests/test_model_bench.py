@@ -91,3 +91,12 @@ def test_grads_repeatable_tells_identical_from_changed_gradients(seed):
             g.view(-1)[3] = torch.nextafter(g.view(-1)[3], torch.tensor(float("inf")))
 
     assert not _module().grads_repeatable(model, drifting)
+
+
+def test_cuda_graph_refuses_interleave_before_any_work(capsys):
+    """``--cuda-graph`` times each implementation's replays; combined with ``--interleave`` it must stop at
+    argument parsing (an argparse error), before touching a GPU or building a model."""
+    M = _module()
+    with pytest.raises(SystemExit) as e:
+        M.main(["--cuda-graph", "--interleave", "2"])
+    assert e.value.code == 2 and "--cuda-graph" in capsys.readouterr().err
