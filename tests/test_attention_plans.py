@@ -312,3 +312,55 @@ def test_plan_dtype_change_bits_on_the_interpreter(triton_backend, seed):
                                b.view(torch.int16) if b.dtype == BF16 else b), f"fp32={fp32}"
     assert [r.dtype for r in fresh[True][:1] + fresh[True][3:]] == [F32] * 4
     assert [len(t) for t in L._tables()] == [2, 2]
+
+
+# ------------------------------------------------------------------------------------------------------
+# dk / dv in two launches (``DKDV_PARTS``: the dk/dv kernel's PART 1 computes dv alone, PART 2 dk alone)
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_dkdv_parts_launch_dv_then_dk(gpu_route):
+    """With a (dv config, dk config) pair the backward launches the dk/dv kernel twice, PART 1 with the dv
+    config and PART 2 with the dk config, on the same outputs (the split's fp32 partials here, GQA group 4),
+    then the split's sum; the repeated call launches the same (no plan for this form)."""
+    q, k, v = _llama(200, 8, 2, 64, BF16)
+    g = torch.randn(2, 200, 8, 64).to(BF16).transpose(1, 2)
+    options = (None, 0, None, None, 200, 200, True, 0.125, None, -1, 0, 0)
+    out = L._forward_general(q, k, v, *options)
+    parts = (L.AttnConfig(64, 128, 4, 2), L.AttnConfig(32, 64, 4, 3))
+    with L.config_override(dkdv_parts=parts):
+        for _ in range(2):
+            gpu_route.clear()
+            L.backward(g, q, k, v, *out, *options)
+            names = [x[0] for x in gpu_route]
+            assert names == ["attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dkdv_kernel",
+                             "attn_bwd_split_sum_kernel"]
+            (_, grid_v, args_v, kw_v), (_, grid_k, args_k, kw_k) = gpu_route[1], gpu_route[2]
+            assert (kw_v["PART"], kw_v["BLOCK_M"], kw_v["BLOCK_N"], kw_v["num_warps"]) == (1, 64, 128, 4)
+            assert (kw_k["PART"], kw_k["BLOCK_M"], kw_k["BLOCK_N"], kw_k["NUM_STAGES"]) == (2, 32, 64, 3)
+            assert args_v[4] is args_k[4] and args_v[5] is args_k[5]  # the same dk / dv partials
+            assert grid_v != grid_k  # each grid from its own BLOCK_N: 2 key blocks against 4
+    gpu_route.clear()
+    L.backward(g, q, k, v, *out, *options)  # the shipped table: one launch, no PART argument
+    dkdv = [x for x in gpu_route if x[0] == "attn_bwd_dkdv_kernel"]
+    assert len(dkdv) == 1 and "PART" not in dkdv[0][3]
+
+
+def test_dkdv_parts_bits_on_the_interpreter(triton_backend, seed):
+    """dv alone then dk alone give the one-launch bits when the tiles are the same (the same arithmetic in
+    the same order): GQA with the split's fp32 partials, causal, a Llama layer's strides."""
+    q, k, v = _llama(40, 8, 2, 16, torch.float16)
+    g = torch.randn(2, 40, 8, 16).to(torch.float16).transpose(1, 2)
+    options = (None, 0, None, None, 40, 40, True, 0.25, None, -1, 0, 0)
+    out = L._forward_general(q, k, v, *options)
+    f32 = {"grad_dtype": torch.float32}  # gradients left in fp32: a changed sum order shows in the bits
+    one = L._backward_general(g, q, k, v, *out, *options, **f32)
+    with L.config_override(dkdv_parts=(L.INTERPRETER_CONFIG, L.INTERPRETER_CONFIG)):
+        for _ in range(2):
+            two = L.backward(g, q, k, v, *out, *options, **f32)
+            for name, a, b in zip(("dq", "dk", "dv"), two, one, strict=True):
+                assert torch.equal(a, b), name
+    # A negative control: a different dk tile changes the order of dk's sum, so its bits (not dv's).
+    with L.config_override(dkdv_parts=(L.INTERPRETER_CONFIG, L.AttnConfig(32, 16, 1, 1))):
+        other = L.backward(g, q, k, v, *out, *options, **f32)
+    assert torch.equal(other[2], one[2]) and not torch.equal(other[1], one[1])
