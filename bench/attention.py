@@ -382,8 +382,7 @@ DKDV_CANDIDATES = [(32, 64, 4, 3), (32, 64, 4, 4), (16, 64, 4, 4), (16, 64, 4, 3
                    (32, 128, 8, 3), (32, 64, 8, 3), (32, 64, 4, 3, False, True), (32, 128, 4, 2),
                    (32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2),
                    (16, 128, 4, 2), (32, 128, 4, 2, False, False),  # the shipped tile without TMA
-                   # capped at 128 registers (7th field: maxnreg), see LLAMA_DKDV:
-                   (32, 128, 8, 2, False, True, 128), (32, 128, 8, 2, False, False, 128),
+                   (32, 128, 8, 2, False, True, 128), (32, 128, 8, 2, False, False, 128),  # capped: see LLAMA_DKDV
                    (32, 128, 8, 3, False, False, 128)]
 # dq: block_m queries per program, block_n keys per step. Run 4: D=64 (64, 64, 4, 2) 195 / causal 165 (TMA
 # 168); D=128 not measured (default (128, 64, 8, 2): 1 CTA/SM at 131072 B smem; 4-warp tiles allow 2).
@@ -502,15 +501,13 @@ class LlamaCand:
     fwd: tuple | None = None  # the forward's tile (sweep_llama_fwd)
     split: int | None = None  # programs per kv head's query group in dk/dv (attention_launch.dkdv_split)
     head_group: int | None = None  # attention_launch.BACKWARD_HEAD_GROUP (causal grid order, dk/dv and dq)
-    parts: tuple | None = None  # (dv tile, dk tile): dk and dv by two launches (attention_launch.DKDV_PARTS)
 
     @property
     def label(self) -> str:
         parts = [f"dkdv={self.dkdv}" if self.dkdv else "", f"dq={self.dq}" if self.dq else "",
                  f"fwd={self.fwd}" if self.fwd else "",
                  f"split={self.split}" if self.split else "",
-                 f"hg={self.head_group}" if self.head_group else "",
-                 f"parts={self.parts}" if self.parts else ""]
+                 f"hg={self.head_group}" if self.head_group else ""]
         return " ".join(p for p in parts if p) or "default"
 
 
@@ -536,21 +533,7 @@ LLAMA_DQ = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (1
             (128, 128, 8, 2), (64, 64, 4, 2, False, False),  # the shipped tile without TMA
             (64, 64, 4, 3, False, True), (128, 64, 8, 2, False, True), (64, 32, 4, 3, False, True),
             (128, 32, 8, 3, False, True)]
-# dk and dv by two launches (dv alone, then dk alone: one accumulator each), (dv tile, dk tile). Offline sm_90
-# (Triton 3.6) at this shape, registers / spill bytes, dv then dk: (32, 128, 4, 2, TMA) 162 / 0 and 226 / 0;
-# (32, 64, 4, 3) capped at 128 (7th field: maxnreg) 125-126 / 0 and 128 / 0 (4 programs per SM); (64, 64, 4,
-# 2 or 3) capped at 168 0 and 12-20 B (3 per SM); (64, 128, 8, 2) capped at 128: dv 0, dk 152 B.
-LLAMA_PARTS = [((32, 128, 4, 2, False, True), (32, 128, 4, 2, False, True)),
-               ((32, 128, 4, 2, False, True, 168), (32, 64, 4, 3, False, True, 128)),
-               ((64, 64, 4, 2, False, False, 168), (64, 64, 4, 2, False, False, 168)),
-               ((64, 64, 4, 3, False, True, 168), (64, 64, 4, 3, False, True, 168)),
-               ((32, 64, 4, 3, False, True, 128), (32, 64, 4, 3, False, True, 128)),
-               ((64, 128, 8, 2, False, False, 128), (32, 64, 4, 3, False, False, 128)),
-               ((32, 128, 4, 2, False, True, 168), (64, 64, 4, 2, False, False, 168)),
-               ((64, 64, 4, 2, False, False, 168), (32, 64, 4, 3, False, True, 128)),
-               ((32, 128, 4, 2, False, True), (64, 64, 4, 3, False, True, 168)),
-               ((32, 64, 4, 3, False, False, 128), (64, 64, 4, 2, False, False, 168))]
-LLAMA_KINDS = ("dkdv", "parts", "split", "group", "dq")
+LLAMA_KINDS = ("dkdv", "split", "group", "dq")
 
 
 def llama_candidates(kinds=LLAMA_KINDS) -> list[LlamaCand]:
@@ -558,8 +541,6 @@ def llama_candidates(kinds=LLAMA_KINDS) -> list[LlamaCand]:
     out = [LlamaCand("base")]
     if "dkdv" in kinds:
         out += [LlamaCand("dkdv", dkdv=c) for c in LLAMA_DKDV if c != LLAMA_DKDV[0]]
-    if "parts" in kinds:
-        out += [LlamaCand("parts", parts=pp) for pp in LLAMA_PARTS]
     if "split" in kinds:
         out += [LlamaCand("split", dkdv=c, split=s) for c in LLAMA_SPLIT_CONFIGS for s in LLAMA_SPLITS]
     if "group" in kinds:
@@ -583,8 +564,6 @@ def llama_knobs(cand: LlamaCand):
         overrides["dq"] = L.AttnConfig(*cand.dq)
     if cand.fwd:
         overrides["fwd"] = L.AttnConfig(*cand.fwd)
-    if cand.parts:
-        overrides["dkdv_parts"] = tuple(L.AttnConfig(*t) for t in cand.parts)
     saved = L.dkdv_split, L.BACKWARD_HEAD_GROUP
     try:
         if cand.split is not None:
@@ -991,8 +970,7 @@ def compile_only_llama(shape: dict | None = None, cands: list[LlamaCand] | None 
     log(f"compile-only: Triton {answer['triton']}, {len(keys)} kernels for sm_90 in "
         f"{time.time() - start:.0f} s ({json_shape(shape)})")
     rows = []
-    shows = {"base": wanted, "dkdv": wanted[:1], "parts": wanted[:1], "split": wanted[:1], "dq": wanted[1:],
-             "group": ()}
+    shows = {"base": wanted, "dkdv": wanted[:1], "split": wanted[:1], "dq": wanted[1:], "group": ()}
     for cand, launches in recorded:
         for x in launches:
             if x["kernel"] not in shows.get(cand.kind, wanted):  # the kernels the candidate changes

@@ -413,10 +413,9 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, m_ptr, l_ptr, de
                 MASKED: tl.constexpr, MASK_KIND: tl.constexpr, HAS_WL: tl.constexpr, HAS_WR: tl.constexpr,
                 SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_STAGES: tl.constexpr,
-                USE_TMA: tl.constexpr, EVEN: tl.constexpr = False, PART: tl.constexpr = 0):
+                USE_TMA: tl.constexpr, EVEN: tl.constexpr = False):
     """Transposed orientation: sT = k q^T is (keys x queries). ``EVEN``: whole blocks only (every query row
-    and key in bounds): a masked step then masks for the window / causal diagonal alone. ``PART``: 0 both
-    gradients, 1 dv only (no dpT, dsT), 2 dk only (no dv product); each the same arithmetic as 0."""
+    and key in bounds): a masked step then masks for the window / causal diagonal alone."""
     for start_m in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
         offs_m = start_m + offs_m0
         q_ok = offs_m < seqlen_q
@@ -439,13 +438,11 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, m_ptr, l_ptr, de
                                         q_ok, MASKED, EVEN)
         pT = _probs(zT, base[None, :], inv_l[None, :])
         do = _prep(do, PRECISION)
-        if PART != 2:
-            dv = _dot(_prep(pT.to(do.dtype), PRECISION), do, dv, PRECISION)
-        if PART != 1:
-            dpT = _dot(v, tl.trans(do), tl.zeros([k.shape[0], BLOCK_M], tl.float32), PRECISION)
-            dsT = pT * (dpT - delta[None, :])
-            dsT = _dsoftcap(dsT, sT, C1, SOFTCAP)
-            dk = _dot(_prep(dsT.to(q.dtype), PRECISION), q, dk, PRECISION)
+        dv = _dot(_prep(pT.to(do.dtype), PRECISION), do, dv, PRECISION)
+        dpT = _dot(v, tl.trans(do), tl.zeros([k.shape[0], BLOCK_M], tl.float32), PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        dsT = _dsoftcap(dsT, sT, C1, SOFTCAP)
+        dk = _dot(_prep(dsT.to(q.dtype), PRECISION), q, dk, PRECISION)
     return dk, dv
 
 
@@ -460,10 +457,9 @@ def attn_bwd_dkdv_kernel(
     VARLEN: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr = False, SPLIT: tl.constexpr = 1,
-    EVEN: tl.constexpr = False, PART: tl.constexpr = 0,
+    EVEN: tl.constexpr = False,
 ):
     """dk, dv of one key block of one kv head: loops over the group's query heads and their query blocks.
-    ``PART`` 1 / 2: dv / dk alone (one accumulator: fewer registers), for two launches instead of one.
 
     With ``SPLIT > 1`` (GQA with few kv heads) the group's query heads are split over SPLIT programs, each
     writing an fp32 partial to output head ``kv_h * SPLIT + part``; the launcher sums the partials in a
@@ -535,16 +531,14 @@ def attn_bwd_dkdv_kernel(
                                  st_base, sts, mask_base, offs_n_r, offs_m0_r, offs_d, offs_dv, r_lo, r_hi,
                                  q_len, k_len, sqs, sds, smi, smj, window_left, window_right, C1, C2,
                                  scale_ds, HEAD_DIM, HEAD_DIM_V, r != 1, MASK_KIND, HAS_WL, HAS_WR, SOFTCAP,
-                                 PRECISION, BLOCK_M, BLOCK_D, BLOCK_DV, NUM_STAGES, USE_TMA, EVEN, PART)
+                                 PRECISION, BLOCK_M, BLOCK_D, BLOCK_DV, NUM_STAGES, USE_TMA, EVEN)
     dk = dk * scale_ds
     dk_base = dk_ptr + pid_b.to(tl.int64) * sdkb + out_h.to(tl.int64) * sdkh + k_start.to(tl.int64) * sdks
     dv_base = dv_ptr + pid_b.to(tl.int64) * sdvb + out_h.to(tl.int64) * sdvh + k_start.to(tl.int64) * sdvs
-    if PART != 1:
-        tl.store(dk_base + offs_n[:, None] * sdks + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty),
-                 mask=k_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-    if PART != 2:
-        tl.store(dv_base + offs_n[:, None] * sdvs + offs_dv[None, :], dv.to(dv_ptr.dtype.element_ty),
-                 mask=k_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    tl.store(dk_base + offs_n[:, None] * sdks + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty),
+             mask=k_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    tl.store(dv_base + offs_n[:, None] * sdvs + offs_dv[None, :], dv.to(dv_ptr.dtype.element_ty),
+             mask=k_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
 
 
 @triton.jit

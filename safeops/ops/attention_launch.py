@@ -112,11 +112,6 @@ FP32_BWD = {(32, False): AttnConfig(32, 32, 4, 1), (64, False): AttnConfig(32, 3
             (128, True): AttnConfig(16, 32, 4, 1), (256, True): AttnConfig(16, 16, 4, 1)}
 # Under Triton's interpreter (CPU tensors): small blocks, so short test sequences span several blocks.
 INTERPRETER_CONFIG = AttnConfig(16, 16, 1, 1)
-# dk / dv as two launches of the dk/dv kernel, dv alone then dk alone (PART 1 / 2: one fp32 accumulator
-# each instead of two, so fewer registers and more programs per SM, for one more product per block pair):
-# (head-dim block, element size, masked) -> (dv config, dk config), bf16 / fp16 on the GPU. Empty: one
-# launch computes both (config "dkdv").
-DKDV_PARTS: dict[tuple[int, int, bool], tuple[AttnConfig, AttnConfig]] = {}
 
 _override: dict[str, AttnConfig] = {}
 
@@ -167,18 +162,6 @@ def config(kind: str, block_d: int, dtype: torch.dtype, masked: bool, device: to
             if mask_bytes >= size:
                 return MASK_CONFIGS[(kind, key_d, size)]
     return cfg
-
-
-def dkdv_parts(block_d: int, dtype: torch.dtype, masked: bool, device: torch.device,
-               mask_bytes: int = 0) -> tuple[AttnConfig, AttnConfig] | None:
-    """(dv config, dk config) when dk and dv are computed by two launches, else None (see DKDV_PARTS); like
-    ``config``, a function of the head-dim block, dtype and masking only. An override of "dkdv_parts" (a
-    pair, or None for one launch) wins; an override of "dkdv" alone means one launch with that config."""
-    if "dkdv_parts" in _override:
-        return _override["dkdv_parts"]
-    if "dkdv" in _override or not _gpu(device) or dtype == torch.float32 or mask_bytes:
-        return None
-    return DKDV_PARTS.get((max(32, block_d), 2, masked))
 
 
 def _launch_options(cfg: AttnConfig) -> dict:
@@ -480,17 +463,14 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
                     torch.empty(t.shape[0], t.shape[1] * split, *t.shape[2:], dtype=torch.float32,
                                 device=t.device) for t in (dk, dv))
     n_bh = p.batch * p.hkv * split
-    parts = dkdv_parts(block_d, q.dtype, p.masked, q.device, p.mask_bytes)
-    for part, cfg in ([(0, kv)] if parts is None else [(1, parts[0]), (2, parts[1])]):
-        _launch(k_mod.attn_bwd_dkdv_kernel, _backward_grid(_cdiv(p.max_k, cfg.block_n), n_bh, p.masked),
-            q_, k_, v_, g_, dkp, dvp, row_max, row_sum, delta, p.mask_arg, p.cu_q, p.cu_k,
-            *_bhs(q_, p.varlen), *_bhs(k_, p.varlen), *_bhs(v_, p.varlen), *_bhs(g_, p.varlen),
-            *_bhs(dkp, p.varlen), *_bhs(dvp, p.varlen), *st, *p.mask_strides,
-            p.hq, n_bh, p.max_q, p.max_k, p.window_left, p.window_right, c1, c2, scale_ds,
-            **common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-            USE_TMA=_use_tma(cfg, q_, g_), SPLIT=split, EVEN=_even(p, cfg),
-            **({"PART": part} if part else {}), **_launch_options(cfg), record=record,
-        )
+    _launch(k_mod.attn_bwd_dkdv_kernel, _backward_grid(_cdiv(p.max_k, kv.block_n), n_bh, p.masked),
+        q_, k_, v_, g_, dkp, dvp, row_max, row_sum, delta, p.mask_arg, p.cu_q, p.cu_k,
+        *_bhs(q_, p.varlen), *_bhs(k_, p.varlen), *_bhs(v_, p.varlen), *_bhs(g_, p.varlen),
+        *_bhs(dkp, p.varlen), *_bhs(dvp, p.varlen), *st, *p.mask_strides,
+        p.hq, n_bh, p.max_q, p.max_k, p.window_left, p.window_right, c1, c2, scale_ds,
+        **common, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, NUM_STAGES=kv.num_stages,
+        USE_TMA=_use_tma(kv, q_, g_), SPLIT=split, EVEN=_even(p, kv), **_launch_options(kv), record=record,
+    )
     if split > 1:
         _split_sum(dkp, dvp, dk_, dv_, split, p.varlen, record)
     for result, written in ((dq, dq_), (dk, dk_), (dv, dv_)):
@@ -532,7 +512,7 @@ def _settings() -> tuple:
     return (kernels, _kernels, _config.fp_fusion, tuple(_override.items()), DKDV_SPLIT_MAX_BYTES,
             SPLIT_SUM_BLOCK_R, SPLIT_SUM_WARPS, BACKWARD_HEAD_GROUP, INTERPRETER_CONFIG,
             config, dkdv_split, DKDV_HEADS_PER_PROGRAM, _gpu, _check_device, _use_tma, launch, FWD_CONFIGS,
-            DKDV_CONFIGS, DQ_CONFIGS, MASK_CONFIGS, FP32_FWD, FP32_BWD, DKDV_PARTS, dkdv_parts)
+            DKDV_CONFIGS, DQ_CONFIGS, MASK_CONFIGS, FP32_FWD, FP32_BWD)
 
 
 def _tables() -> tuple[dict, dict]:
