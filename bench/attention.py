@@ -382,7 +382,8 @@ DKDV_CANDIDATES = [(32, 64, 4, 3), (32, 64, 4, 4), (16, 64, 4, 4), (16, 64, 4, 3
                    (32, 128, 8, 3), (32, 64, 8, 3), (32, 64, 4, 3, False, True), (32, 128, 4, 2),
                    (32, 128, 4, 3), (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2),
                    (16, 128, 4, 2), (32, 128, 4, 2, False, False),  # the shipped tile without TMA
-                   (32, 128, 8, 2, False, True, 128), (32, 128, 8, 2, False, False, 128),  # capped: see LLAMA_DKDV
+                   # capped at 128 registers (7th field: maxnreg), see LLAMA_DKDV:
+                   (32, 128, 8, 2, False, True, 128), (32, 128, 8, 2, False, False, 128),
                    (32, 128, 8, 3, False, False, 128)]
 # dq: block_m queries per program, block_n keys per step. Run 4: D=64 (64, 64, 4, 2) 195 / causal 165 (TMA
 # 168); D=128 not measured (default (128, 64, 8, 2): 1 CTA/SM at 131072 B smem; 4-warp tiles allow 2).
