@@ -156,3 +156,47 @@ def test_hf_training_step_long_sequence_bf16(seed):
         assert out.loss.isfinite() and out.logits.isfinite().all()
         opt.step()
     assert all(p.isfinite().all() for p in model.parameters())
+
+
+def test_hf_training_step_in_a_cuda_graph(seed):
+    """A tiny Llama's training step with attn_implementation="safeops", captured in one CUDA graph (torch's
+    whole-network capture, as bench/model.py --cuda-graph times it): each replay gives the eager step's loss
+    and gradients bit for bit, on new token ids each time. So the transformers path (mask function, GQA,
+    the attention ops, autograd) neither synchronizes nor allocates outside the graph's pool."""
+    model = _tiny("llama", torch.bfloat16, seed)
+    model.set_attn_implementation("safeops")
+    model.train()
+    ids = torch.randint(0, 256, (2, 300), device=CUDA)
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    model.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = step()
+    params = [p for p in model.parameters() if p.grad is not None]
+    assert params
+    for replay in range(2):
+        ids.copy_(torch.randint(0, 256, ids.shape, device=CUDA))
+        graph.replay()
+        torch.cuda.synchronize()
+        got_loss, got = loss.clone(), [p.grad.clone() for p in params]
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        want_loss = step()  # eager, same weights and ids
+        assert torch.equal(got_loss, want_loss), f"loss, replay {replay}"
+        for i, p in enumerate(params):
+            assert torch.equal(got[i], p.grad), f"gradient {i}, replay {replay}"
+        for p, g in zip(params, saved, strict=True):
+            p.grad = g  # the graph's own gradient tensors back in place for the next replay
