@@ -82,15 +82,19 @@ def set_impl(model, impl: str) -> None:
         model.config._attn_implementation = impl
 
 
+def train_step(model, ids, mask):
+    """One training step (gradients reset, forward with labels, backward); returns the model's output."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=ids)
+    out.loss.backward()
+    return out
+
+
 def _switcher(model, impl: str, ids, mask):
     """For ``interleaved_ms``: switches the model to ``impl`` and returns its training step."""
     def switch():
         set_impl(model, impl)
-
-        def step():
-            model.zero_grad(set_to_none=True)
-            model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
-        return step
+        return lambda: train_step(model, ids, mask)
     return switch
 
 
@@ -101,13 +105,10 @@ def measure(model, impl: str, ids, mask, args, reference, timed: bool = True) ->
     try:
         set_impl(model, impl)
 
-        def step(keep=False):
-            model.zero_grad(set_to_none=True)
-            out = model(input_ids=ids, attention_mask=mask, labels=ids)
-            out.loss.backward()
-            return out if keep else None
+        def step():
+            train_step(model, ids, mask)
 
-        out = step(keep=True)
+        out = train_step(model, ids, mask)
         row["loss"] = float(out.loss)
         logits = out.logits.detach()
         row["finite"] = bool(torch.isfinite(logits).all()) and all(
@@ -154,21 +155,16 @@ def capture_step(model, ids, mask):
     """(graph, loss): one training step (forward with labels, backward) captured in a CUDA graph after a
     warm-up on a side stream, as torch's whole-network capture does; the gradients are allocated in the
     capture, so each replay writes them (and the loss) in place."""
-    def run():
-        return model(input_ids=ids, attention_mask=mask, labels=ids).loss
-
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(3):
-            model.zero_grad(set_to_none=True)
-            run().backward()
+            train_step(model, ids, mask)
     torch.cuda.current_stream().wait_stream(side)
-    model.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)  # the capture allocates the gradients (in its memory pool)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        loss = run()
-        loss.backward()
+        loss = train_step(model, ids, mask).loss
     return graph, loss
 
 
@@ -249,8 +245,7 @@ def profile(model, impl: str, ids, mask, top: int = 18) -> str:
     set_impl(model, impl)
 
     def step():
-        model.zero_grad(set_to_none=True)
-        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        train_step(model, ids, mask)
 
     for _ in range(3):
         step()
