@@ -1,0 +1,391 @@
+"""Attention forward for Hopper (sm_90) in Gluon (Triton 3.6): FlashAttention-3's warp-specialized structure.
+
+Only Gluon code and the torch-free description of its launch configurations live here (the offline sm_90
+compile test runs in a Python without torch); ``safeops.ops.attention_gluon`` builds the descriptors and
+launches.
+
+Structure (one CTA per query tile of ``NUM_WG * BLOCK_M_WG`` rows, or persistent CTAs looping over tiles):
+
+- a 1-warp producer partition issues TMA loads: each consumer's Q rows once per tile, and K and V blocks
+  into a ``NUM_STAGES``-deep shared-memory ring, K and V with their own ``ready`` / ``empty`` mbarriers so
+  QK^T of a block can start before its V has landed;
+- ``NUM_WG`` consumer warpgroups (the default partition and ``NUM_WG - 1`` 4-warp workers, each with its
+  own ``BLOCK_M_WG`` = 64 query rows of the tile) run async wgmma: S = Q K^T from shared memory, the online
+  softmax in registers, O += P V with P in registers;
+- inside a warpgroup, QK^T of block j+1 is issued before the softmax of block j has to wait for it, and
+  P_j V_j is issued right after (FA3's intra-warpgroup overlap); with ``PINGPONG`` the warpgroups take turns
+  issuing their MMAs (an mbarrier per warpgroup), so one warpgroup's softmax runs while the other's MMAs
+  use the tensor cores (FA3's inter-warpgroup overlap);
+- tiles are numbered longest first for causal; a persistent launch walks them round-robin.
+
+Numerics (CONTRACT.md sections 1-4, 6), identical in meaning to ``safeops.kernels.attention``'s forward:
+
+    s  = dot(q, k)                          fp32 accumulation (wgmma)
+    z2 = s * C1                             ONE fp32 multiply, C1 = fp32(scale * log2(e)) from the host
+    z2 = -inf where the key is excluded     a select (causal, keys past seqlen_k), never an add
+    m  = max(m, rowmax(z2)); base = (m == -inf ? 0 : m)   the guarded rescale: never -inf - -inf
+    alpha = exp2(m_old - base); p = exp2(z2 - base); l = l * alpha + rowsum(p); o = o * alpha + p @ v
+
+The same z2 feeds the row max and ``z2 - base`` (launched with ``enable_fp_fusion=False``; a PTX test checks
+no f32 fma). P enters the PV wgmma in the input dtype; l is summed from the fp32 p. The kernel writes O
+(input dtype, ``o / l`` rounded once; 0 for an empty row), and per row ``m`` (max of z2, -inf for an empty
+row) and ``l`` (sum of exp2(z2 - m), 0 for an empty row) in fp32, kept apart, as the Triton forward saves
+them, so the Triton backward consumes them unchanged. Each row's arithmetic depends only on its own tile's
+blocks, whose shape is fixed by the configuration (head dim, dtype, causal): batch-invariant, and no
+atomics, so deterministic.
+"""
+
+from dataclasses import dataclass
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+NEG_INF = gl.constexpr(float("-inf"))
+# Values that change with the problem size are not specialised: one compiled kernel per configuration.
+SIZE_ARGS = ["n_heads", "group", "seqlen_q", "seqlen_k", "n_m_blocks", "n_tiles"]
+BLOCK_M_WG = 64  # query rows per consumer warpgroup: one m64 wgmma row block
+LOADER_REGS = gl.constexpr(24)  # registers per thread of the TMA producer warp (setmaxnreg)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Launch configurations: plain Python (no torch), shared by the launcher and the offline compile test.
+# ------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GluonFwdConfig:
+    block_n: int  # keys per block
+    num_stages: int  # depth of the K and V rings
+    num_wg: int = 2  # consumer warpgroups: query rows per tile = num_wg * 64
+    consumer_regs: int = 232  # registers per consumer thread (setmaxnreg)
+    pingpong: bool = True  # consumer warpgroups take turns issuing their MMAs
+
+    @property
+    def block_m(self) -> int:
+        return self.num_wg * BLOCK_M_WG
+
+
+# head dim -> configuration, bf16 and fp16, causal or not. First picks from FA3's Hopper tile sizes
+# (hdim 64 / 128: 128-key blocks; hdim 256: smaller key blocks) within 227 KB of shared memory; the H200
+# decides (bench/gluon_attn_check.py). tests/test_attention_gluon_offline.py compiles every entry for sm_90.
+FWD_CONFIGS: dict[int, GluonFwdConfig] = {
+    64: GluonFwdConfig(block_n=128, num_stages=3),
+    128: GluonFwdConfig(block_n=128, num_stages=2),
+    256: GluonFwdConfig(block_n=64, num_stages=2, consumer_regs=240),
+}
+HEAD_DIMS = tuple(FWD_CONFIGS)
+DTYPES = ("bfloat16", "float16")
+_GL_DTYPES = {"bfloat16": gl.bfloat16, "float16": gl.float16}
+_SHORT = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def shared_layout(rows: int, head_dim: int, dtype: str) -> gl.NVMMASharedLayout:
+    """The NVMMA (swizzled) shared layout of a (1, 1, rows, head_dim) TMA block."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], _GL_DTYPES[dtype])
+
+
+def block_shapes(cfg: GluonFwdConfig, head_dim: int) -> dict[str, list[int]]:
+    """TMA block shapes of the q / k / v / o descriptors over (B, H, S, D) tensors."""
+    qo = [1, 1, BLOCK_M_WG, head_dim]
+    kv = [1, 1, cfg.block_n, head_dim]
+    return {"q": qo, "k": kv, "v": kv, "o": qo}
+
+
+def constexprs(cfg: GluonFwdConfig, causal: bool) -> dict:
+    """The kernel's constexpr arguments for one configuration (block shapes come with the descriptors)."""
+    return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
+                PINGPONG=cfg.pingpong)
+
+
+LAUNCH_OPTIONS = {"num_warps": 4}  # the default partition is one consumer warpgroup
+
+
+def signature(cfg: GluonFwdConfig, head_dim: int, dtype: str) -> dict[str, str]:
+    """The kernel's runtime argument types as Triton's compiler spells them (for offline compiles)."""
+    sig = {}
+    for name, shape in block_shapes(cfg, head_dim).items():
+        layout = shared_layout(shape[2], head_dim, dtype)
+        sig[f"{name}_desc"] = f"tensordesc<{_SHORT[dtype]}[{', '.join(map(str, shape))}],{layout!r}>"
+    sig.update(m_ptr="*fp32", l_ptr="*fp32", C1="fp32")
+    sig.update({name: "i32" for name in SIZE_ARGS})
+    return sig
+
+
+# ------------------------------------------------------------------------------------------------------
+# The kernel.
+# ------------------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _tile_coords(tile, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(first query row, batch, query head, kv head, key blocks) of tile number ``tile``.
+
+    Causal: tiles are numbered by query block from the last (most keys) down, heads inside: the longest
+    tiles start first and the short ones fill the tail. Otherwise query blocks of one head are adjacent
+    (they share K/V in L2). Query row i sees key j iff j <= i (top-left aligned, as the Triton path)."""
+    C1, n_heads, group, seqlen_q, seqlen_k, n_m_blocks, n_tiles = sizes
+    n_bh = n_tiles // n_m_blocks
+    if CAUSAL:
+        m_block = n_m_blocks - 1 - tile // n_bh
+        bh = tile % n_bh
+    else:
+        m_block = tile % n_m_blocks
+        bh = tile // n_m_blocks
+    m0 = m_block * BLOCK_M
+    hi = seqlen_k
+    if CAUSAL:
+        hi = gl.minimum(seqlen_k, m0 + BLOCK_M)
+    h = bh % n_heads
+    return m0, bh // n_heads, h, h // group, gl.cdiv(hi, BLOCK_N)
+
+
+@gluon.jit
+def _load_block(desc, bufs, ready, empty, b, hk, n0, count, NUM_STAGES: gl.constexpr):
+    """Block number ``count`` of a ring: wait until its slot is free, then TMA rows n0.. of head (b, hk).
+    Rows past the sequence read as zeros (the descriptor's shape is the tensor's)."""
+    slot = count % NUM_STAGES
+    mbarrier.wait(empty.index(slot), ((count // NUM_STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [b, hk, n0, 0], ready.index(slot), bufs.index(slot))
+
+
+@gluon.jit
+def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
+              PINGPONG: gl.constexpr):
+    """The TMA warp: K_0, each consumer's Q rows, then K_j before V_{j-1}, the order the consumers use."""
+    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+     v_empty, turn, m_ptr, l_ptr) = bufs
+    BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    n_tiles = sizes[6]
+    c = 0  # K/V blocks loaded so far (ring position, across this program's tiles)
+    t = 0  # tiles done so far (phase of the Q barriers)
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        m0, b, h, hk, n_blocks = _tile_coords(tile, sizes, NUM_WG * BLOCK_M_WG, BLOCK_N, CAUSAL)
+        _load_block(k_desc, k_smem, k_ready, k_empty, b, hk, 0, c, NUM_STAGES)
+        for w in gl.static_range(NUM_WG):
+            mbarrier.wait(q_empty.index(w), (t & 1) ^ 1)
+            mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, h, m0 + w * BLOCK_M_WG, 0], q_ready.index(w),
+                                            q_smem.index(w))
+        for j in range(1, n_blocks):
+            _load_block(k_desc, k_smem, k_ready, k_empty, b, hk, j * BLOCK_N, c + j, NUM_STAGES)
+            _load_block(v_desc, v_smem, v_ready, v_empty, b, hk, (j - 1) * BLOCK_N, c + j - 1, NUM_STAGES)
+        _load_block(v_desc, v_smem, v_ready, v_empty, b, hk, (n_blocks - 1) * BLOCK_N, c + n_blocks - 1,
+                    NUM_STAGES)
+        c += n_blocks
+        t += 1
+
+
+@gluon.jit
+def _softmax_block(s, m_i, l_i, n0, offs_n0, limit, C1, masked):
+    """One key block of the online softmax (the contract's arithmetic, as in the Triton forward):
+    returns (p, m_new, l_new, alpha). ``limit``: per row, the first key it does not see (keys >= limit get
+    -inf by select); ``masked``: whether some key of the block can be at or past some row's limit."""
+    z = s * C1
+    if masked:
+        z = gl.where((n0 + offs_n0)[None, :] < limit[:, None], z, NEG_INF)
+    m_new = gl.maximum(m_i, gl.max(z, 1))
+    # Guarded rescale: while a row has seen only excluded keys, m_new = -inf and the base is 0, so neither
+    # exp2(m_i - base) nor exp2(z - base) is -inf - -inf.
+    base = gl.where(m_new == NEG_INF, 0.0, m_new)
+    alpha = gl.exp2(m_i - base)
+    p = gl.exp2(z - base[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _turn_wait(turn, w: gl.constexpr, count, PINGPONG: gl.constexpr):
+    """Pingpong: wait until the previous warpgroup has issued its MMAs of this round (warpgroup 0 starts)."""
+    if PINGPONG:
+        if w == 0:
+            mbarrier.wait(turn.index(0), (count & 1) ^ 1)
+        else:
+            mbarrier.wait(turn.index(w), count & 1)
+
+
+@gluon.jit
+def _turn_pass(turn, w: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index((w + 1) % NUM_WG), count=1)
+
+
+@gluon.jit
+def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+              NUM_WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Consumer warpgroup ``w``: rows m0 + 64 w .. m0 + 64 w + 63 of each tile."""
+    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+     v_empty, turn, m_ptr, l_ptr) = bufs
+    C1, n_heads, group, seqlen_q, seqlen_k, n_m_blocks, n_tiles = sizes
+    BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    # wgmma register layouts of one warpgroup: S (64 x BLOCK_N) and O (64 x HEAD_DIM) accumulators, and P
+    # as the register A operand of the PV product.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    s_zero = gl.zeros([BLOCK_M_WG, BLOCK_N], gl.float32, s_layout)
+    offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    c = 0  # K/V blocks consumed so far (ring position)
+    t = 0  # tiles done (Q barrier phase)
+    rounds = 0  # MMA turns taken (pingpong barrier phase)
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        m0, b, h, hk, n_blocks = _tile_coords(tile, sizes, NUM_WG * BLOCK_M_WG, BLOCK_N, CAUSAL)
+        r0 = m0 + w * BLOCK_M_WG
+        offs_m = r0 + gl.arange(0, BLOCK_M_WG, layout=row_layout)
+        # Per row, the first key it does not see; a block needs the select only where it reaches past the
+        # smallest row's limit (the causal diagonal, the partial last block).
+        if CAUSAL:
+            limit = gl.minimum(offs_m + 1, seqlen_k)
+            full_end = gl.minimum(r0 + 1, seqlen_k)
+        else:
+            limit = gl.full([BLOCK_M_WG], 0, gl.int32, row_layout) + seqlen_k
+            full_end = seqlen_k
+        m_i = gl.full([BLOCK_M_WG], NEG_INF, gl.float32, row_layout)
+        l_i = gl.zeros([BLOCK_M_WG], gl.float32, row_layout)
+        o = gl.zeros([BLOCK_M_WG, HEAD_DIM], gl.float32, o_layout)
+
+        mbarrier.wait(q_ready.index(w), t & 1)
+        q = q_smem.index(w).reshape([BLOCK_M_WG, HEAD_DIM])
+
+        # Block 0: S_0 = Q K_0^T and its softmax.
+        slot = c % NUM_STAGES
+        mbarrier.wait(k_ready.index(slot), (c // NUM_STAGES) & 1)
+        _turn_wait(turn, w, rounds, PINGPONG)
+        s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+        _turn_pass(turn, w, NUM_WG, PINGPONG)
+        rounds += 1
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, 0, offs_n0, limit, C1, BLOCK_N > full_end)
+        p = gl.convert_layout(p.to(dtype), p_layout)
+
+        # Block j: issue S_j = Q K_j^T, rescale O, issue O += P_{j-1} V_{j-1}; the softmax of S_j runs while
+        # the PV product is on the tensor cores.
+        for j in range(1, n_blocks):
+            kc = c + j
+            kslot = kc % NUM_STAGES
+            vslot = (kc - 1) % NUM_STAGES
+            mbarrier.wait(k_ready.index(kslot), (kc // NUM_STAGES) & 1)
+            _turn_wait(turn, w, rounds, PINGPONG)
+            s = warpgroup_mma(q, k_smem.index(kslot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+            o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
+            mbarrier.wait(v_ready.index(vslot), ((kc - 1) // NUM_STAGES) & 1)
+            o = warpgroup_mma(p, v_smem.index(vslot).reshape([BLOCK_N, HEAD_DIM]), o, is_async=True)
+            _turn_pass(turn, w, NUM_WG, PINGPONG)
+            rounds += 1
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            mbarrier.arrive(k_empty.index(kslot), count=1)
+            n0 = j * BLOCK_N
+            p_next, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, n0, offs_n0, limit, C1,
+                                                     n0 + BLOCK_N > full_end)
+            # P_{j-1} is a register operand of the PV wgmma: keep it alive until that wgmma has retired.
+            o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+            mbarrier.arrive(v_empty.index(vslot), count=1)
+            p = gl.convert_layout(p_next.to(dtype), p_layout)
+
+        # The last block's PV.
+        vc = c + n_blocks - 1
+        vslot = vc % NUM_STAGES
+        o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
+        mbarrier.wait(v_ready.index(vslot), (vc // NUM_STAGES) & 1)
+        _turn_wait(turn, w, rounds, PINGPONG)
+        o = warpgroup_mma(p, v_smem.index(vslot).reshape([BLOCK_N, HEAD_DIM]), o, is_async=True)
+        _turn_pass(turn, w, NUM_WG, PINGPONG)
+        rounds += 1
+        o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+        mbarrier.arrive(v_empty.index(vslot), count=1)
+        c += n_blocks
+
+        # Empty rows (l = 0) give 0, not 0/0. O goes out through this warpgroup's Q buffer (Q is dead now)
+        # and TMA, which drops rows past the sequence.
+        l_o = gl.convert_layout(l_i, o_row_layout)
+        out = o / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+        q_smem.index(w).reshape([BLOCK_M_WG, HEAD_DIM]).store(out.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, h, r0, 0], q_smem.index(w))
+        row_ok = offs_m < seqlen_q
+        st = (b * n_heads + h).to(gl.int64) * seqlen_q + offs_m
+        gl.store(m_ptr + st, m_i, mask=row_ok)
+        gl.store(l_ptr + st, l_i, mask=row_ok)
+        tma.store_wait(pendings=0)
+        mbarrier.arrive(q_empty.index(w), count=1)  # the producer may load the next tile's Q rows
+        t += 1
+
+
+@gluon.jit
+def _consumer0(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
+               PINGPONG: gl.constexpr):
+    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG)
+
+
+@gluon.jit
+def _consumer1(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
+               PINGPONG: gl.constexpr):
+    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG)
+
+
+@gluon.jit
+def _consumer2(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
+               PINGPONG: gl.constexpr):
+    _consumer(2, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG)
+
+
+@gluon.jit(do_not_specialize=SIZE_ARGS)
+def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, C1,
+                          n_heads, group, seqlen_q, seqlen_k, n_m_blocks, n_tiles,
+                          CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr):
+    """o, m, l of the query tiles program_id(0), program_id(0) + num_programs(0), ... of ``n_tiles`` =
+    n_m_blocks x batch x heads. Descriptors are over (B, H, S, D) views of q / o ((B, Hq, Sq, D)) and
+    k / v ((B, Hkv, Sk, D)); m and l are (B, Hq, Sq) contiguous fp32; kv head = q head // group."""
+    gl.static_assert(q_desc.block_type.shape[2] == 64)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_WG):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        # A K/V slot is free once every consumer warpgroup has read it.
+        mbarrier.init(k_empty.index(i), count=NUM_WG)
+        mbarrier.init(v_empty.index(i), count=NUM_WG)
+    bufs = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+            v_ready, v_empty, turn, m_ptr, l_ptr)
+    sizes = (C1, n_heads, group, seqlen_q, seqlen_k, n_m_blocks, n_tiles)
+    if NUM_WG == 2:
+        gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG)),
+                            (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG)),
+                            (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG))],
+                           [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.static_assert(NUM_WG == 3)
+        gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG)),
+                            (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG)),
+                            (_consumer2, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG)),
+                            (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG))],
+                           [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
