@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 NEG_INF = gl.constexpr(float("-inf"))
 # Values that change with the problem size are not specialised: one compiled kernel per configuration.
-SIZE_ARGS = ["n_heads", "group", "seqlen_q", "seqlen_k", "n_m_blocks", "n_tiles"]
+SIZE_ARGS = ["n_heads", "group", "head_group", "seqlen_q", "seqlen_k", "n_m_blocks", "n_tiles"]
 BLOCK_M_WG = 64  # query rows per consumer warpgroup: one m64 wgmma row block
 LOADER_REGS = gl.constexpr(24)  # registers per thread of the TMA producer warp (setmaxnreg)
 
@@ -123,16 +123,21 @@ def signature(cfg: GluonFwdConfig, head_dim: int, dtype: str) -> dict[str, str]:
 
 @gluon.jit
 def _tile_coords(tile, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """(first query row, batch, query head, kv head, key blocks) of tile number ``tile``.
+    """(first query row, batch, query head, kv head, key blocks) of tile number ``tile``. The order changes
+    no result (each tile is computed alone), only the schedule.
 
-    Causal: tiles are numbered by query block from the last (most keys) down, heads inside: the longest
-    tiles start first and the short ones fill the tail. Otherwise query blocks of one head are adjacent
-    (they share K/V in L2). Query row i sees key j iff j <= i (top-left aligned, as the Triton path)."""
-    C1, n_heads, group, seqlen_q, seqlen_k, n_m_blocks, n_tiles = sizes
+    Causal: heads in chunks of ``head_group`` (whose K/V fit in L2 together); inside a chunk, query blocks
+    from the last (most keys) down, the chunk's heads innermost: the longest tiles start first and the
+    short ones fill the tail. Otherwise the query blocks of one head are adjacent (they share K/V in L2).
+    Query row i sees key j iff j <= i (top-left aligned, as the Triton path)."""
+    C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles = sizes
     n_bh = n_tiles // n_m_blocks
     if CAUSAL:
-        m_block = n_m_blocks - 1 - tile // n_bh
-        bh = tile % n_bh
+        chunk = tile // (head_group * n_m_blocks)
+        r = tile % (head_group * n_m_blocks)
+        heads_here = gl.minimum(head_group, n_bh - chunk * head_group)
+        m_block = n_m_blocks - 1 - r // heads_here
+        bh = chunk * head_group + r % heads_here
     else:
         m_block = tile % n_m_blocks
         bh = tile // n_m_blocks
@@ -162,7 +167,7 @@ def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_W
      v_empty, turn, m_ptr, l_ptr) = bufs
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    n_tiles = sizes[6]
+    n_tiles = sizes[7]
     c = 0  # K/V blocks loaded so far (ring position, across this program's tiles)
     t = 0  # tiles done so far (phase of the Q barriers)
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
@@ -222,7 +227,7 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
     """Consumer warpgroup ``w``: rows m0 + 64 w .. m0 + 64 w + 63 of each tile."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
      v_empty, turn, m_ptr, l_ptr) = bufs
-    C1, n_heads, group, seqlen_q, seqlen_k, n_m_blocks, n_tiles = sizes
+    C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles = sizes
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -347,12 +352,13 @@ def _consumer2(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_
 
 @gluon.jit(do_not_specialize=SIZE_ARGS)
 def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, C1,
-                          n_heads, group, seqlen_q, seqlen_k, n_m_blocks, n_tiles,
+                          n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles,
                           CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr):
     """o, m, l of the query tiles program_id(0), program_id(0) + num_programs(0), ... of ``n_tiles`` =
     n_m_blocks x batch x heads. Descriptors are over (B, H, S, D) views of q / o ((B, Hq, Sq, D)) and
-    k / v ((B, Hkv, Sk, D)); m and l are (B, Hq, Sq) contiguous fp32; kv head = q head // group."""
+    k / v ((B, Hkv, Sk, D)); m and l are (B, Hq, Sq) contiguous fp32; kv head = q head // group;
+    ``head_group``: heads per chunk of the causal tile order (``_tile_coords``)."""
     gl.static_assert(q_desc.block_type.shape[2] == 64)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -376,7 +382,7 @@ def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, C1,
         mbarrier.init(v_empty.index(i), count=NUM_WG)
     bufs = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
             v_ready, v_empty, turn, m_ptr, l_ptr)
-    sizes = (C1, n_heads, group, seqlen_q, seqlen_k, n_m_blocks, n_tiles)
+    sizes = (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles)
     if NUM_WG == 2:
         gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG)),
                             (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG)),

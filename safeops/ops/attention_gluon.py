@@ -27,6 +27,9 @@ _kernels = None
 TRITON_VERSION = (3, 6)
 # Persistent grid (one program per SM walking the tiles) or one program per tile. Same bits either way.
 PERSISTENT = False
+# Causal tiles run in chunks of heads whose K and V take about this many bytes (the H100 / H200 L2 is 50 MB),
+# so the programs running at once share K/V blocks in L2. Scheduling only: the bits do not depend on it.
+L2_CHUNK_BYTES = 32 << 20
 
 
 def kernels():
@@ -139,9 +142,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
     n_tiles = n_m_blocks * batch * hq
     persistent = PERSISTENT if persistent is None else persistent
     grid = (min(n_tiles, _num_sms(q.device.index)) if persistent else n_tiles,)
+    kv_bytes = 2 * sk * d * k.element_size()  # one kv head's K and V, shared by hq // hkv query heads
+    head_group = max(1, min(batch * hq, L2_CHUNK_BYTES * (hq // hkv) // kv_bytes))
     c1 = constants(scale, None)[0]
     with torch.cuda.device(q.device):
         K.attn_fwd_gluon_kernel[grid](
-            *descs, m, l, c1, hq, hq // hkv, sq, sk, n_m_blocks, n_tiles,
+            *descs, m, l, c1, hq, hq // hkv, head_group, sq, sk, n_m_blocks, n_tiles,
             **K.constexprs(cfg, causal), **K.LAUNCH_OPTIONS, enable_fp_fusion=_config.fp_fusion)
     return o, m, l

@@ -1,0 +1,166 @@
+"""The Gluon attention forward (safeops.kernels.attention_gluon), checked without a GPU.
+
+Every configuration the launcher can choose (bf16 / fp16 x each head dim of ``FWD_CONFIGS`` x causal or not;
+the GQA group, sizes and the persistent grid are runtime values, not compile-time ones) is compiled for
+sm_90 exactly as ``safeops.ops.attention_gluon.forward`` launches it (its constexprs, 4 warps,
+``enable_fp_fusion=False``), in a subprocess with Triton 3.6 (the Gluon API the kernel is written for; the
+test skips without one). Then:
+
+- contract section 1 at the instruction level: no f32 ``fma`` and every f32 mul / add / sub ``.rn`` in the
+  PTX, so ``z2 = s * C1`` is rounded once and the same bits feed the row max and ``z2 - m``; with fp fusion
+  on the same compile shows fma (the check can fail);
+- the FA3 structure is what was compiled: Hopper wgmma, and setmaxnreg giving the consumer warpgroups their
+  registers and the TMA warp 24;
+- it fits: shared memory at most 227 KB (232448 bytes, the H100 / H200 per-block limit), and ptxas (run on
+  the PTX as Triton runs it, ``--fmad=false``) spills nothing.
+
+``python -m pytest tests/test_attention_gluon_offline.py -s`` prints registers, spills and shared memory per
+configuration. The capability check's reasons are tested on CPU tensors (no compile).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+
+import pytest
+import sm90
+import torch
+
+from safeops.kernels import attention_gluon as K
+from safeops.ops import attention_gluon as G
+
+SMEM_LIMIT = 232448  # bytes: H100/H200 (sm_90) maximum dynamic shared memory per block
+KERNEL_FILE = os.path.join(sm90.ROOT, "safeops", "kernels", "attention_gluon.py")
+
+_SCRIPT = textwrap.dedent(
+    r"""
+    import importlib.util, json, multiprocessing, os, re, subprocess, sys, tempfile
+    from concurrent.futures import ProcessPoolExecutor
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    path, jobs = sys.argv[1], json.loads(sys.argv[2])
+    spec = importlib.util.spec_from_file_location("attention_gluon", path)
+    K = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(K)
+
+    def compile_one(job):
+        dtype, d, causal, fusion = job
+        cfg = K.FWD_CONFIGS[d]
+        fn = K.attn_fwd_gluon_kernel
+        constexprs = K.constexprs(cfg, causal)
+        sig = K.signature(cfg, d, dtype)
+        sig.update({name: "constexpr" for name in constexprs})
+        constants = {(fn.arg_names.index(name),): v for name, v in constexprs.items()}
+        # A torch allocation is 16-byte aligned: Triton's launch specializes the stats pointers so.
+        attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("m_ptr", "l_ptr")}
+        options = dict(K.LAUNCH_OPTIONS, enable_fp_fusion=fusion)
+        try:
+            c = triton.compile(GluonASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                               options=options)
+        except Exception as e:
+            return {"ok": False, "error": f"{type(e).__name__}: {str(e)[-3000:]}"}
+        ptx = c.asm["ptx"]
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "k.ptx")
+            with open(src, "w") as f:
+                f.write(ptx)
+            fmad = [] if fusion else ["--fmad=false"]
+            log = subprocess.run([get_ptxas(90).path, *fmad, "-v", "--gpu-name=sm_90a", src, "-o",
+                                  os.path.join(tmp, "k.o")], capture_output=True, text=True).stderr
+        regs = re.search(r"Used (\d+) registers", log)
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        return {"ok": True, "shared": c.metadata.shared,
+                "fma": len(re.findall(r"\bfma\.rn(\.ftz)?\.f32\b", ptx)),
+                "loose": len(re.findall(r"\b(mul|add|sub)(\.ftz)?\.f32\b", ptx)),
+                "wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)),
+                "setmaxnreg": sorted({(m.group(1), int(m.group(2))) for m in re.finditer(
+                    r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+                "regs_at_launch": int(regs.group(1)) if regs else None,
+                "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else None,
+                "consumer_regs": cfg.consumer_regs}
+
+    if __name__ == "__main__":
+        workers = max(1, min(len(jobs), os.cpu_count() or 1))
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            results = list(pool.map(compile_one, jobs, chunksize=1))
+        print(json.dumps(results))
+    """
+)
+
+CONFIGS = [(dtype, d, causal) for dtype in K.DTYPES for d in K.HEAD_DIMS for causal in (False, True)]
+
+
+def _compile(jobs: list[tuple]) -> list[dict]:
+    python = sm90.triton36_python()
+    if python is None:
+        pytest.skip("the Gluon kernel is written for Triton 3.6: no Triton 3.6 Python here "
+                    "(SAFEOPS_COMPILE_PYTHON or /tmp/t36, see tests/sm90.py)")
+    return sm90.run_script(_SCRIPT, KERNEL_FILE, json.dumps(jobs), what="the Gluon attention forward",
+                           timeout=1800, python=python)
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[tuple, dict]:
+    results = _compile([[*c, False] for c in CONFIGS])
+    table = dict(zip(CONFIGS, results, strict=True))
+    print("\nGluon attention forward, sm_90, Triton 3.6 (dtype, head dim, causal):")
+    for c, r in table.items():
+        if r["ok"]:
+            print(f"  {c}: shared {r['shared']} B, {r['regs_at_launch']} registers at launch, consumer "
+                  f"budget {r['consumer_regs']}, spills {r['spill_bytes']} B, wgmma {r['wgmma']}, f32 fma "
+                  f"{r['fma']}, non-.rn f32 mul/add/sub {r['loose']}, setmaxnreg {r['setmaxnreg']}")
+        else:
+            print(f"  {c}: FAILED {r['error'][:500]}")
+    return table
+
+
+def test_every_configuration_compiles_and_fits(compiled):
+    failed = {c: r["error"] for c, r in compiled.items() if not r["ok"]}
+    assert not failed, f"Gluon forward configurations that do not compile for sm_90: {failed}"
+    too_big = {c: r["shared"] for c, r in compiled.items() if r["shared"] > SMEM_LIMIT}
+    assert not too_big, f"shared memory past {SMEM_LIMIT} bytes: {too_big}"
+    spills = {c: r["spill_bytes"] for c, r in compiled.items() if r["spill_bytes"] != 0}
+    assert not spills, f"ptxas spills (bytes, or None: no ptxas report): {spills}"
+
+
+def test_no_contraction_in_the_softmax(compiled):
+    offenders = {c: (r["fma"], r["loose"]) for c, r in compiled.items() if r["fma"] or r["loose"]}
+    assert not offenders, f"f32 fma / non-.rn f32 mul-add in the Gluon forward (contract 1): {offenders}"
+
+
+def test_warp_specialized_wgmma(compiled):
+    for c, r in compiled.items():
+        assert r["wgmma"] > 0, f"{c}: no wgmma.mma_async in the PTX"
+        budgets = set(map(tuple, r["setmaxnreg"]))
+        assert ("inc", r["consumer_regs"]) in budgets, f"{c}: consumer warpgroups not raised: {budgets}"
+        assert ("dec", int(K.LOADER_REGS)) in budgets, f"{c}: TMA warp not lowered to 24 registers: {budgets}"
+
+
+def test_contraction_check_can_fail():
+    (r,) = _compile([["bfloat16", 128, True, True]])
+    assert r["ok"], r.get("error")
+    assert r["fma"] > 0, f"fp fusion on made no f32 fma: the contraction check is blind ({r})"
+
+
+@pytest.mark.parametrize(
+    ("shapes", "dtype", "options", "reason"),
+    [
+        (((1, 2, 64, 64),) * 3, torch.float32, {}, "bf16 or fp16"),
+        (((1, 2, 64, 96),) * 3, torch.bfloat16, {}, "head dim 96"),
+        (((1, 2, 64, 64), (1, 2, 64, 128), (1, 2, 64, 128)), torch.bfloat16, {}, "head dims"),
+        (((1, 3, 64, 64), (1, 2, 64, 64), (1, 2, 64, 64)), torch.bfloat16, {}, "multiple of 2 kv heads"),
+        (((2, 64, 64),) * 3, torch.bfloat16, {}, "(B, H, S, D)"),
+        (((1, 2, 64, 64),) * 3, torch.bfloat16, {"softcap": 30.0}, "softcap"),
+        (((1, 2, 64, 64),) * 3, torch.bfloat16, {}, "CUDA"),
+    ],
+)
+def test_capability_reasons(shapes, dtype, options, reason):
+    q, k, v = (torch.zeros(s, dtype=dtype) for s in shapes)
+    ok, why = G.can_run(q, k, v, **options)
+    assert not ok and reason in why, why
