@@ -12,11 +12,12 @@ Structure (one CTA per query tile of ``NUM_WG * BLOCK_M_WG`` rows, or persistent
 - ``NUM_WG`` consumer warpgroups (the default partition and ``NUM_WG - 1`` 4-warp workers, each with its
   own ``BLOCK_M_WG`` = 64 query rows of the tile) run async wgmma: S = Q K^T from shared memory, the online
   softmax in registers, O += P V with P in registers;
-- inside a warpgroup, QK^T of block j+1 is issued before the softmax of block j has to wait for it, and
-  P_j V_j is issued right after (FA3's intra-warpgroup overlap); with ``PINGPONG`` the warpgroups take turns
-  issuing their MMAs (an mbarrier per warpgroup), so one warpgroup's softmax runs while the other's MMAs
-  use the tensor cores (FA3's inter-warpgroup overlap);
-- tiles are numbered longest first for causal; a persistent launch walks them round-robin.
+- inside a warpgroup, S_j = Q K_j^T is issued before O += P_{j-1} V_{j-1}, and the softmax of S_j runs
+  while that PV product is on the tensor cores (FA3's intra-warpgroup overlap); with ``PINGPONG`` the
+  warpgroups take turns issuing their MMAs (an mbarrier per warpgroup), so one warpgroup's softmax runs
+  while the other's MMAs use the tensor cores (FA3's inter-warpgroup overlap);
+- causal tiles are numbered longest first (inside L2-sized chunks of heads); a persistent launch walks the
+  tiles round-robin, one program per SM.
 
 Numerics (CONTRACT.md sections 1-4, 6), identical in meaning to ``safeops.kernels.attention``'s forward:
 
@@ -63,7 +64,8 @@ class GluonFwdConfig:
     block_n: int  # keys per block
     num_stages: int  # depth of the K and V rings
     num_wg: int = 2  # consumer warpgroups: query rows per tile = num_wg * 64
-    consumer_regs: int = 232  # registers per consumer thread (setmaxnreg)
+    consumer_regs: int = 232  # registers per thread of the worker consumers (setmaxnreg); the default
+    # partition (consumer 0) gets what the TMA warp and the workers leave (248 with 232 and 24)
     pingpong: bool = True  # consumer warpgroups take turns issuing their MMAs
 
     @property
