@@ -12,7 +12,7 @@ test skips without one). Then:
 - the FA3 structure is what was compiled: Hopper wgmma, and setmaxnreg giving the consumer warpgroups their
   registers and the TMA warp 24;
 - it fits: shared memory at most 227 KB (232448 bytes, the H100 / H200 per-block limit), and ptxas (run on
-  the PTX as Triton runs it, ``--fmad=false``) spills nothing.
+  the PTX as Triton runs it, ``--fmad=false``) spills nothing and warns of nothing (no serialized wgmma).
 
 ``python -m pytest tests/test_attention_gluon_offline.py -s`` prints registers, spills and shared memory per
 configuration. The capability check's reasons are tested on CPU tensors (no compile).
@@ -83,6 +83,8 @@ _SCRIPT = textwrap.dedent(
                     r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}),
                 "regs_at_launch": int(regs.group(1)) if regs else None,
                 "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else None,
+                "ptxas_warnings": [x for x in log.splitlines() if "warning" in x.lower()
+                                   or "performance" in x.lower()],
                 "consumer_regs": cfg.consumer_regs}
 
     if __name__ == "__main__":
@@ -127,6 +129,9 @@ def test_every_configuration_compiles_and_fits(compiled):
     assert not too_big, f"shared memory past {SMEM_LIMIT} bytes: {too_big}"
     spills = {c: r["spill_bytes"] for c, r in compiled.items() if r["spill_bytes"] != 0}
     assert not spills, f"ptxas spills (bytes, or None: no ptxas report): {spills}"
+    # e.g. "Potential Performance Loss: wgmma.mma_async instructions are serialized" (C7515)
+    warned = {c: r["ptxas_warnings"] for c, r in compiled.items() if r["ptxas_warnings"]}
+    assert not warned, f"ptxas warnings: {warned}"
 
 
 def test_no_contraction_in_the_softmax(compiled):
