@@ -1,6 +1,7 @@
 """The numerics contract in plain torch.
 
-This is the CPU implementation of every safeops op and the readable statement of the contract (docs/contract.md):
+This is the CPU implementation of every safeops op and the readable statement of the contract
+(docs/contract.md):
 each logit becomes one value ``z`` (one multiply by the scale, then the mask), the row max ``m`` and the
 row sum ``l = sum(exp(z - m))`` are kept apart, empty rows are defined, and gradients are recomputed from
 the input, ``m`` and ``l``. The Triton kernels implement the same formulas; tests compare both with an
