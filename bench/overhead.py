@@ -25,8 +25,8 @@ replaced by no-ops (the general path against the cached plan), and the registere
 CPU tensor with the reference backend (the new registration against the same op through custom_op).
 
 Then ``safeops.cast_transpose`` (fp8 cast + transpose), layer by layer: the public function (eager fast
-path), the registered op as compiled graphs call it, its implementation, the launcher (cached route), the
-variant launcher the variants bench uses, and pieces (output allocations, workspace lookup). On the GPU also
+path), the registered op as compiled graphs call it, its implementation, the launcher (cached route), and
+pieces (output allocations, workspace lookup). On the GPU also
 a check that the cached routes give the general path's and eager torch's bits and launch directly, and
 at the benchmark's shapes the host time per public call next to the kernel's time. With ``--cpu`` the
 GPU route's Python runs on the CPU (SAFEOPS_BACKEND=triton, launches replaced by no-ops, the GPU-only
@@ -364,7 +364,6 @@ def _cast_cases(x: torch.Tensor, s: torch.Tensor, rows: torch.Tensor) -> list:
     """The layers of one ``safeops.cast_transpose`` call, outermost first."""
     from safeops.ops import cast_transpose as ct_ops
     from safeops.ops import cast_transpose_launch as ct_launch
-    from safeops.ops import cast_transpose_variants as ct_variants
 
     fp8 = torch.float8_e4m3fn
     op = torch.ops.safeops.cast_transpose.default
@@ -372,12 +371,10 @@ def _cast_cases(x: torch.Tensor, s: torch.Tensor, rows: torch.Tensor) -> list:
     return [
         ("safeops.cast_transpose, bf16 tensorwise", lambda: safeops.cast_transpose(x, s, fp8)),
         ("safeops.cast_transpose, bf16 rowwise", lambda: safeops.cast_transpose(x, rows, fp8, rowwise=True)),
-        ("safeops.cast_transpose, fp16 (v1 kernel)", lambda: safeops.cast_transpose(x16, s, fp8)),
+        ("safeops.cast_transpose, fp16 (non-bf16 kernel)", lambda: safeops.cast_transpose(x16, s, fp8)),
         ("op, as compiled graphs call it", lambda: op(x, s, fp8, False)),
         ("op implementation (ops.cast_transpose._impl)", lambda: ct_ops._impl(x, s, fp8, False)),
         ("launcher (cast_transpose_launch)", lambda: ct_launch.cast_transpose(x, s, fp8, False)),
-        ("variant launcher (bench/cast_transpose_variants)",
-         lambda: ct_variants.cast_transpose(x, s, fp8, False, ct_launch.SHIPPED_VARIANT)),
         ("  pieces: the outputs' 3 allocations", lambda: _cast_outputs(x, fp8)),
         ("  pieces: amax workspace lookup", lambda: ct_launch._workspace(x.device)),
         ("  pieces: _config.use_triton (reads the env)", lambda: safeops._config.use_triton(x)),
@@ -510,13 +507,15 @@ def _gpu_route_on_cpu(patches: list):
 def cast_cpu(calls: int) -> None:
     """The Python part of a GPU ``safeops.cast_transpose`` call, on the CPU: SAFEOPS_BACKEND=triton with
     the kernel launches replaced by no-ops and the launcher's GPU-only checks told this is a GPU, so the
-    calls take the GPU's route (bf16: the v2 kernel's plan; fp16: the v1 kernel's)."""
+    calls take the GPU's route (bf16: the bf16 kernel's; fp16: the other kernel's)."""
     from safeops.ops import cast_transpose_launch as ct_launch
-    from safeops.ops import cast_transpose_variants as ct_variants
+
+    def bf16_kernel_fits(x, dtype):  # as on a GPU
+        return x.dtype == torch.bfloat16 and x.numel() > 0 and x.shape[0] % 4 == 0
 
     patches = [(_launch.KernelLaunch, "__call__", lambda self, *args: None),
-               (ct_launch, "_interpreted", lambda: False), (ct_launch, "_check_device", lambda x: None)]
-    patches.append((ct_variants, "_on_gpu", lambda x: True))
+               (ct_launch, "_interpreted", lambda: False), (ct_launch, "_check_device", lambda x: None),
+               (ct_launch, "_bf16_kernel_fits", bf16_kernel_fits)]
     with _gpu_route_on_cpu(patches):
         x = torch.randn(256, 512).to(torch.bfloat16)
         s = torch.tensor(0.5)
