@@ -49,7 +49,7 @@ ROWS_BWD = {1: (1024, 16), 2: (1024, 16), 4: (1024, 8)}
 # pipeline keeps ROWS_BWD_STAGES - 1 tiles of x and grad (and the mask) in shared memory: 131 KB at 16K
 # bf16 (164 KB masked), so wider blocks would not fit.
 # At 16K bf16 columns one 32-warp program fills an SM and nothing else hides its loads' latency:
-# 2.65 -> 4.1-4.2 TB/s on an H200 (bench/softmax_bwd_variants.py, 2026-11-30). fp32 rows do not fit two
+# 2.65 -> 4.1-4.2 TB/s on an H200 (bench/RESULTS.md, 2026-11-30). fp32 rows do not fit two
 # stages in shared memory, and shorter rows measured slower persistent (92-95% of copy against 100%).
 ROWS_BWD_PERSIST: dict[int, tuple[int, ...]] = {1: (16384,), 2: (16384,)}
 ROWS_BWD_STAGES = 3
