@@ -30,17 +30,11 @@ Implementations:
 Every output (y and y_t) is checked bit for bit against eager once per shape before it is timed.
 
     python3 bench/cast_transpose.py --out DIR [--budget-s S] [--quick] [--shapes 4096x4096,8192x8192]
-                                    [--scaling tensorwise|rowwise|both] [--sweep | --host]
+                                    [--scaling tensorwise|rowwise|both] [--host]
 
 After the tables, the host (CPU) time per back-to-back call of ``safeops.cast_transpose``, of the registered
 op and of the launcher is printed per case next to the kernel's time; ``--host`` prints only that (a few
 seconds).
-
-``--sweep`` times safeops alone over tile configurations (tile, warps, pipeline stages, persistent or one
-program per tile, packed or byte transpose, hardware or integer rounding; ``sweep_candidates``) on the same
-shapes and both scalings, checks each bit for bit, measures the CPU time per call, writes
-cast_transpose_sweep.csv and names the best per shape: what ``cast_transpose_launch.CONFIGS`` should hold.
-About 2 minutes on an H200 (``--budget-s`` stops it early).
 
 Needs a CUDA GPU; without one it exits with a message. Writes cast_transpose.{csv,md,png} under --out.
 """
@@ -117,14 +111,14 @@ def check(case: H.Case, out, ref) -> str | None:
 # --------------------------------------------------------------------------------------------------
 
 
-def build_safeops(case: H.Case, t: dict, hardware_convert: bool | None = None, config=None):
+def build_safeops(case: H.Case, t: dict, hardware_convert: bool | None = None):
     import safeops
     from safeops.ops import cast_transpose_launch as launch
 
     x, s, rowwise = t["x"], t["s"], case.direction == "rowwise"
-    if hardware_convert is None and config is None:
+    if hardware_convert is None:
         return lambda: safeops.cast_transpose(x, s, FP8, rowwise=rowwise)
-    return lambda: launch.cast_transpose(x, s, FP8, rowwise, config=config, hardware_convert=hardware_convert)
+    return lambda: launch.cast_transpose(x, s, FP8, rowwise, hardware_convert=hardware_convert)
 
 
 def build_copy_bound(case: H.Case, t: dict):
@@ -217,16 +211,8 @@ def build_benchmark(cases: list[H.Case], only: set[str] | None = None) -> H.Benc
 
 
 # --------------------------------------------------------------------------------------------------
-# --sweep: tile configurations of safeops' launcher
+# Host time per call
 # --------------------------------------------------------------------------------------------------
-
-
-def sweep_candidates():
-    """(config, hardware_convert) pairs the sweep times: ``cast_transpose_launch.SWEEP_CANDIDATES`` (the
-    launcher's table first; the GPU tests check every one of them bit for bit)."""
-    from safeops.ops.cast_transpose_launch import SWEEP_CANDIDATES
-
-    return list(SWEEP_CANDIDATES)
 
 
 def host_us(fn, calls: int = 200) -> float:
@@ -267,66 +253,6 @@ def host_report(cases: list[H.Case], results: list | None = None, log=print) -> 
         H._free()
 
 
-def _cfg_text(cfg, hw) -> str:
-    grid = {None: "persistent", 0: "grid=tiles"}.get(cfg.programs_per_sm, f"{cfg.programs_per_sm}/SM")
-    conv = "hw" if hw is None else ("hw" if hw else "int-rne")
-    return (f"{cfg.block_m}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {grid} "
-            f"{'pack' if cfg.pack else 'bytes'} {conv}")
-
-
-def sweep(cases: list[H.Case], out_dir: Path, deadline: float, copy_gbps: float, warmup: float,
-          rep: float) -> None:
-    import csv
-
-    rows, summary = [], []
-    candidates = sweep_candidates()
-    for case in cases:
-        if time.time() > deadline:
-            summary.append(f"{case}: not swept (time budget used up)")
-            continue
-        t = make_inputs(case)
-        ref = reference(case, t)
-        amount = cast_bytes(case)
-        best = None
-        api = host_us(build_safeops(case, t))  # the public function: validation, custom op, launcher
-        for cfg, hw in candidates:
-            if time.time() > deadline:
-                break
-            try:
-                fn = build_safeops(case, t, config=cfg, hardware_convert=hw)
-                problem = check(case, fn(), ref)
-                ms = H.bench_ms(fn, warmup, rep)[0]
-                host = host_us(fn, 50)
-            except Exception as e:  # a config that does not compile or fit: record and go on
-                problem, ms, host = H._short(e), math.nan, math.nan
-            gbps = amount / (ms * 1e-3) * 1e-9 if not math.isnan(ms) else math.nan
-            rows.append([str(case), cfg.block_m, cfg.block_k, cfg.num_warps, cfg.num_stages,
-                         cfg.programs_per_sm, cfg.pack, "int" if hw is False else "hw", f"{ms:.5f}",
-                         f"{gbps:.1f}", f"{100 * gbps / copy_gbps:.1f}", f"{host:.1f}", problem or ""])
-            print(f"[sweep] {case}: {_cfg_text(cfg, hw):44s} {gbps:8.1f} GB/s  {ms * 1e3:8.1f} us  "
-                  f"host {host:5.1f} us/call  {problem or ''}", flush=True)
-            if not problem and not math.isnan(gbps) and (best is None or gbps > best[0]):
-                best = (gbps, cfg, hw, ms)
-        del t, ref
-        H._free()
-        line = f"{case}: safeops.cast_transpose host {api:.1f} us/call"
-        if best:
-            pct = 100 * best[0] / copy_gbps
-            line += (f"; best {best[0]:.0f} GB/s ({pct:.0f}% of copy, {best[3] * 1e3:.1f} us) "
-                     f"{_cfg_text(best[1], best[2])}  = {best[1]}")
-        summary.append(line)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "cast_transpose_sweep.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["case", "block_m", "block_k", "num_warps", "num_stages", "programs_per_sm", "pack",
-                    "convert", "ms", "gbps", "pct_of_copy", "host_us_per_call", "problem"])
-        w.writerows(rows)
-    print(f"\nsweep summary (copy {copy_gbps:.0f} GB/s; 'host' = CPU time per call, back to back):")
-    for line in summary:
-        print("  " + line)
-    print(f"wrote {out_dir / 'cast_transpose_sweep.csv'}")
-
-
 # --------------------------------------------------------------------------------------------------
 
 
@@ -351,7 +277,6 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=0,
                    help="stop starting new shapes after this many seconds (0: no limit)")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--sweep", action="store_true", help="time safeops' tile configurations instead")
     p.add_argument("--host", action="store_true",
                    help="only the host time per call of safeops.cast_transpose (seconds, not minutes)")
     args = p.parse_args(argv)
@@ -372,11 +297,6 @@ def main(argv=None) -> int:
     cases = make_cases(shapes, scalings)
     if args.host:
         host_report(cases)
-        return 0
-    if args.sweep:
-        # Shorter timing per config than the main bench (many configs in ~2 minutes); every config is
-        # still checked bit for bit against eager first.
-        sweep(cases, out_dir, deadline, copy_gbps, min(warmup, 10), min(rep, 40))
         return 0
     only = {s.strip() for s in args.impl.split(",") if s.strip()} or None
     bench = build_benchmark(cases, only)

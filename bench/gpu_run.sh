@@ -13,24 +13,22 @@
 #   sanitize2 the same for the attention and fp8 cast+transpose GPU tests (SANITIZE2_ARGS adds -k etc.)
 #   bench     python3 bench/softmax.py --out $OUT     (softmax.csv, softmax.md, softmax.png)
 #   compile   python3 bench/compile.py                (a transformer block compiled stock vs safeops.register())
-#   sweep     python3 bench/softmax.py --sweep        (safeops launcher knobs per N; softmax_sweep.csv)
 #   attention python3 bench/attention.py --out $OUT   (attention.{csv,md,png}; ATTENTION_ARGS, e.g. --quick)
 #   cast      python3 bench/cast_transpose.py --out $OUT   (cast_transpose.{csv,md,png}; CAST_ARGS)
 #   model     python3 bench/model.py                  (a ~1B Llama training step, sdpa vs safeops; MODEL_ARGS;
 #             needs transformers: carry its wheels in .whl)
-#   ncu       Nsight Compute on a few softmax kernels (speed-of-light, occupancy, warp stalls), if ncu exists
 #
 # The whole run stays inside BUDGET_S seconds (default 530, under the device's 10-minute command limit): a
 # step gets at most its own timeout and what is left of the budget; the benchmark stops starting new shapes
 # before its timeout and still writes what it measured. The full benchmark (32 shapes x 5 implementations,
 # one torch.compile per shape) needs most of a call: run `bash bench/gpu_run.sh bench` on its own, or pass
-# BENCH_ARGS=--quick. Outputs under $OUT stay few (at most 5 files): gpu_run.log, softmax.{csv,md,png},
-# softmax_sweep.csv.
+# BENCH_ARGS=--quick. Outputs under $OUT stay few: gpu_run.log, the JUnit XML of the test steps and each
+# benchmark's files.
 #
-# Environment: OUT (default bench/out), BUDGET_S, T_INFO, T_TESTS, T_ALLTESTS, T_SANITIZE, T_BENCH, T_SWEEP
+# Environment: OUT (default bench/out), BUDGET_S, T_INFO, T_TESTS, T_ALLTESTS, T_SANITIZE, T_BENCH, ...
 # (per-step timeouts, s), PYTEST_WORKERS (xdist workers for tests/alltests, default 4; 0 = none), MAXFAIL
-# (default 30), PYTEST_ARGS, SANITIZE_K, BENCH_ARGS (e.g. "--quick", "--dtype bf16 --n 64K,1M"), SWEEP_ARGS
-# (e.g. "--dtype bf16 --n 16K,64K,256K"). Carry the wheels (Liger-Kernel) by naming .whl in the call's carry.
+# (default 30), PYTEST_ARGS, SANITIZE_K, BENCH_ARGS (e.g. "--quick", "--dtype bf16 --n 64K,1M"),
+# ATTENTION_ARGS, CAST_ARGS, MODEL_ARGS, COMPILE_ARGS. Carry the wheels (Liger-Kernel) by naming .whl in the call's carry.
 # .whl/ is git-ignored; fetch it on the development machine (the GPU machine has no network) with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform any -d .whl liger-kernel==0.8.5
@@ -181,12 +179,6 @@ for s in "${STEPS[@]}"; do
         step compile "$(limit_for "${T_COMPILE:-300}")" python3 bench/compile.py --out "$OUT/compile.md" \
             ${COMPILE_ARGS:-}
         ;;
-    sweep)
-        lim=$(limit_for "${T_SWEEP:-520}")
-        # shellcheck disable=SC2086
-        step sweep "$lim" python3 bench/softmax.py --sweep --out "$OUT" --budget-s $((lim > 60 ? lim - 30 : 20)) \
-            ${SWEEP_ARGS:-}
-        ;;
     attention)
         lim=$(limit_for "${T_ATTENTION:-420}")
         # shellcheck disable=SC2086
@@ -203,19 +195,8 @@ for s in "${STEPS[@]}"; do
         # shellcheck disable=SC2086
         step model "$(limit_for "${T_MODEL:-240}")" python3 bench/model.py --out "$OUT/model.md" ${MODEL_ARGS:-}
         ;;
-    ncu)
-        if command -v ncu >/dev/null; then
-            # Each kernel of each shape runs twice (compile, then clean); ncu profiles both.
-            step ncu "$(limit_for "${T_NCU:-180}")" ncu --target-processes all -k "regex:softmax_(fwd|bwd)_rows" \
-                --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
-                --section MemoryWorkloadAnalysis python3 bench/profile_softmax.py ${NCU_ARGS:-}
-        else
-            log "=== ncu: not installed here"
-            SUMMARY+=("ncu: not installed")
-        fi
-        ;;
     *)
-        log "unknown step '$s' (steps: info tests alltests sanitize sanitize2 bench compile sweep attention cast model ncu)"
+        log "unknown step '$s' (steps: info tests alltests sanitize sanitize2 bench compile attention cast model)"
         SUMMARY+=("$s: unknown step")
         FAILED=1
         ;;

@@ -23,7 +23,11 @@ times its replays: the GPU time of a step with no host in the loop, so the resul
 fast the host enqueues (on the H200 machine the host's speed switches between two regimes ~1.5x apart,
 session 10). The replayed step's loss must equal the eager step's bit for bit, or the row says so. Without
 ``--pad`` the model gets ``attention_mask=None`` there (transformers reads a mask's values on the host to
-decide whether SDPA may drop it, which a capture forbids).
+decide whether SDPA may drop it, which a capture forbids). Some transformers releases (5.17) also build an
+explicit causal mask for SDPA while a graph is captured, so the captured step would run another attention
+call than the eager one: the bench gives "sdpa" safeops' mask function too
+(``safeops.transformers.capture_safe_sdpa_mask``: outside capture it is transformers' ``sdpa_mask``), so
+both captured steps make the eager step's mask decision.
 
 Optional ``--pad N`` left-pads the first N tokens of the sequence (attention_mask 0 there), the case where
 torch's SDPA can produce NaN in padded rows and safeops gives 0.
@@ -158,6 +162,15 @@ def time_graph(model, row: dict, ids, mask, args) -> None:
         row["tok_s"] = ids.numel() / (row["ms"] * 1e-3)
     except Exception as e:
         row["status"], row["note"] = "error", H._short(e)
+
+
+def capture_safe_masks() -> None:
+    """SDPA-style implementations make the eager step's mask decision under capture (module docstring)."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    import safeops.transformers as sht
+
+    AttentionMaskInterface.register("sdpa", sht.capture_safe_sdpa_mask)
 
 
 def capture_step(model, ids, mask):
@@ -390,6 +403,7 @@ def main(argv=None) -> int:
         row.pop("keep", None)
         rows.append(row)
     if args.cuda_graph:  # after every implementation's checks: no graph's memory in another's peak
+        capture_safe_masks()
         for row in rows:
             if row["status"] == "ok":
                 time_graph(model, row, ids, mask, args)

@@ -13,20 +13,17 @@ one layer at a time:
   directly (the default);
 - the registered ops ``torch.ops.safeops.softmax`` / ``softmax_backward`` as compiled graphs call them
   (input not requiring grad; requiring grad; requiring grad under ``no_grad``, which is how a compiled
-  training graph's forward calls it), and the same implementation registered through
-  ``torch.library.custom_op`` as before, for comparison;
+  training graph's forward calls it);
 - ``safeops.softmax`` (the eager fast path), forward and forward + backward through autograd, against torch;
-- the launcher's backward run on a second Python thread (the autograd engine runs CUDA backward on its own
-  device thread), with the Python threads alive listed, to see whether anything is slow off the main thread;
 - a check that the direct launch gives the same bits as ``JITFunction.run`` and compiles nothing new.
 
 ``--cpu`` measures the Python part on a machine without a GPU: the launcher's decisions with the kernels
 replaced by no-ops (the general path against the cached plan), and the registered op's layers on a tiny
-CPU tensor with the reference backend (the new registration against the same op through custom_op).
+CPU tensor with the reference backend.
 
 Then ``safeops.cast_transpose`` (fp8 cast + transpose), layer by layer: the public function (eager fast
-path), the registered op as compiled graphs call it, its implementation, the launcher (cached route), the
-variant launcher the variants bench uses, and pieces (output allocations, workspace lookup). On the GPU also
+path), the registered op as compiled graphs call it, its implementation, the launcher (cached route), and
+pieces (output allocations, workspace lookup). On the GPU also
 a check that the cached routes give the general path's and eager torch's bits and launch directly, and
 at the benchmark's shapes the host time per public call next to the kernel's time. With ``--cpu`` the
 GPU route's Python runs on the CPU (SAFEOPS_BACKEND=triton, launches replaced by no-ops, the GPU-only
@@ -53,7 +50,6 @@ import argparse
 import contextlib
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -100,63 +96,11 @@ def per_call_us(fn, calls: int, repeats: int = 3) -> float:
     return best
 
 
-def on_thread_us(fn, calls: int) -> float:
-    """``per_call_us`` of ``fn`` run on a fresh Python thread while the main thread waits (as the autograd
-    engine's device thread runs a CUDA backward)."""
-    result = []
-    worker = threading.Thread(target=lambda: result.append(per_call_us(fn, calls)))
-    worker.start()
-    worker.join()
-    return result[0]
-
-
-def _custom_op_baseline():
-    """The forward and backward implementations behind torch.library.custom_op, as safeops registered them
-    before (same impl, fake and autograd), in a namespace of their own."""
-    ns = "safeops_overhead_bench"
-    if hasattr(torch.ops, ns) and hasattr(getattr(torch.ops, ns), "softmax"):
-        return getattr(torch.ops, ns).softmax.default, getattr(torch.ops, ns).softmax_backward.default
-
-    @torch.library.custom_op(f"{ns}::softmax_backward", mutates_args=())
-    def bwd(grad: torch.Tensor, x: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor, dim: int,
-            kind: int, scale: float | None, scale_tensor: torch.Tensor | None, mask: torch.Tensor | None,
-            need_dscale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return softmax_ops._backward_impl(grad, x, row_max, row_sum, dim, kind, scale, scale_tensor, mask,
-                                          need_dscale)
-
-    @bwd.register_fake
-    def _(grad, x, row_max, row_sum, dim, kind, scale, scale_tensor, mask, need_dscale):
-        return torch.empty_like(x), x.new_empty((), dtype=row_max.dtype)
-
-    @torch.library.custom_op(f"{ns}::softmax", mutates_args=())
-    def fwd(x: torch.Tensor, dim: int, scale: float | None, scale_tensor: torch.Tensor | None,
-            mask: torch.Tensor | None, out_dtype: torch.dtype | None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return softmax_ops._forward_impl(0, x, dim, scale, scale_tensor, mask, out_dtype)
-
-    @fwd.register_fake
-    def _(x, dim, scale, scale_tensor, mask, out_dtype):
-        return softmax_ops._fake_outputs(0, x, dim, out_dtype)
-
-    def setup_context(ctx, inputs, output):
-        ctx.dim, ctx.scale = inputs[1], inputs[2]
-        ctx.save_for_backward(inputs[0], output[1], output[2], inputs[3], inputs[4])
-
-    def backward(ctx, grad_out, grad_max, grad_sum):
-        x, row_max, row_sum, scale_tensor, mask = ctx.saved_tensors
-        dx, _ = bwd(grad_out, x, row_max, row_sum, ctx.dim, 0, ctx.scale, scale_tensor, mask, False)
-        return dx, None, None, None, None, None
-
-    fwd.register_autograd(backward, setup_context=setup_context)
-    return getattr(torch.ops, ns).softmax.default, getattr(torch.ops, ns).softmax_backward.default
-
-
 def _op_cases(x: torch.Tensor, prefix: str = "") -> list:
-    """The registered op's layers on ``x``: impl, op (three grad situations), custom_op baseline."""
+    """The registered op's layers on ``x``: impl, op (three grad situations), backward impl and op."""
     xr = x.clone().requires_grad_(True)
     op = torch.ops.safeops.softmax.default
     op_bwd = torch.ops.safeops.softmax_backward.default
-    old_fwd, old_bwd = _custom_op_baseline()
     _, m, l = op(x, x.dim() - 1, None, None, None, None)
     g = torch.randn_like(x)
     d = x.dim() - 1
@@ -174,12 +118,8 @@ def _op_cases(x: torch.Tensor, prefix: str = "") -> list:
         (f"{prefix}op, x no grad", lambda: op(x, *fwd_args)),
         (f"{prefix}op, x requires grad", lambda: op(xr, *fwd_args)),
         (f"{prefix}op, x requires grad, no_grad()", no_grad(lambda: op(xr, *fwd_args))),
-        (f"{prefix}custom_op (before), x no grad", lambda: old_fwd(x, *fwd_args)),
-        (f"{prefix}custom_op (before), x requires grad", lambda: old_fwd(xr, *fwd_args)),
-        (f"{prefix}custom_op (before), rg, no_grad()", no_grad(lambda: old_fwd(xr, *fwd_args))),
         (f"{prefix}backward impl", lambda: softmax_ops._backward_impl(*bwd_args)),
         (f"{prefix}backward op", lambda: op_bwd(*bwd_args)),
-        (f"{prefix}backward custom_op (before)", lambda: old_bwd(*bwd_args)),
     ]
 
 
@@ -287,12 +227,6 @@ def gpu(calls: int, device: str = "cuda") -> None:
         ("fwd+bwd safeops.softmax", fwd_bwd(safeops.softmax)),
         ("fwd+bwd safeops.softmax, via JITFunction.run", _with_direct(False, fwd_bwd(safeops.softmax))),
     ], calls)
-    print("threads (the autograd engine runs CUDA backward on its own thread)")
-    print(f"  Python threads alive: {[th.name for th in threading.enumerate()]}; "
-          f"switch interval {sys.getswitchinterval() * 1e3:.1f} ms")
-    for name, fn in [("launcher backward", launcher_bwd), ("torch.softmax", lambda: torch.softmax(x, -1))]:
-        print(f"  {name + ', main thread':48s} {per_call_us(fn, calls):8.1f} us")
-        print(f"  {name + ', second thread':48s} {on_thread_us(fn, calls):8.1f} us", flush=True)
     if device == "cuda":
         print("checks")
         _check_direct_launch(x)
@@ -352,7 +286,7 @@ def cpu(calls: int) -> None:
         reference.forward, reference.backward = real
     print("registered op, 2 x 8 fp32, SAFEOPS_BACKEND=reference (end to end)")
     _print([("reference.forward", lambda: safeops.reference.forward(0, xs, 1, None, None, None, None)),
-            *_op_cases(xs)[:5]], calls, 10)
+            *_op_cases(xs)[:4]], calls, 10)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -364,7 +298,6 @@ def _cast_cases(x: torch.Tensor, s: torch.Tensor, rows: torch.Tensor) -> list:
     """The layers of one ``safeops.cast_transpose`` call, outermost first."""
     from safeops.ops import cast_transpose as ct_ops
     from safeops.ops import cast_transpose_launch as ct_launch
-    from safeops.ops import cast_transpose_variants as ct_variants
 
     fp8 = torch.float8_e4m3fn
     op = torch.ops.safeops.cast_transpose.default
@@ -372,12 +305,10 @@ def _cast_cases(x: torch.Tensor, s: torch.Tensor, rows: torch.Tensor) -> list:
     return [
         ("safeops.cast_transpose, bf16 tensorwise", lambda: safeops.cast_transpose(x, s, fp8)),
         ("safeops.cast_transpose, bf16 rowwise", lambda: safeops.cast_transpose(x, rows, fp8, rowwise=True)),
-        ("safeops.cast_transpose, fp16 (v1 kernel)", lambda: safeops.cast_transpose(x16, s, fp8)),
+        ("safeops.cast_transpose, fp16 (non-bf16 kernel)", lambda: safeops.cast_transpose(x16, s, fp8)),
         ("op, as compiled graphs call it", lambda: op(x, s, fp8, False)),
         ("op implementation (ops.cast_transpose._impl)", lambda: ct_ops._impl(x, s, fp8, False)),
         ("launcher (cast_transpose_launch)", lambda: ct_launch.cast_transpose(x, s, fp8, False)),
-        ("variant launcher (bench/cast_transpose_variants)",
-         lambda: ct_variants.cast_transpose(x, s, fp8, False, ct_launch.SHIPPED_VARIANT)),
         ("  pieces: the outputs' 3 allocations", lambda: _cast_outputs(x, fp8)),
         ("  pieces: amax workspace lookup", lambda: ct_launch._workspace(x.device)),
         ("  pieces: _config.use_triton (reads the env)", lambda: safeops._config.use_triton(x)),
@@ -510,13 +441,15 @@ def _gpu_route_on_cpu(patches: list):
 def cast_cpu(calls: int) -> None:
     """The Python part of a GPU ``safeops.cast_transpose`` call, on the CPU: SAFEOPS_BACKEND=triton with
     the kernel launches replaced by no-ops and the launcher's GPU-only checks told this is a GPU, so the
-    calls take the GPU's route (bf16: the v2 kernel's plan; fp16: the v1 kernel's)."""
+    calls take the GPU's route (bf16: the bf16 kernel's; fp16: the other kernel's)."""
     from safeops.ops import cast_transpose_launch as ct_launch
-    from safeops.ops import cast_transpose_variants as ct_variants
+
+    def bf16_kernel_fits(x, dtype):  # as on a GPU
+        return x.dtype == torch.bfloat16 and x.numel() > 0 and x.shape[0] % 4 == 0
 
     patches = [(_launch.KernelLaunch, "__call__", lambda self, *args: None),
-               (ct_launch, "_interpreted", lambda: False), (ct_launch, "_check_device", lambda x: None)]
-    patches.append((ct_variants, "_on_gpu", lambda x: True))
+               (ct_launch, "_interpreted", lambda: False), (ct_launch, "_check_device", lambda x: None),
+               (ct_launch, "_bf16_kernel_fits", bf16_kernel_fits)]
     with _gpu_route_on_cpu(patches):
         x = torch.randn(256, 512).to(torch.bfloat16)
         s = torch.tensor(0.5)

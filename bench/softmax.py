@@ -18,15 +18,7 @@ backward reads two tensors and writes dx (3 * numel * bytes). What each backward
 Every output is checked once per shape against torch in fp32 (loosely) before it is timed.
 
     python bench/softmax.py [--dtype bf16|fp32|both] [--n 256,4K,1M] [--direction fwd|bwd|both] [--quick]
-                            [--out DIR] [--sweep] [--budget-s SECONDS]
-
-``--sweep`` tunes safeops alone, on the same shapes: for each N, coordinate descent over the knobs of
-``safeops.ops.softmax_launch`` that exist in the installed version: which path a row takes
-(ROW_RESIDENT_MAX_COLS), rows_config's block_m and num_warps per direction (by monkeypatching rows_config),
-SPLIT_BLOCK_N, SPLIT_NUM_WARPS, SPLIT_COLS_PER_PROGRAM, SPLIT_MAX_PROGRAMS_PER_ROW, SPLIT_MAXNREG and
-``safeops._config.one_launch_long_rows``. Every configuration is checked against torch, timed forward and
-backward, printed, and written to softmax_sweep.csv; the summary names the best per N. A full sweep of
-both dtypes and all eight N takes longer than one 10-minute call: pick --dtype and --n.
+                            [--out DIR] [--budget-s SECONDS]
 
 Needs a CUDA GPU; without one it exits with a message.
 """
@@ -35,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import inspect
 import math
 import sys
 import time
@@ -247,213 +237,6 @@ def build_benchmark(cases: list[H.Case], only: set[str] | None = None) -> H.Benc
 
 
 # --------------------------------------------------------------------------------------------------
-# --sweep: tune safeops' launcher knobs per N
-# --------------------------------------------------------------------------------------------------
-
-SPLIT_KNOBS = {  # knob -> candidate values; only knobs the installed launcher has are tried
-    "SPLIT_BLOCK_N": (1024, 2048, 4096, 8192, 16384),
-    "SPLIT_NUM_WARPS": (4, 8, 16),
-    "SPLIT_COLS_PER_PROGRAM": (8192, 16384, 32768, 65536, 131072),
-    "SPLIT_MAX_PROGRAMS_PER_ROW": (64, 128, 256, 512, 1024),
-    "SPLIT_MAXNREG": (None, 128, 168, 255),
-}
-RESIDENT_KNOB = "ROW_RESIDENT_MAX_COLS"
-
-
-@contextlib.contextmanager
-def launch_config(cfg: dict, n: int, elem: int):
-    """Apply a sweep configuration to safeops.ops.softmax_launch (and _config), then restore it.
-
-    cfg keys: "path" ("rows" | "split"), "block_m" / "num_warps" (rows_config), split knob names, and
-    "one_launch" (safeops._config.one_launch_long_rows). Dict-valued knobs are per element size.
-    """
-    from safeops import _config
-    from safeops.ops import softmax_launch as L
-
-    saved: list = []
-
-    def set_attr(obj, name, value):
-        saved.append((obj, name, getattr(obj, name)))
-        setattr(obj, name, value)
-
-    def set_knob(name, value):
-        cur = getattr(L, name)
-        if isinstance(cur, dict):
-            cur = dict(cur)
-            cur[elem] = value
-            set_attr(L, name, cur)
-        else:
-            set_attr(L, name, value)
-
-    try:
-        for knob in (RESIDENT_KNOB, RESIDENT_KNOB + "_FWD"):  # the second: the forward's own limit
-            if "path" in cfg and hasattr(L, knob):
-                limits = getattr(L, knob)
-                cur = limits.get(elem, 8192) if isinstance(limits, dict) else limits
-                set_knob(knob, max(cur, n) if cfg["path"] == "rows" else min(cur, n - 1))
-        for name in SPLIT_KNOBS:
-            if name in cfg:
-                set_knob(name, cfg[name])
-        if "one_launch" in cfg and hasattr(_config, "one_launch_long_rows"):
-            set_attr(_config, "one_launch_long_rows", cfg["one_launch"])
-        # rows_config overrides per direction: fwd_block_m, fwd_num_warps, bwd_block_m, bwd_num_warps. A
-        # launcher whose rows_config has no `backward` argument shares one config: fwd_* then applies to both.
-        over = {d: {k[4:]: v for k, v in cfg.items() if k.startswith(d + "_")} for d in ("fwd", "bwd")}
-        if over["fwd"] or over["bwd"]:
-            orig = L.rows_config
-            has_direction = "backward" in inspect.signature(orig).parameters
-
-            def rows_config(*args, **kwargs):
-                c = orig(*args, **kwargs)
-                backward = kwargs.get("backward", args[3] if len(args) > 3 else False)
-                chosen = over["bwd"] if backward and has_direction else over["fwd"]
-                return None if c is None or not chosen else dataclasses.replace(c, **chosen)
-
-            set_attr(L, "rows_config", rows_config)
-        if "split_num_warps" in cfg:  # launchers without a SPLIT_NUM_WARPS knob
-            orig_split = L.split_config
-
-            def split_config(*args, **kwargs):
-                return dataclasses.replace(orig_split(*args, **kwargs), num_warps=cfg["split_num_warps"])
-
-            set_attr(L, "split_config", split_config)
-        yield
-    finally:
-        for obj, name, value in reversed(saved):
-            setattr(obj, name, value)
-
-
-def _label(cfg: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in cfg.items()) or "default"
-
-
-class ShapeSweep:
-    """Every configuration tried for one (dtype, N): fwd and bwd timed, both checked against torch."""
-
-    WARMUP_MS, REP_MS = 5, 30
-
-    def __init__(self, dtype: torch.dtype, n: int, deadline: float):
-        self.dtype, self.n, self.deadline = dtype, n, deadline
-        self.elem = torch.empty((), dtype=dtype).element_size()
-        m = max(1, TOTAL // n)
-        self.fcase, self.bcase = H.Case("fwd", dtype, (m, n)), H.Case("bwd", dtype, (m, n))
-        self.inputs = make_inputs(self.bcase)
-        self.ref_f, self.ref_b = reference(self.fcase, self.inputs), reference(self.bcase, self.inputs)
-        self.tried: dict[str, tuple[float, float, str]] = {}
-        self.rows: list[list] = []
-
-    def gbps(self, res) -> tuple[float, float]:
-        return (softmax_bytes(self.fcase) / (res[0] * 1e-3) / 1e9,
-                softmax_bytes(self.bcase) / (res[1] * 1e-3) / 1e9)
-
-    def evaluate(self, cfg: dict):
-        key = _label(cfg)
-        if key in self.tried:
-            return self.tried[key]
-        if time.time() > self.deadline:
-            return None
-        try:
-            with launch_config(cfg, self.n, self.elem):
-                f, b = build_safeops(self.fcase, self.inputs), build_safeops(self.bcase, self.inputs)
-                bad = check(self.fcase, f(), self.ref_f) or check(self.bcase, b(), self.ref_b)
-                fm = H.bench_ms(f, self.WARMUP_MS, self.REP_MS)[0]
-                bm = H.bench_ms(b, self.WARMUP_MS, self.REP_MS)[0]
-            res = (fm, bm, bad or "")
-        except Exception as e:
-            res = (math.inf, math.inf, H._short(e))
-            with contextlib.suppress(Exception):
-                torch.cuda.synchronize()
-        self.tried[key] = res
-        fg, bg = self.gbps(res)
-        name = H.DTYPE_NAMES[self.dtype]
-        print(f"  {name} N={H.size_label(self.n):>5} {key:<64} fwd {fg:7.0f} bwd {bg:7.0f} GB/s"
-              + (f"  [{res[2]}]" if res[2] else ""), flush=True)
-        self.rows.append([name, self.n, self.fcase.m, key, f"{res[0]:.5f}", f"{res[1]:.5f}", f"{fg:.1f}",
-                          f"{bg:.1f}", res[2]])
-        return res
-
-    @staticmethod
-    def cost(res, objective: str) -> float:
-        if res is None or res[2]:
-            return math.inf
-        return {"fwd": res[0], "bwd": res[1], "total": res[0] + res[1]}[objective]
-
-    def descend(self, start: dict, space: list[tuple[str, tuple]], objective: str) -> dict:
-        """Coordinate descent: one knob at a time, keeping the value with the least fwd, bwd or total time
-        (a value that is a dict sets several knobs at once)."""
-        best, best_t = dict(start), self.cost(self.evaluate(start), objective)
-        for knob, values in space:
-            for v in values:
-                cand = {**best, **v} if isinstance(v, dict) else {**best, knob: v}
-                t = self.cost(self.evaluate(cand), objective)
-                if t < best_t:
-                    best, best_t = cand, t
-        return best
-
-    def run(self) -> str:
-        from safeops import _config
-        from safeops.ops import softmax_launch as L
-
-        n = self.n
-        default = self.evaluate({})
-        if n <= 65536:  # whole rows held by one program: block_m (warps scaled to the tile), then warps
-            block_n = 1 << max(0, (n - 1).bit_length())
-            warps = tuple(w for w in (1, 2, 4, 8, 16, 32) if 32 * w <= max(32, block_n * 32))
-            for d in ("fwd", "bwd"):  # one config per direction (the launcher keys them apart)
-                tiles = tuple({f"{d}_block_m": bm, f"{d}_num_warps": max(1, min(32, bm * block_n // 512))}
-                              for bm in (1, 2, 4, 8, 16, 32, 64) if bm * block_n <= 32768)
-                self.descend({"path": "rows"}, [("block_m", tiles), (f"{d}_num_warps", warps)], d)
-        if n > 4096:  # a row split across programs; fwd and bwd share these knobs
-            space = [(k, tuple(v for v in vals if k != "SPLIT_BLOCK_N" or v <= max(1024, n)))
-                     for k, vals in SPLIT_KNOBS.items() if hasattr(L, k)]
-            if not hasattr(L, "SPLIT_NUM_WARPS"):
-                space.append(("split_num_warps", (4, 8, 16)))
-            if hasattr(_config, "one_launch_long_rows"):
-                space.append(("one_launch", (True, False)))
-            self.descend({"path": "split"}, space, "total")
-
-        line = f"{H.DTYPE_NAMES[self.dtype]} N={H.size_label(n)}: "
-        if default and not default[2]:
-            fg, bg = self.gbps(default)
-            line += f"default fwd {fg:.0f} bwd {bg:.0f} GB/s; "
-        ok = {k: v for k, v in self.tried.items() if v and not v[2]}
-        if ok:
-            bt = min(ok, key=lambda k: ok[k][0] + ok[k][1])
-            bf = min(ok, key=lambda k: ok[k][0])
-            bb = min(ok, key=lambda k: ok[k][1])
-            line += (f"best fwd+bwd [{bt}] fwd {self.gbps(ok[bt])[0]:.0f} bwd {self.gbps(ok[bt])[1]:.0f}; "
-                     f"best fwd [{bf}] {self.gbps(ok[bf])[0]:.0f}; "
-                     f"best bwd [{bb}] {self.gbps(ok[bb])[1]:.0f} GB/s")
-        return line
-
-
-def sweep(dtypes, ns, out_dir: Path, deadline: float, copy_gbps: float) -> None:
-    import csv
-
-    rows, summary = [], []
-    for dtype in dtypes:
-        for n in ns:
-            if time.time() > deadline:
-                summary.append(f"{H.DTYPE_NAMES[dtype]} N={H.size_label(n)}: not swept (time budget used up)")
-                continue
-            shape = ShapeSweep(dtype, n, deadline)
-            summary.append(shape.run())
-            rows += shape.rows
-            del shape
-            H._free()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "softmax_sweep.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["dtype", "n", "m", "config", "fwd_ms", "bwd_ms", "fwd_gbps", "bwd_gbps", "problem"])
-        w.writerows(rows)
-    print(f"\nsweep summary (copy {copy_gbps:.0f} GB/s; config keys are softmax_launch knobs, rows_config "
-          "fields, path=rows|split and one_launch):")
-    for line in summary:
-        print("  " + line)
-    print(f"wrote {out_dir / 'softmax_sweep.csv'}")
-
-
-# --------------------------------------------------------------------------------------------------
 
 
 def main(argv=None) -> int:
@@ -472,7 +255,6 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=0,
                    help="stop starting new shapes after this many seconds (0: no limit)")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--sweep", action="store_true", help="tune safeops' launcher knobs per N instead")
     args = p.parse_args(argv)
 
     H.require_cuda("bench/softmax.py")
@@ -489,9 +271,6 @@ def main(argv=None) -> int:
     print(f"{meta['gpu']} ({meta['sms']} SMs, L2 {meta['l2_mb']} MB), torch {meta['torch']}, triton "
           f"{meta['triton']}, CUDA {meta['cuda']}: device-to-device copy {copy_gbps:.0f} GB/s", flush=True)
     out_dir = Path(args.out)
-    if args.sweep:
-        sweep(dtypes, ns, out_dir, deadline, copy_gbps)
-        return 0
     only = {s.strip() for s in args.impl.split(",") if s.strip()} or None
     bench = build_benchmark(make_cases(dtypes, ns, directions), only)
     results = H.run(bench, warmup_ms=warmup, rep_ms=rep, deadline=deadline,

@@ -1,10 +1,12 @@
-"""safeops: numerically safe softmax, log-softmax and logsumexp for PyTorch that the compiler cannot break.
+"""safeops: numerically safe softmax, log-softmax, logsumexp and attention for PyTorch, as Triton kernels
+that the compiler cannot break, plus a fused fp8 cast + transpose.
 
-Public API: :func:`softmax`, :func:`log_softmax`, :func:`logsumexp`; :func:`register`,
-:func:`unregister`, :func:`registered` for ``torch.compile`` (and ``backend="safeops"``). For existing
-models: :mod:`safeops.nn` (drop-in modules), :func:`replace_modules` / :func:`restore_modules`,
-:func:`patched` (eager patching) and ``import safeops.transformers`` (``attn_implementation="safeops"``).
-The README's contract says what "safe" means, clause by clause.
+Public API: :func:`softmax`, :func:`log_softmax`, :func:`logsumexp`, :func:`attention`,
+:func:`attention_varlen`, :func:`merge_attention`, :func:`cast_transpose`; :func:`register`,
+:func:`unregister`, :func:`registered`, :func:`is_registered` for ``torch.compile`` (and
+``backend="safeops"``). For existing models: :mod:`safeops.nn` (drop-in modules), :func:`replace_modules` /
+:func:`restore_modules`, :func:`patched` (eager patching) and ``import safeops.transformers``
+(``attn_implementation="safeops"``). ``docs/contract.md`` says what "safe" means, clause by clause.
 """
 
 __version__ = "0.1.0"

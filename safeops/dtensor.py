@@ -28,7 +28,7 @@ The sharding strategies are registered with ``torch.distributed.tensor.experimen
 for ``torch.ops.safeops.{softmax, log_softmax, logsumexp, softmax_backward, attention,
 attention_backward, merge_attention, merge_attention_backward}``: at the end of ``import safeops`` when
 ``torch.distributed.tensor`` is already imported (with torch 2.13, importing safeops has loaded it through
-torch._dynamo; registering then costs ~20 ms), else by the first DTensor a public function sees.
+torch._dynamo), else by the first DTensor a public function sees.
 ``import safeops`` never imports ``torch.distributed.tensor`` itself and never fails over it. Code calling
 the ``torch.ops.safeops`` ops directly on DTensors may call :func:`register` first to be sure; there an
 unsupported placement raises DTensor's ``RuntimeError`` carrying the same message.
@@ -475,8 +475,8 @@ def _merge_backward(grad_out, grad_lse, outs, lses):
 
 
 def register_if_loaded() -> None:
-    """Called at the end of ``import safeops``: registers right away when DTensor is already imported (it
-    then costs ~20 ms, and code compiled with ``torch.compile(fullgraph=True)`` never meets an unregistered
+    """Called at the end of ``import safeops``: registers right away when DTensor is already imported (then
+    code compiled with ``torch.compile(fullgraph=True)`` never meets an unregistered
     op: registering inside a trace would be a graph break). Otherwise the first DTensor a public function
     sees registers. Never raises: ``import safeops`` must not fail over an optional feature, and a failure
     here comes back, with its cause, on the first DTensor call."""

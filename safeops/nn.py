@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import warnings
 
+import einops
 import torch
 import torch.nn.functional as F
 
@@ -64,7 +65,7 @@ class LogSoftmax(torch.nn.LogSoftmax):
 # ------------------------------------------------------------------------------------------------------
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+    return einops.repeat(x, "b h s d -> b (h g) s d", g=groups)
 
 
 def attention_probabilities(

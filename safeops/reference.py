@@ -1,6 +1,7 @@
 """The numerics contract in plain torch.
 
-This is the CPU implementation of every safeops op and the readable statement of ``CONTRACT.md``:
+This is the CPU implementation of every safeops op and the readable statement of the contract
+(docs/contract.md):
 each logit becomes one value ``z`` (one multiply by the scale, then the mask), the row max ``m`` and the
 row sum ``l = sum(exp(z - m))`` are kept apart, empty rows are defined, and gradients are recomputed from
 the input, ``m`` and ``l``. The Triton kernels implement the same formulas; tests compare both with an
@@ -9,6 +10,7 @@ independent float64 oracle.
 
 from __future__ import annotations
 
+import einops
 import torch
 
 SOFTMAX, LOG_SOFTMAX, LOGSUMEXP = 0, 1, 2
@@ -181,7 +183,8 @@ def attention_visible(sq: int, sk: int, is_causal: bool, window_left: int, windo
 
 
 def _expand_kv(t: torch.Tensor, hq: int) -> torch.Tensor:
-    return t.repeat_interleave(hq // t.shape[1], dim=1) if t.shape[1] != hq else t
+    """GQA: kv head h serves q heads h * g ... h * g + g - 1."""
+    return einops.repeat(t, "b h s d -> b (h g) s d", g=hq // t.shape[1])
 
 
 def attention_scores(q, k, mask, mask_kind, is_causal, scale, softcap, window_left, window_right):
@@ -246,8 +249,7 @@ def attention_lse(m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
 
 def _reduce_heads(t: torch.Tensor, hkv: int) -> torch.Tensor:
     """Sum the gradients of the q heads of one group onto their kv head."""
-    B, H, S, D = t.shape
-    return t.reshape(B, hkv, H // hkv, S, D).sum(2) if H != hkv else t
+    return einops.reduce(t, "b (h g) s d -> b h s d", "sum", h=hkv)
 
 
 def attention_backward(grad, q, k, v, out, m, l, mask, mask_kind, is_causal, scale, softcap,

@@ -3,9 +3,10 @@
 Importing this module (``import safeops.transformers``) registers, under the name ``"safeops"``:
 
 - :func:`attention_forward` in transformers' ``AttentionInterface``, and
-- transformers' own ``sdpa_mask`` in ``AttentionMaskInterface``. transformers builds masks only for
-  implementations that have a mask function; without one, a custom implementation gets
-  ``attention_mask=None`` and loses causal, padding and sliding-window masking without a word.
+- :func:`capture_safe_sdpa_mask` (transformers' own ``sdpa_mask``, see below) in ``AttentionMaskInterface``.
+  transformers builds masks only for implementations that have a mask function; without one, a custom
+  implementation gets ``attention_mask=None`` and loses causal, padding and sliding-window masking without a
+  word.
 
 After that ``from_pretrained(..., attn_implementation="safeops")``, ``from_config(config,
 attn_implementation="safeops")`` and ``model.set_attn_implementation("safeops")`` all work, and
@@ -44,7 +45,7 @@ import safeops
 
 from . import nn as safe_nn
 
-__all__ = ["NAME", "attention_forward", "register", "enable", "is_registered"]
+__all__ = ["NAME", "attention_forward", "capture_safe_sdpa_mask", "register", "enable", "is_registered"]
 
 NAME = "safeops"
 logger = logging.getLogger(__name__)
@@ -106,18 +107,62 @@ def attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def capture_safe_sdpa_mask(*args, **kwargs):
+    """transformers' ``sdpa_mask``, except that it returns ``None`` (causal by ``is_causal``) while a CUDA
+    graph is being captured in the cases where an eager call returns ``None`` too: no padding mask, and a
+    causal pattern that ``is_causal`` expresses.
+
+    Some transformers 5.x releases (5.17 among them) treat CUDA-graph capture as tracing and then always
+    build an explicit (batch, 1, q, kv) bool mask, so a captured training step runs a different attention
+    call than the same step run eagerly (a causal mask instead of ``is_causal``) and replays other bits; later
+    releases build the mask during capture only when there is a padding mask to read. This applies the later
+    rule on every version. Outside capture, or with a padding mask, it is ``sdpa_mask`` unchanged.
+    """
+    from transformers.masking_utils import sdpa_mask
+
+    if torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling():
+        skip = _causal_skip_without_padding(sdpa_mask, args, kwargs)
+        if skip:
+            return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def _causal_skip_without_padding(sdpa_mask, args, kwargs) -> bool:
+    """Whether newer transformers' ``_ignore_causal_mask_sdpa`` skips the mask for these ``sdpa_mask``
+    arguments when there is no padding mask (it reads no tensor values then)."""
+    import inspect
+
+    try:
+        bound = inspect.signature(sdpa_mask).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    bound.apply_defaults()
+    a = bound.arguments
+    needed = ("q_length", "kv_length", "q_offset", "attention_mask", "allow_is_causal_skip", "local_size")
+    if any(name not in a for name in needed):  # an older signature (4.x): leave it to transformers
+        return False
+    if not a["allow_is_causal_skip"] or a["attention_mask"] is not None:
+        return False
+    if isinstance(a["q_offset"], torch.Tensor):
+        return False
+    q_len, kv_len, local = a["q_length"], a["kv_length"], a["local_size"]
+    if local is not None and kv_len >= local:
+        return False
+    return q_len == 1 or kv_len == q_len or a["q_offset"] == 0
+
+
 def register() -> None:
     """Register ``"safeops"`` with transformers' attention and mask registries (idempotent)."""
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: F401
     except ImportError as exc:
         raise ImportError(
             "safeops.transformers needs transformers with AttentionInterface and masking_utils."
             "AttentionMaskInterface (install the extra: pip install 'safeops[transformers]')"
         ) from exc
     AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, capture_safe_sdpa_mask)
 
 
 def is_registered() -> bool:

@@ -6,7 +6,6 @@
 
 import safeops  # noqa: F401, I001  (must be first, see the module docstring)
 
-import dataclasses
 import os
 import secrets
 
@@ -124,7 +123,7 @@ def pytest_runtest_makereport(item, call):
 
 
 # --------------------------------------------------------------------------------------------------
-# bench/ experiment files that tests exercise on the CPU
+# bench/ files that tests exercise on the CPU
 # --------------------------------------------------------------------------------------------------
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -141,19 +140,3 @@ def bench_module(name: str):
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
-
-
-class StubHarness:
-    """Stands in for bench/_harness.py when a bench's GPU step runs on the CPU: its ``Case`` fields, and a
-    "timer" that runs the function once and reports 1 ms."""
-
-    @dataclasses.dataclass(frozen=True)
-    class Case:
-        direction: str
-        dtype: torch.dtype
-        shape: tuple
-
-    @staticmethod
-    def bench_ms(fn, *args):
-        fn()
-        return 1.0, 1.0, 1.0

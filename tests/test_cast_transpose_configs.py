@@ -1,21 +1,20 @@
-"""Every experimental cast + transpose variant compiles for sm_90, fits in shared memory and does not spill.
+"""The bf16 cast + transpose kernel compiles for sm_90, fits in shared memory, keeps its cheap element path.
 
-``safeops.ops.cast_transpose_variants.VARIANTS`` are timed on the H200 by bench/cast_transpose_variants.py;
-a variant that fails to compile there would cost a GPU run, so each one (tensorwise and rowwise, e4m3fn; the
-heaviest NaN mode with e5m2) is compiled here offline for ``cuda:90`` with the GPU machine's Triton (3.6):
-the Python named by ``SAFEOPS_COMPILE_PYTHON``, else ``/tmp/t36/bin/python``. Without either the test is
-skipped (CI's Triton 3.9 is not what the GPU runs). About 15-30 s on 2 cores (compiles run in parallel).
+``safeops.cast_transpose`` runs ``cast_transpose_bf16_kernel`` (element work in inline PTX) for bf16 inputs
+with M % 4 == 0 on a GPU, with ``cast_transpose_launch.BF16_CONFIG``. The interpreter cannot run inline PTX,
+so CPU CI cannot run it; here it is compiled offline for ``cuda:90`` (tensorwise and rowwise e4m3fn,
+rowwise e5m2, whose NaN rule has more instructions) with the GPU machine's Triton (3.6): the Python named by
+``SAFEOPS_COMPILE_PYTHON``, else ``/tmp/t36/bin/python``. Without either the test is skipped (CI's Triton
+3.9 is not what the GPU runs).
 
 Checks per kernel: it compiles (ptxas included); shared memory <= 232448 bytes (the H200's per-block limit);
-no local memory (no LDL/STL: a spill would wreck a bandwidth-bound kernel); the inline-PTX variants keep the
-cheap element path: at most 13 SASS instructions per converted element in the tile loop (the shipped
-kernel's Triton-level path is ~17; these measure 6.0-11.5), and x never read back from shared memory 2 bytes
-at a time (``LDS.U16``: what Triton's layout rematerialisation did when x came from TMA while y or y_t was
-a pointer store in the same loop).
+no local memory (no LDL/STL: a spill would wreck a bandwidth-bound kernel); registers within the config's
+cap; the cheap element path: at most 13 SASS instructions per converted element in the tile loop (the
+Triton-level path of ``cast_transpose_kernel`` is ~17), one ``F2FP`` per pair of elements, and x never read
+back from shared memory 2 bytes at a time (``LDS.U16``).
 
-The variants whose element code is Triton-level (``asm=False``: no inline PTX) also run under the
-interpreter here, TMA descriptors included, bit for bit against eager torch on ragged shapes
-(``test_interpreted_variants_match_eager``, a few seconds).
+On a GPU, every bf16 bit pattern at special scales (tensorwise and rowwise), both fp8 formats, and a ragged
+shape, bit for bit against the eager expression.
 """
 
 from __future__ import annotations
@@ -23,13 +22,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import sm90
 import torch
 
-from safeops.ops import cast_transpose_variants as CV
+from safeops.ops import cast_transpose_launch as launch
 
 SMEM_LIMIT = 232448
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +47,7 @@ def one(spec):
     mod = importlib.util.spec_from_file_location("ct_kernels", path)
     k = importlib.util.module_from_spec(mod)
     mod.loader.exec_module(k)
-    fn = k.cast_transpose_v2_kernel
+    fn = k.cast_transpose_bf16_kernel
     const = dict(spec["constexprs"], sxk=1)
     types = {"x_ptr": "*i16", "scale_ptr": "*fp32", "y_ptr": "*u8", "yt_ptr": "*i32", "ws_ptr": "*i32",
              "amax_ptr": "*i32"}
@@ -97,20 +95,18 @@ if __name__ == "__main__":
 def specs() -> list[dict]:
     kernel_file = os.path.join(ROOT, "safeops", "kernels", "cast_transpose.py")
     x = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
+    scale = torch.empty(4096, 1, device="meta")
+    cfg = launch.BF16_CONFIG
     out = []
-    for v in CV.VARIANTS:
-        cases = [(torch.float8_e4m3fn, False), (torch.float8_e4m3fn, True)]
-        if v.nan_mode == 0:
-            cases.append((torch.float8_e5m2, True))
-        for fp8, rowwise in cases:
-            opts = CV.kernel_options(v, x, fp8, rowwise)
-            num_warps = opts.pop("num_warps")
-            opts.pop("enable_fp_fusion")
-            maxnreg = opts.pop("maxnreg", None)
-            opts["HW_CVT"] = True  # the GPU's conversion (the meta device reads as "not cuda")
-            out.append(dict(name=v.name, rowwise=rowwise, fp8=str(fp8), asm=v.asm, kernel_file=kernel_file,
-                            constexprs=opts, num_warps=num_warps, maxnreg=maxnreg,
-                            codes=v.block_m * v.block_k // (32 * num_warps)))
+    cases = ((torch.float8_e4m3fn, False), (torch.float8_e4m3fn, True), (torch.float8_e5m2, True))
+    for fp8, rowwise in cases:
+        opts, _ = launch._options_and_scalars(x, scale, fp8, rowwise, cfg, True, True, bf16=True)
+        num_warps = opts.pop("num_warps")
+        opts.pop("enable_fp_fusion")
+        maxnreg = opts.pop("maxnreg", None)
+        out.append(dict(rowwise=rowwise, fp8=str(fp8), kernel_file=kernel_file, constexprs=opts,
+                        num_warps=num_warps, maxnreg=maxnreg,
+                        codes=cfg.block_m * cfg.block_k // (32 * num_warps)))
     return out
 
 
@@ -132,11 +128,11 @@ def compiled() -> list[dict]:
 
 
 def _label(r: dict) -> str:
-    return f"{r['name']} rowwise={r['rowwise']} {r['fp8']}"
+    return f"rowwise={r['rowwise']} {r['fp8']}"
 
 
-def test_every_variant_compiles_and_fits(compiled):
-    assert len(compiled) == len(specs())
+def test_bf16_kernel_compiles_and_fits(compiled):
+    assert len(compiled) == len(specs()) == 3
     errors = [f"{_label(r)}: {r['error']}" for r in compiled if "error" in r]
     assert not errors, "\n".join(errors)
     for r in compiled:
@@ -145,11 +141,11 @@ def test_every_variant_compiles_and_fits(compiled):
         assert 0 < r["regs"] <= (r.get("maxnreg") or 255), f"{_label(r)}: {r['regs']} registers"
 
 
-def test_inline_ptx_variants_keep_the_cheap_element_path(compiled):
-    """The point of ``ASM``: few instructions per element, both conversions per pair, no 2-byte re-reads."""
+def test_bf16_kernel_keeps_the_cheap_element_path(compiled):
+    """The point of the inline PTX: few instructions per element, both conversions per pair, no 2-byte
+    re-reads."""
     for r in compiled:
-        if "error" in r or not r["asm"]:
-            continue
+        assert "error" not in r, r["error"]
         ops = r["ops"]
         per_code = r["loop"] / r["codes"]
         assert per_code <= 13.0, f"{_label(r)}: {per_code:.2f} SASS instructions per element in the tile loop"
@@ -158,104 +154,41 @@ def test_inline_ptx_variants_keep_the_cheap_element_path(compiled):
         assert not any(o.startswith("LDS.U16") for o in ops), f"{_label(r)}: x re-read from shared, 2 B/load"
 
 
-def test_specs_cover_every_variant():
-    """The compiled set is the bench's set (a variant added to VARIANTS is compiled here too)."""
-    names = {s["name"] for s in specs()}
-    assert names == {v.name for v in CV.VARIANTS}
-    if sys.platform.startswith("linux"):
-        assert all(s["codes"] >= 16 for s in specs())
-
-
-INTERPRETED = [CV.Variant("triton 64x64w2", 64, 64, 2, asm=False),
-               CV.Variant("triton 128x64w4 prefetch m-fast", asm=False, prefetch=True, m_fast=True),
-               CV.Variant("triton 64x64w2 tma-all", 64, 64, 2, asm=False, tma_x=True, tma_y=1,
-                          tma_yt=True),
-               CV.Variant("triton 128x64w4 tma-y2,yt", asm=False, tma_y=2, tma_yt=True)]
-
-
-@pytest.mark.interpret
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
-@pytest.mark.parametrize("variant", INTERPRETED, ids=[v.name for v in INTERPRETED])
-def test_interpreted_variants_match_eager(variant, seed):
-    """The v2 kernel's indexing (4-row blocks, packed words, prefetch predicates, TMA boxes, amax hand-off)
-    against eager torch: ragged shapes (tiles cut in M and K), NaN/inf/-0, both formats and scalings."""
-    for (m, k), fp8, rowwise in (((96, 80), torch.float8_e4m3fn, False), ((64, 48), torch.float8_e5m2, True),
-                                 ((256, 64), torch.float8_e4m3fn, True)):
-        x = seed.randn(m, k, std=300.0)
-        flat = x.view(-1)
-        for i, v in enumerate((float("nan"), float("inf"), -float("inf"), -0.0, 1e-6, 1e5)):
-            flat[(i * 977) % flat.numel()] = v
-        x = x.to(torch.bfloat16)
-        s = torch.exp2(torch.rand(m, 1, generator=seed.gen) * 4 - 2) if rowwise else torch.tensor(0.731)
-        fmax = torch.finfo(fp8).max
-        ref = (x.float() * s).clamp(-fmax, fmax).to(fp8)
-        for xin, want_nan in ((x, True), (x.nan_to_num(0.0, 3e4, -3e4), False)):
-            ref = (xin.float() * s).clamp(-fmax, fmax).to(fp8)
-            assert CV.unsupported(variant, xin, fp8) is None
-            y, y_t, amax = CV.cast_transpose(xin, s, fp8, rowwise, variant)
-            where = f"{variant.name} {m}x{k} {fp8} rowwise={rowwise} {seed}"
-            assert torch.equal(y.view(torch.uint8), ref.view(torch.uint8)), where
-            assert y_t.stride() == (1, m) and torch.equal(y_t.view(torch.uint8), ref.view(torch.uint8)), where
-            if want_nan:
-                assert torch.isnan(amax), where
-            else:
-                assert torch.equal(amax, xin.abs().max().float()), where
-
-
-def test_asm_variants_refuse_the_interpreter_and_other_inputs():
-    """Inline PTX needs the GPU and bf16; TMA needs 16-byte strides: the launcher says so instead of failing
-    inside Triton."""
-    v = CV.Variant("asm", tma_yt=True)
-    x = torch.zeros(64, 64, dtype=torch.bfloat16)
-    assert "GPU" in CV.unsupported(v, x, torch.float8_e4m3fn)
-    assert "M % 4" in CV.unsupported(v, torch.zeros(6, 64, dtype=torch.bfloat16), torch.float8_e4m3fn)
-    t = CV.Variant("t", asm=False, tma_yt=True)
-    assert "multiples of 16" in CV.unsupported(t, torch.zeros(68, 64, dtype=torch.bfloat16),
-                                               torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="variant 'asm'"):
-        CV.cast_transpose(x, torch.tensor(1.0), torch.float8_e4m3fn, False, v)
-
-
 INF, NAN = float("inf"), float("nan")
 GPU_SCALES = [1.0, 0.1, 0.3333333, 2.0**-10, 3.0e4, -7.5, 1e-30, 0.0, INF, -INF, NAN]
-# NAN_MODE 2 trusts the hardware's NaN sign: an experiment, exact only if the GPU agrees.
-GPU_VARIANTS = [pytest.param(v, id=v.name, marks=[pytest.mark.xfail(reason="NAN_MODE 2 is an experiment")]
-                             if v.nan_mode == 2 else []) for v in CV.VARIANTS]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", GPU_VARIANTS)
-def test_variant_matches_eager_on_every_bf16_pattern(variant):
-    """GPU: every bf16 bit pattern x special scales (tensorwise and rowwise), e4m3fn (and e5m2 where the NaN
-    handling differs), bit for bit against the eager expression (what bench/cast_transpose_variants.py checks
-    before timing), then a ragged shape (partial tiles, rowwise) with random data. ~2 min (compiles)."""
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3fn", "e5m2"])
+def test_bf16_kernel_matches_eager_on_every_bf16_pattern(fp8):
+    """GPU: every bf16 bit pattern x special scales (tensorwise and rowwise), bit for bit against the eager
+    expression, through the launcher's default route (the bf16 kernel), then a ragged shape (partial tiles,
+    rowwise) with random data."""
+    assert launch.BF16_CONFIG is not None
     x = torch.arange(-2**15, 2**15, dtype=torch.int32, device="cuda").to(torch.int16).view(torch.bfloat16)
     x = x.reshape(256, 256)
+    assert launch._bf16_kernel_fits(x, fp8)
     rows = torch.tensor((GPU_SCALES * 24)[:256], dtype=torch.float32, device="cuda").reshape(256, 1)
     cases = [(torch.tensor(v, device="cuda"), False) for v in GPU_SCALES]
     cases += [(rows, True), (rows.flip(0), True)]
-    # e5m2 for the NaN-mode variants and the base one (each format is another compile per variant)
-    fp8s = (torch.float8_e4m3fn, torch.float8_e5m2) if variant.nan_mode is not None or variant.name == (
-        "asm 128x64w4") else (torch.float8_e4m3fn,)
-    for fp8 in fp8s:
-        fmax = torch.finfo(fp8).max
-        for s, rowwise in cases:
-            ref = (x.float() * s).clamp(-fmax, fmax).to(fp8)
-            y, y_t, amax = CV.cast_transpose(x, s, fp8, rowwise, variant)
-            where = f"{variant.name} {fp8} rowwise={rowwise} scale={s.flatten()[0].item()}"
-            diff = y.view(torch.uint8) != ref.view(torch.uint8)
-            assert not diff.any(), f"{where}: {int(diff.sum())} differ, first at {diff.nonzero()[0].tolist()}"
-            assert torch.equal(y_t.view(torch.uint8), ref.view(torch.uint8)), where
-            assert y_t.stride() == (1, 256), where
-            assert torch.isnan(amax), where  # the patterns include NaN
+    fmax = torch.finfo(fp8).max
+    for s, rowwise in cases:
+        ref = (x.float() * s).clamp(-fmax, fmax).to(fp8)
+        y, y_t, amax = launch.cast_transpose(x, s, fp8, rowwise)
+        where = f"{fp8} rowwise={rowwise} scale={s.flatten()[0].item()}"
+        diff = y.view(torch.uint8) != ref.view(torch.uint8)
+        assert not diff.any(), f"{where}: {int(diff.sum())} differ, first at {diff.nonzero()[0].tolist()}"
+        assert torch.equal(y_t.view(torch.uint8), ref.view(torch.uint8)), where
+        assert y_t.stride() == (1, 256), where
+        assert torch.isnan(amax), where  # the patterns include NaN
     xc = x.float().nan_to_num(0.0, 1e30, -1e30).to(torch.bfloat16)
-    amax = CV.cast_transpose(xc, rows, torch.float8_e4m3fn, True, variant)[2]
-    assert torch.equal(amax, xc.abs().max().float()), variant.name
-    # Ragged tiles (masks / descriptor clipping): 144 x 80 is no multiple of any variant's tile.
+    amax = launch.cast_transpose(xc, rows, fp8, True)[2]
+    assert torch.equal(amax, xc.abs().max().float())
+    # Ragged tiles (masks): 144 x 80 is no multiple of the tile.
     xr = (torch.randn(144, 80, device="cuda") * 300).to(torch.bfloat16)
-    for s, rowwise in ((torch.exp2(torch.rand(144, 1, device="cuda") * 4 - 2), True),):
-        ref = (xr.float() * s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-        y, y_t, amax = CV.cast_transpose(xr, s, torch.float8_e4m3fn, rowwise, variant)
-        assert torch.equal(y.view(torch.uint8), ref.view(torch.uint8)), f"{variant.name} ragged {rowwise}"
-        assert torch.equal(y_t.view(torch.uint8), ref.view(torch.uint8)), f"{variant.name} ragged {rowwise}"
-        assert torch.equal(amax, xr.abs().max().float()), f"{variant.name} ragged {rowwise}"
+    s = torch.exp2(torch.rand(144, 1, device="cuda") * 4 - 2)
+    ref = (xr.float() * s).clamp(-fmax, fmax).to(fp8)
+    y, y_t, amax = launch.cast_transpose(xr, s, fp8, True)
+    assert torch.equal(y.view(torch.uint8), ref.view(torch.uint8)), "ragged"
+    assert torch.equal(y_t.view(torch.uint8), ref.view(torch.uint8)), "ragged"
+    assert torch.equal(amax, xr.abs().max().float()), "ragged"

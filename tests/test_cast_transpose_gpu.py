@@ -10,7 +10,7 @@ Bits are compared as bytes, NaN included (a mismatch message prints x, z and bot
   integer rounding) — these are the corners CPU CI cannot check (Triton's interpreter rounds fp8 wrongly);
 - shapes that are not multiples of the tile (1x1, 1000x37, 33x512, ...), the benchmark shapes, tensorwise
   and rowwise scales, strided / transposed / broadcast inputs;
-- every tile configuration of the launcher table and of the benchmark's sweep, persistent or not;
+- every tile configuration of the launcher table and its candidates (SWEEP_CANDIDATES), persistent or not;
 - ``y_t`` strides ``(1, M)``; amax exact, NaN when x has a NaN; determinism over repeated runs;
 - a tensor of more than 2**31 elements (64-bit offsets), CUDA-graph capture and replay, two streams at once;
 - ``torch.compile`` of the hand-written expression under ``safeops.registered()``: one safeops op, no Inductor
@@ -172,7 +172,7 @@ def _candidate_id(candidate):
 
 @pytest.mark.parametrize("candidate", launch.SWEEP_CANDIDATES, ids=_candidate_id)
 def test_every_config_the_sweep_can_choose(candidate):
-    """Every (config, conversion) that bench/cast_transpose.py --sweep times, hence may be put in CONFIGS:
+    """Every (config, conversion) of launch.SWEEP_CANDIDATES, the candidates for CONFIGS:
     eager bits on ragged and even shapes, M % 4 == 0 (packed y_t words) and not (byte fallback), both
     scalings, amax included."""
     config, hw = candidate

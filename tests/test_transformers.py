@@ -256,3 +256,34 @@ def test_decoding_with_kv_cache_matches_full_forward(family, hf, seed, reference
     logits = torch.cat(steps, dim=1)
     keep = mask.bool()
     torch.testing.assert_close(logits[keep], full[keep], rtol=1e-4, atol=2e-5)
+
+
+def test_mask_function_under_cuda_graph_capture_matches_eager(hf, monkeypatch):
+    """While a CUDA graph is captured, some transformers 5.x releases build an explicit causal mask even
+    with no padding (they count capture as tracing), so a captured step would run another attention call
+    than the eager one. safeops' mask function returns what the eager call returns: None (is_causal) without
+    padding, the same mask with padding or a window shorter than the keys."""
+    import transformers.masking_utils as mu
+
+    import safeops.transformers as sht
+
+    def make(fn, **kw):
+        args = dict(batch_size=2, q_length=6, kv_length=6, q_offset=0, kv_offset=0,
+                    mask_function=mu.causal_mask_function, attention_mask=None, allow_is_causal_skip=True)
+        args.update(kw)
+        return fn(**args)
+
+    padding = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    window = dict(mask_function=mu.sliding_window_causal_mask_function(3), local_size=3)
+    eager = [make(mu.sdpa_mask), make(mu.sdpa_mask, attention_mask=padding), make(mu.sdpa_mask, **window)]
+    assert eager[0] is None and eager[1] is not None and eager[2] is not None
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    # The rule of the releases that count capture as tracing (5.17's _ignore_causal_mask_sdpa): never skip.
+    monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
+    assert make(mu.sdpa_mask) is not None  # the hazard this guards against
+    captured = [make(sht.capture_safe_sdpa_mask), make(sht.capture_safe_sdpa_mask, attention_mask=padding),
+                make(sht.capture_safe_sdpa_mask, **window)]
+    assert captured[0] is None
+    assert torch.equal(captured[1], eager[1]) and torch.equal(captured[2], eager[2])
+    assert make(sht.capture_safe_sdpa_mask, allow_is_causal_skip=False) is not None

@@ -1,6 +1,8 @@
-"""Triton kernel for the fused fp8 cast + transpose (``@triton.jit`` only).
+"""Triton kernels for the fused fp8 cast + transpose (``@triton.jit`` only).
 
-``safeops.ops.cast_transpose_launch`` picks tiles and grids and launches it.
+``safeops.ops.cast_transpose_launch`` picks the kernel, tiles and grids and launches them:
+``cast_transpose_bf16_kernel`` (end of this file: the same layout with the element work in inline PTX) for
+bf16 inputs on a GPU with M % 4 == 0, ``cast_transpose_kernel`` (described here) for everything else.
 
 One program walks tiles of ``x`` (shape ``(M, K)``, any strides). Each tile is read once and gives:
 
@@ -214,37 +216,20 @@ def cast_transpose_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Experimental variants (issue 6 speed work): ``cast_transpose_v2_kernel``. Not used by the launcher;
-# ``safeops.ops.cast_transpose_variants`` launches it and ``bench/cast_transpose_variants.py`` times it.
+# ``cast_transpose_bf16_kernel``: bf16 input on a GPU (the interpreter has no inline assembly), M % 4 == 0.
 #
-# Always the packed layout (M % 4 == 0): block j of a tile holds rows 4i + j, and y_t leaves as int32 words of
-# 4 codes. On top of that, three independent options:
+# The layout of ``cast_transpose_kernel`` with ``PACK`` (block j of a tile holds rows 4i + j; y_t leaves as
+# int32 words of 4 codes), with the element work in PTX on packed registers. Per 4 elements: 2 shifts/ands
+# (bf16 -> fp32), 4 ``mul.rn.f32``, 2 ``cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32`` and the NaN rule; amax as
+# ``max.u16x2`` of the bf16 magnitudes into a running tile (one instruction per 2 elements, reduced once per
+# program); y_t's words from the 4 blocks' code registers by a 4 x 4 byte transpose (8 ``prmt`` per 16
+# codes). The Triton-level element code costs ~17 SASS instructions per element (every fp8 pair unpacked to
+# int32, the NaN select on every element, a per-row max with shuffles per tile); this one ~7 (tile loop).
 #
-# - ``ASM`` (bf16 input, hardware conversion; GPU only, the interpreter has no inline assembly): the element
-#   work in PTX on packed registers. Per 4 elements: 2 shifts/ands (bf16 -> fp32), 4 ``mul.rn.f32``, 2
-#   ``cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32``, and the NaN rule (``NAN_MODE``); amax as ``max.u16x2`` of the
-#   bf16 magnitudes into a running tile (one instruction per 2 elements, reduced once per program); y_t's
-#   words from the 4 blocks' code registers by a 4 x 4 byte transpose (8 ``prmt`` per 16 codes). The
-#   Triton-level path costs ~17 SASS instructions per element (unpacking every fp8 pair to an int32, the
-#   NaN select on every element, a per-row max with shuffles per tile); this one ~7 (tile loop, sm_90).
-# - ``TMA_X``: x read through a tensor descriptor (3-D view (M / 4, 4, K) so that block j is a box), with
-#   ``NUM_STAGES`` > 1 the loop pipeline keeps the next tiles' loads in flight in shared memory;
-#   ``TMA_Y``: y stored through a descriptor of the same view, 1: one box per block, 2: the 4 blocks joined
-#   into one [BLOCK_M / 4, 4, BLOCK_K] box (fewer barriers); ``TMA_YT``: y_t's words stored through a
-#   descriptor over y_t's storage ``(K, M / 4)`` int32, the tile transposed (``tl.trans``): the copy engine
-#   writes the strided rows. Descriptors need 16-byte aligned bases and strides (the launcher checks) and
-#   clip/zero-fill at the edges themselves, so ragged tiles need no masks. Use ``TMA_X`` only with both
-#   stores through descriptors: when x comes from shared memory and a pointer store needs another register
-#   layout, Triton rematerialises the whole element chain in that layout (x re-read 2 bytes at a time, every
-#   conversion done twice).
-# - ``PREFETCH``: the next tile's x is requested (into registers) before this tile is converted.
-# - ``M_FAST``: tiles numbered with the row tile fastest (see ``_v2_coords``).
-# - ``NAN_MODE`` (with ``ASM``): what is done to the hardware code of a NaN, which must end as torch's
-#   ``0x7F | sign(z)``. 0: ``code |= 0x7F`` where z is NaN, then ``code |= sign(z)`` (exact whatever NaN code
-#   the hardware writes); 1: ``code |= sign(z)`` only (exact when the hardware writes 0x7F or 0xFF for NaN:
-#   always for e4m3, whose only NaN codes those are, since ``satfinite`` keeps NaN a NaN); 2: nothing (exact
-#   only if the hardware already copies the sign; the variant sweep checks it bit for bit).
-#   For every non-NaN z, OR-ing the sign byte is a no-op: the conversion keeps the sign (``-0`` included).
+# The NaN rule: a NaN must end as torch's code ``0x7F | sign(z)``. e4m3: ``code |= sign(z)`` suffices, since
+# ``satfinite`` keeps NaN a NaN and e4m3's only NaN codes are 0x7F and 0xFF. e5m2 has other NaN codes, so
+# first ``code |= 0x7F`` where z is NaN, then the sign. For every non-NaN z, OR-ing the sign byte is a no-op:
+# the conversion keeps the sign (``-0`` included).
 # ---------------------------------------------------------------------------------------------------------
 
 # Inline PTX, one instance per 4 elements (``pack=4``): $0 = 4 codes (bytes, element 0 lowest), $1/$2 = the
@@ -267,7 +252,7 @@ cvt.rn.satfinite.e4m3x2.f32 h1, z3, z2;
 mov.b32 $0, {h0, h1};
 """
 _CVT_E5M2 = _CVT_E4M3.replace("e4m3x2", "e5m2x2")
-# NaN -> 0x7F in its byte (NAN_MODE 0).
+# NaN -> 0x7F in its byte.
 _NAN_OR = """setp.nan.f32 p, z0, z0;
 @p or.b32 $0, $0, 0x0000007F;
 setp.nan.f32 p, z1, z1;
@@ -285,20 +270,11 @@ and.b32 t0, t0, 0x80808080;
 or.b32 $0, $0, t0;
 """
 _TAIL = "}"
-CVT_E4M3_NAN0 = tl.constexpr(_CVT_HEAD + _CVT_E4M3 + _NAN_OR + _SIGN_OR + _TAIL)
-CVT_E4M3_NAN1 = tl.constexpr(_CVT_HEAD + _CVT_E4M3 + _SIGN_OR + _TAIL)
-CVT_E4M3_NAN2 = tl.constexpr(_CVT_HEAD + _CVT_E4M3 + _TAIL)
-CVT_E5M2_NAN0 = tl.constexpr(_CVT_HEAD + _CVT_E5M2 + _NAN_OR + _SIGN_OR + _TAIL)
-CVT_E5M2_NAN1 = tl.constexpr(_CVT_HEAD + _CVT_E5M2 + _SIGN_OR + _TAIL)
-CVT_E5M2_NAN2 = tl.constexpr(_CVT_HEAD + _CVT_E5M2 + _TAIL)
-# Running max of bf16 magnitudes, 2 per register ($0 = max($1, $2 & 0x7FFF7FFF) per 16-bit half). The bf16
-# bit pattern of a magnitude orders like its value (NaN above inf), as the fp32 pattern does (= bf16 << 16).
-AMAX_U16X2 = tl.constexpr("""{
-.reg .b32 t;
-and.b32 t, $2, 0x7FFF7FFF;
-max.u16x2 $0, $1, t;
-}""")
-# The same over the 4 blocks of a tile at once: $0 = max($1, |$2|, |$3|, |$4|, |$5|) per 16-bit half.
+CVT_E4M3 = tl.constexpr(_CVT_HEAD + _CVT_E4M3 + _SIGN_OR + _TAIL)
+CVT_E5M2 = tl.constexpr(_CVT_HEAD + _CVT_E5M2 + _NAN_OR + _SIGN_OR + _TAIL)
+# Running max of bf16 magnitudes over the 4 blocks of a tile, 2 per register: $0 = max($1, |$2|, |$3|, |$4|,
+# |$5|) per 16-bit half. The bf16 bit pattern of a magnitude orders like its value (NaN above inf), as the
+# fp32 pattern does (= bf16 << 16).
 AMAX4_U16X2 = tl.constexpr("""{
 .reg .b32 t0, t1, t2, t3;
 and.b32 t0, $2, 0x7FFF7FFF;
@@ -331,60 +307,40 @@ def _cvt(asm: tl.constexpr, x, s):
 
 
 @triton.jit
-def _asm_codes(x, s, FP8: tl.constexpr, NAN_MODE: tl.constexpr):
-    """uint8 codes of int16 (bf16 bit) tile ``x`` times fp32 tile ``s`` (see the PTX above)."""
+def _bf16_codes(x, s, FP8: tl.constexpr):
+    """uint8 codes of int16 (bf16 bit) block ``x`` times fp32 block ``s`` (see the PTX above)."""
     if FP8 == 0:
-        if NAN_MODE == 0:
-            code = _cvt(CVT_E4M3_NAN0, x, s)
-        elif NAN_MODE == 1:
-            code = _cvt(CVT_E4M3_NAN1, x, s)
-        else:
-            code = _cvt(CVT_E4M3_NAN2, x, s)
+        code = _cvt(CVT_E4M3, x, s)
     else:
-        if NAN_MODE == 0:
-            code = _cvt(CVT_E5M2_NAN0, x, s)
-        elif NAN_MODE == 1:
-            code = _cvt(CVT_E5M2_NAN1, x, s)
-        else:
-            code = _cvt(CVT_E5M2_NAN2, x, s)
+        code = _cvt(CVT_E5M2, x, s)
     return code
 
 
 @triton.jit
-def _v2_load(x_ptr, x_desc, m0, k0, tm, j, live, M, K, sxm, sxk, WIDE: tl.constexpr, EVEN: tl.constexpr,
-             SUB_M: tl.constexpr, BLOCK_K: tl.constexpr, TMA_X: tl.constexpr, PREDICATED: tl.constexpr):
-    """Block j of a tile of x: rows m0 + 4i + j, columns k0.. (raw: int16 bf16 patterns or x's dtype)."""
-    if TMA_X:
-        x = tl.reshape(x_desc.load([tm * SUB_M, j, k0]), [SUB_M, BLOCK_K])
+def _bf16_load(x_ptr, m0, k0, j, M, K, sxm, sxk, WIDE: tl.constexpr, EVEN: tl.constexpr,
+               SUB_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Block j of a tile of x: rows m0 + 4i + j, columns k0.. (int16 bf16 patterns)."""
+    am = tl.arange(0, SUB_M)
+    ak = tl.arange(0, BLOCK_K)
+    if WIDE:
+        am_i = am.to(tl.int64)
+        ak_i = ak.to(tl.int64)
     else:
-        am = tl.arange(0, SUB_M)
-        ak = tl.arange(0, BLOCK_K)
-        if WIDE:
-            am_i = am.to(tl.int64)
-            ak_i = ak.to(tl.int64)
-        else:
-            am_i = am
-            ak_i = ak
-        x_off = (m0.to(tl.int64) + j) * sxm + k0.to(tl.int64) * sxk + ((am_i * 4)[:, None] * sxm
-                                                                        + ak_i[None, :] * sxk)
-        if PREDICATED:
-            live2 = (tl.zeros([SUB_M, BLOCK_K], tl.int32) + live.to(tl.int32)) != 0
-        if EVEN:
-            if PREDICATED:
-                x = tl.load(x_ptr + x_off, mask=live2, other=0)
-            else:
-                x = tl.load(x_ptr + x_off)
-        else:
-            rows = m0 + 4 * am + j
-            valid = (rows < M)[:, None] & ((k0 + ak) < K)[None, :]
-            if PREDICATED:
-                valid = valid & live2
-            x = tl.load(x_ptr + x_off, mask=valid, other=0)
+        am_i = am
+        ak_i = ak
+    x_off = (m0.to(tl.int64) + j) * sxm + k0.to(tl.int64) * sxk + ((am_i * 4)[:, None] * sxm
+                                                                    + ak_i[None, :] * sxk)
+    if EVEN:
+        x = tl.load(x_ptr + x_off)
+    else:
+        rows = m0 + 4 * am + j
+        valid = (rows < M)[:, None] & ((k0 + ak) < K)[None, :]
+        x = tl.load(x_ptr + x_off, mask=valid, other=0)
     return x
 
 
 @triton.jit
-def _v2_row_scales(scale_ptr, m0, j, M, s_scale, SUB_M: tl.constexpr, EVEN: tl.constexpr):
+def _bf16_row_scales(scale_ptr, m0, j, M, s_scale, SUB_M: tl.constexpr, EVEN: tl.constexpr):
     """The fp32 scales of block j's rows (m0 + 4i + j)."""
     rows = m0 + 4 * tl.arange(0, SUB_M) + j
     if EVEN:
@@ -394,13 +350,10 @@ def _v2_row_scales(scale_ptr, m0, j, M, s_scale, SUB_M: tl.constexpr, EVEN: tl.c
 
 
 @triton.jit
-def _v2_block(x, y_ptr, y_desc, s, acc, m0, k0, tm, j, M, K,
-              FP8: tl.constexpr, MAX_BITS: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr,
-              ROWWISE: tl.constexpr, HW_CVT: tl.constexpr, X_BF16_BITS: tl.constexpr, WIDE: tl.constexpr,
-              EVEN: tl.constexpr, SUB_M: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
-              NAN_MODE: tl.constexpr, TMA_Y: tl.constexpr):
+def _bf16_block(x, y_ptr, s, m0, k0, j, M, K, FP8: tl.constexpr, ROWWISE: tl.constexpr, WIDE: tl.constexpr,
+                EVEN: tl.constexpr, SUB_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """Block j of a tile (rows m0 + 4i + j), loaded as ``x``, scaled by ``s`` (its rows' scales, or the one
-    scale): stores its y rows, returns (codes, running max)."""
+    scale): stores its y rows, returns its codes."""
     am = tl.arange(0, SUB_M)
     ak = tl.arange(0, BLOCK_K)
     rows = m0 + 4 * am + j
@@ -408,141 +361,76 @@ def _v2_block(x, y_ptr, y_desc, s, acc, m0, k0, tm, j, M, K,
         s2 = tl.broadcast_to(s[:, None], [SUB_M, BLOCK_K])
     else:
         s2 = tl.full([SUB_M, BLOCK_K], s, tl.float32)
-    if ASM:
-        code = _asm_codes(x, s2, FP8, NAN_MODE)  # amax: the caller, over all 4 blocks at once
+    code = _bf16_codes(x, s2, FP8)
+    if WIDE:
+        am_i = am.to(tl.int64)
+        ak_i = ak.to(tl.int64)
     else:
-        if X_BF16_BITS:
-            xf = (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        else:
-            xf = x.to(tl.float32)
-        acc = tl.maximum(acc, xf.to(tl.int32, bitcast=True) & ABS_MASK)
-        code = _fp8_codes(xf * s2, FP8, MAX_BITS, MAN, BIAS, HW_CVT).to(tl.uint8)
-    if TMA_Y == 1:
-        y_desc.store([tm * SUB_M, j, k0], tl.reshape(code, [SUB_M, 1, BLOCK_K]))
-    elif TMA_Y == 2:
-        pass  # the caller stores the 4 blocks as one box
+        am_i = am
+        ak_i = ak
+    if EVEN:
+        valid = None
     else:
-        if WIDE:
-            am_i = am.to(tl.int64)
-            ak_i = ak.to(tl.int64)
-        else:
-            am_i = am
-            ak_i = ak
-        if EVEN:
-            valid = None
-        else:
-            valid = (rows < M)[:, None] & ((k0 + ak) < K)[None, :]
-        y_off = (m0.to(tl.int64) + j) * K + k0.to(tl.int64) + ((am_i * 4)[:, None] * K + ak_i[None, :])
-        tl.store(y_ptr + y_off, code, mask=valid)
-    return code, acc
+        valid = (rows < M)[:, None] & ((k0 + ak) < K)[None, :]
+    y_off = (m0.to(tl.int64) + j) * K + k0.to(tl.int64) + ((am_i * 4)[:, None] * K + ak_i[None, :])
+    tl.store(y_ptr + y_off, code, mask=valid)
+    return code
 
 
 @triton.jit
-def _v2_coords(tile, n_tiles_k, n_tiles_m, M_FAST: tl.constexpr):
-    """(row tile, column tile) of tile number ``tile``: column tiles fastest (consecutive programs read
-    consecutive x and write consecutive y), or with ``M_FAST`` row tiles fastest (consecutive programs write
-    consecutive pieces of y_t's rows)."""
-    if M_FAST:
-        return tile % n_tiles_m, tile // n_tiles_m
-    else:
-        return tile // n_tiles_k, tile % n_tiles_k
-
-
-@triton.jit
-def _v2_load_tile(x_ptr, x_desc, tile, live, n_tiles_k, n_tiles_m, M, K, sxm, sxk, WIDE: tl.constexpr,
-                  EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TMA_X: tl.constexpr,
-                  PREDICATED: tl.constexpr, M_FAST: tl.constexpr):
-    """The 4 blocks of x of tile ``tile`` (with ``PREDICATED``, loaded only where ``live``)."""
-    SUB_M: tl.constexpr = BLOCK_M // 4
-    tm, tk = _v2_coords(tile, n_tiles_k, n_tiles_m, M_FAST)
-    m0 = tm * BLOCK_M
-    k0 = tk * BLOCK_K
-    x0 = _v2_load(x_ptr, x_desc, m0, k0, tm, 0, live, M, K, sxm, sxk, WIDE, EVEN, SUB_M, BLOCK_K, TMA_X,
-                  PREDICATED)
-    x1 = _v2_load(x_ptr, x_desc, m0, k0, tm, 1, live, M, K, sxm, sxk, WIDE, EVEN, SUB_M, BLOCK_K, TMA_X,
-                  PREDICATED)
-    x2 = _v2_load(x_ptr, x_desc, m0, k0, tm, 2, live, M, K, sxm, sxk, WIDE, EVEN, SUB_M, BLOCK_K, TMA_X,
-                  PREDICATED)
-    x3 = _v2_load(x_ptr, x_desc, m0, k0, tm, 3, live, M, K, sxm, sxk, WIDE, EVEN, SUB_M, BLOCK_K, TMA_X,
-                  PREDICATED)
-    return x0, x1, x2, x3
-
-
-@triton.jit
-def _v2_tile(x0, x1, x2, x3, y_ptr, y_desc, yt_ptr, yt_desc, scale_ptr, scale, acc, m0, k0, tm, M, K, MW,
-             s_scale, FP8: tl.constexpr, MAX_BITS: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr,
-             ROWWISE: tl.constexpr, HW_CVT: tl.constexpr, X_BF16_BITS: tl.constexpr, WIDE: tl.constexpr,
-             EVEN: tl.constexpr, SUB_M: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
-             NAN_MODE: tl.constexpr, TMA_Y: tl.constexpr, TMA_YT: tl.constexpr):
+def _bf16_tile(x0, x1, x2, x3, y_ptr, yt_ptr, scale_ptr, scale, acc, m0, k0, tm, M, K, MW, s_scale,
+               FP8: tl.constexpr, ROWWISE: tl.constexpr, WIDE: tl.constexpr, EVEN: tl.constexpr,
+               SUB_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """Converts one loaded tile, stores its y and y_t, returns the running max."""
     if ROWWISE:
         # All 4 blocks' row scales first (loaded between two blocks' stores they would wait a latency each).
-        s0 = _v2_row_scales(scale_ptr, m0, 0, M, s_scale, SUB_M, EVEN)
-        s1 = _v2_row_scales(scale_ptr, m0, 1, M, s_scale, SUB_M, EVEN)
-        s2 = _v2_row_scales(scale_ptr, m0, 2, M, s_scale, SUB_M, EVEN)
-        s3 = _v2_row_scales(scale_ptr, m0, 3, M, s_scale, SUB_M, EVEN)
+        s0 = _bf16_row_scales(scale_ptr, m0, 0, M, s_scale, SUB_M, EVEN)
+        s1 = _bf16_row_scales(scale_ptr, m0, 1, M, s_scale, SUB_M, EVEN)
+        s2 = _bf16_row_scales(scale_ptr, m0, 2, M, s_scale, SUB_M, EVEN)
+        s3 = _bf16_row_scales(scale_ptr, m0, 3, M, s_scale, SUB_M, EVEN)
     else:
         s0 = scale
         s1 = scale
         s2 = scale
         s3 = scale
-    if ASM:
-        # One instruction sequence reads all 4 blocks first: it needs every load of the tile, so ptxas issues
-        # them all before any conversion (with per-block maxima it issued 2-3, converted, then issued more).
-        acc = tl.inline_asm_elementwise(AMAX4_U16X2, "=r,r,r,r,r,r", [acc, x0, x1, x2, x3], dtype=tl.int16,
-                                        is_pure=True, pack=2)
-    c0, acc = _v2_block(x0, y_ptr, y_desc, s0, acc, m0, k0, tm, 0, M, K, FP8, MAX_BITS, MAN, BIAS,
-                        ROWWISE, HW_CVT, X_BF16_BITS, WIDE, EVEN, SUB_M, BLOCK_K, ASM, NAN_MODE, TMA_Y)
-    c1, acc = _v2_block(x1, y_ptr, y_desc, s1, acc, m0, k0, tm, 1, M, K, FP8, MAX_BITS, MAN, BIAS,
-                        ROWWISE, HW_CVT, X_BF16_BITS, WIDE, EVEN, SUB_M, BLOCK_K, ASM, NAN_MODE, TMA_Y)
-    c2, acc = _v2_block(x2, y_ptr, y_desc, s2, acc, m0, k0, tm, 2, M, K, FP8, MAX_BITS, MAN, BIAS,
-                        ROWWISE, HW_CVT, X_BF16_BITS, WIDE, EVEN, SUB_M, BLOCK_K, ASM, NAN_MODE, TMA_Y)
-    c3, acc = _v2_block(x3, y_ptr, y_desc, s3, acc, m0, k0, tm, 3, M, K, FP8, MAX_BITS, MAN, BIAS,
-                        ROWWISE, HW_CVT, X_BF16_BITS, WIDE, EVEN, SUB_M, BLOCK_K, ASM, NAN_MODE, TMA_Y)
-    if TMA_Y == 2:
-        # One box for the whole tile: [i, j, k] = code of row 4i + j (join puts the new axis last, in-thread).
-        both = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # [i, k, a, b] = block 2a + b
-        y_desc.store([tm * SUB_M, 0, k0], tl.permute(tl.reshape(both, [SUB_M, BLOCK_K, 4]), (0, 2, 1)))
-    if ASM:
-        word = tl.inline_asm_elementwise(TRANSPOSE_4X4, "=r,=r,=r,=r,r,r,r,r", [c0, c1, c2, c3],
-                                         dtype=tl.int32, is_pure=False, pack=4)
+    # One instruction sequence reads all 4 blocks first: it needs every load of the tile, so ptxas issues
+    # them all before any conversion (with per-block maxima it issued 2-3, converted, then issued more).
+    acc = tl.inline_asm_elementwise(AMAX4_U16X2, "=r,r,r,r,r,r", [acc, x0, x1, x2, x3], dtype=tl.int16,
+                                    is_pure=True, pack=2)
+    c0 = _bf16_block(x0, y_ptr, s0, m0, k0, 0, M, K, FP8, ROWWISE, WIDE, EVEN, SUB_M, BLOCK_K)
+    c1 = _bf16_block(x1, y_ptr, s1, m0, k0, 1, M, K, FP8, ROWWISE, WIDE, EVEN, SUB_M, BLOCK_K)
+    c2 = _bf16_block(x2, y_ptr, s2, m0, k0, 2, M, K, FP8, ROWWISE, WIDE, EVEN, SUB_M, BLOCK_K)
+    c3 = _bf16_block(x3, y_ptr, s3, m0, k0, 3, M, K, FP8, ROWWISE, WIDE, EVEN, SUB_M, BLOCK_K)
+    word = tl.inline_asm_elementwise(TRANSPOSE_4X4, "=r,=r,=r,=r,r,r,r,r", [c0, c1, c2, c3],
+                                     dtype=tl.int32, is_pure=False, pack=4)
+    am = tl.arange(0, SUB_M)
+    ak = tl.arange(0, BLOCK_K)
+    if WIDE:
+        am_i = am.to(tl.int64)
+        ak_i = ak.to(tl.int64)
     else:
-        word = c0.to(tl.int32) | (c1.to(tl.int32) << 8) | (c2.to(tl.int32) << 16) | (c3.to(tl.int32) << 24)
-    if TMA_YT:
-        yt_desc.store([k0, tm * SUB_M], tl.trans(word))
+        am_i = am
+        ak_i = ak
+    if EVEN:
+        wvalid = None
     else:
-        am = tl.arange(0, SUB_M)
-        ak = tl.arange(0, BLOCK_K)
-        if WIDE:
-            am_i = am.to(tl.int64)
-            ak_i = ak.to(tl.int64)
-        else:
-            am_i = am
-            ak_i = ak
-        if EVEN:
-            wvalid = None
-        else:
-            wvalid = ((m0 + 4 * am) < M)[:, None] & ((k0 + ak) < K)[None, :]
-        yt_base = yt_ptr + (k0.to(tl.int64) * MW + tm.to(tl.int64) * SUB_M)
-        tl.store(yt_base + (ak_i[None, :] * MW + am_i[:, None]), word, mask=wvalid)
+        wvalid = ((m0 + 4 * am) < M)[:, None] & ((k0 + ak) < K)[None, :]
+    yt_base = yt_ptr + (k0.to(tl.int64) * MW + tm.to(tl.int64) * SUB_M)
+    tl.store(yt_base + (ak_i[None, :] * MW + am_i[:, None]), word, mask=wvalid)
     return acc
 
 
 @triton.jit
-def cast_transpose_v2_kernel(
+def cast_transpose_bf16_kernel(
     x_ptr, scale_ptr, y_ptr, yt_ptr, ws_ptr, amax_ptr,
     M, K, sxm, sxk, s_scale,
     n_tiles_k, n_tiles, MW,
-    FP8: tl.constexpr, MAX_BITS: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr,
-    ROWWISE: tl.constexpr, HW_CVT: tl.constexpr, X_BF16_BITS: tl.constexpr, WIDE: tl.constexpr,
-    EVEN: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    ASM: tl.constexpr = False, NAN_MODE: tl.constexpr = 0,
-    TMA_X: tl.constexpr = False, TMA_Y: tl.constexpr = 0, TMA_YT: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, M_FAST: tl.constexpr = False,
+    FP8: tl.constexpr, ROWWISE: tl.constexpr, WIDE: tl.constexpr, EVEN: tl.constexpr,
+    NUM_STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Same arguments and results as ``cast_transpose_kernel`` with ``PACK`` (``yt_ptr`` = int32 words
-    ``(K, M // 4)``, ``MW`` = M // 4, the same amax workspace protocol); the options are described above.
-    ``ASM`` needs bf16 ``x`` (``X_BF16_BITS``) and ``HW_CVT``; the ``TMA_*`` options need ``sxk == 1``."""
+    """Same arguments and results as ``cast_transpose_kernel`` with ``PACK`` and ``X_BF16_BITS`` (``x`` the
+    int16 view of a bf16 tensor, ``yt_ptr`` = int32 words ``(K, M // 4)``, ``MW`` = M // 4, the same amax
+    workspace protocol); the conversion is always the hardware one. GPU only (inline PTX)."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     SUB_M: tl.constexpr = BLOCK_M // 4
@@ -550,63 +438,22 @@ def cast_transpose_v2_kernel(
         scale = 1.0
     else:
         scale = tl.load(scale_ptr).to(tl.float32)
-    if TMA_X:
-        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[MW, 4, K], strides=[4 * sxm, sxm, 1],
-                                           block_shape=[SUB_M, 1, BLOCK_K])
-    else:
-        x_desc = None
-    if TMA_Y == 1:
-        y_desc = tl.make_tensor_descriptor(y_ptr, shape=[MW, 4, K], strides=[4 * K, K, 1],
-                                           block_shape=[SUB_M, 1, BLOCK_K])
-    elif TMA_Y == 2:
-        y_desc = tl.make_tensor_descriptor(y_ptr, shape=[MW, 4, K], strides=[4 * K, K, 1],
-                                           block_shape=[SUB_M, 4, BLOCK_K])
-    else:
-        y_desc = None
-    if TMA_YT:
-        yt_desc = tl.make_tensor_descriptor(yt_ptr, shape=[K, MW], strides=[MW, 1],
-                                            block_shape=[BLOCK_K, SUB_M])
-    else:
-        yt_desc = None
-    # The running max of magnitudes, elementwise over every block this program reads (reduced at the end):
-    # bf16 patterns (int16) with ASM, fp32 patterns otherwise.
-    if ASM:
-        acc = tl.zeros([SUB_M, BLOCK_K], dtype=tl.int16)
-    else:
-        acc = tl.zeros([SUB_M, BLOCK_K], dtype=tl.int32)
-    n_tiles_m = n_tiles // n_tiles_k
-    if PREFETCH:
-        # Register double buffer: the next tile's x is requested before this one is converted, so a program
-        # keeps a whole tile of loads in flight while it computes (the ``tl.range`` pipeline would stage x
-        # through shared memory and read it back 2 bytes at a time). pid < n_tiles (launcher), and past the
-        # last tile the loads are predicated off.
-        x0, x1, x2, x3 = _v2_load_tile(x_ptr, x_desc, pid, pid < n_tiles, n_tiles_k, n_tiles_m, M, K, sxm,
-                                       sxk, WIDE, EVEN, BLOCK_M, BLOCK_K, TMA_X, True, M_FAST)
+    # The running max of bf16 magnitudes (int16 patterns), elementwise over every block this program reads
+    # (reduced at the end).
+    acc = tl.zeros([SUB_M, BLOCK_K], dtype=tl.int16)
     for tile in tl.range(pid, n_tiles, n_programs, num_stages=NUM_STAGES):
-        tm, tk = _v2_coords(tile, n_tiles_k, n_tiles_m, M_FAST)
+        tm = tile // n_tiles_k
         m0 = tm * BLOCK_M
-        k0 = tk * BLOCK_K
-        if PREFETCH:
-            nxt = tile + n_programs
-            n0, n1, n2, n3 = _v2_load_tile(x_ptr, x_desc, nxt, nxt < n_tiles, n_tiles_k, n_tiles_m, M, K, sxm,
-                                           sxk, WIDE, EVEN, BLOCK_M, BLOCK_K, TMA_X, True, M_FAST)
-        else:
-            # All four blocks' loads first (stores in between could alias x, so the compiler would not
-            # hoist them): 4x the bytes in flight per thread.
-            x0, x1, x2, x3 = _v2_load_tile(x_ptr, x_desc, tile, True, n_tiles_k, n_tiles_m, M, K, sxm, sxk,
-                                           WIDE, EVEN, BLOCK_M, BLOCK_K, TMA_X, False, M_FAST)
-        acc = _v2_tile(x0, x1, x2, x3, y_ptr, y_desc, yt_ptr, yt_desc, scale_ptr, scale, acc, m0, k0, tm, M,
-                       K, MW, s_scale, FP8, MAX_BITS, MAN, BIAS, ROWWISE, HW_CVT, X_BF16_BITS, WIDE, EVEN,
-                       SUB_M, BLOCK_K, ASM, NAN_MODE, TMA_Y, TMA_YT)
-        if PREFETCH:
-            x0 = n0
-            x1 = n1
-            x2 = n2
-            x3 = n3
-    if ASM:
-        run_max = tl.max(tl.max(acc.to(tl.int32), 1), 0) << 16
-    else:
-        run_max = tl.max(tl.max(acc, 1), 0)
+        k0 = (tile % n_tiles_k) * BLOCK_K
+        # All four blocks' loads first (stores in between could alias x, so the compiler would not hoist
+        # them): 4x the bytes in flight per thread.
+        x0 = _bf16_load(x_ptr, m0, k0, 0, M, K, sxm, sxk, WIDE, EVEN, SUB_M, BLOCK_K)
+        x1 = _bf16_load(x_ptr, m0, k0, 1, M, K, sxm, sxk, WIDE, EVEN, SUB_M, BLOCK_K)
+        x2 = _bf16_load(x_ptr, m0, k0, 2, M, K, sxm, sxk, WIDE, EVEN, SUB_M, BLOCK_K)
+        x3 = _bf16_load(x_ptr, m0, k0, 3, M, K, sxm, sxk, WIDE, EVEN, SUB_M, BLOCK_K)
+        acc = _bf16_tile(x0, x1, x2, x3, y_ptr, yt_ptr, scale_ptr, scale, acc, m0, k0, tm, M, K, MW, s_scale,
+                         FP8, ROWWISE, WIDE, EVEN, SUB_M, BLOCK_K)
+    run_max = tl.max(tl.max(acc.to(tl.int32), 1), 0) << 16
     tl.atomic_max(ws_ptr, run_max, sem="relaxed")
     done = tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel")
     if done == n_programs - 1:

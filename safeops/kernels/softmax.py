@@ -6,7 +6,7 @@ Every kernel sees the input as rows: a row index maps to a memory offset through
 dimensions (sizes ``B0 x B1 x B2``, per-tensor strides), and the reduced dimension has its own stride, so
 transposed, sliced and broadcast (stride 0) tensors are read in place.
 
-Numerics (CONTRACT.md): each logit becomes ONE fp32 value ``z = fp32(x) * scale`` (excluded entries
+Numerics (docs/contract.md): each logit becomes ONE fp32 value ``z = fp32(x) * scale`` (excluded entries
 ``-inf``) that feeds both the row max and ``z - m``; the launcher compiles these kernels with
 ``enable_fp_fusion=False`` so ``x * scale - m`` is never contracted into an fma. The row max ``m`` and the
 row sum ``l = sum(exp(z - m))`` are written as separate fp32 values, and the backward recomputes
@@ -29,9 +29,9 @@ ROW_STRIDES = [f"s{t}{i}" for t in "gxodm" for i in range(3)] + ["n_rows", "B1",
 def _row_offsets(rows, B1, B2, s0, s1, s2, ALIGN: tl.constexpr, ROW_DIMS: tl.constexpr = 3):
     # ROW_DIMS: how many of the three batch dims the launcher's row view uses (the unused ones are the
     # outer ones, of size 1). One dim, the common case of rows that lie one stride apart, needs no
-    # division: a row's offset is `row * s2`. The division is 10-36% of the short-row kernels' SASS (sm_90,
-    # offline: forward 16 x 256 tile 1,304 -> 832 instructions), so this is worth a compile of its own; the
-    # offsets, and so the tile layout and every result bit, are the same either way (GPU test).
+    # division: a row's offset is `row * s2`. The division is a large share of the short-row kernels'
+    # instructions, so this is worth a compile of its own; the offsets, and so the tile layout and every
+    # result bit, are the same either way (GPU test).
     # Row indices and batch sizes fit 32 bits (the launcher checks), so the division is 32-bit, which is
     # several times cheaper than 64-bit; the offsets are 64-bit: tensors past 2**31 elements must index
     # correctly (contract section 8).
@@ -238,8 +238,7 @@ def _bwd_rows_tile(
     valid = row_ok[:, None] & (cols < n_cols)[None, :]
 
     # Every load is issued before any loaded value is used: a use stalls the in-order issue until its load
-    # lands, so loading the gradient after computing p would wait for two memory round trips, not one
-    # (about 10% at 1K bf16 columns, where a program holds one row).
+    # lands, so loading the gradient after computing p would wait for two memory round trips, not one.
     x_ptrs = _tile_ptrs(x_ptr, rows, cols, B1, B2, sx0, sx1, sx2, sxn, WIDE, XA, ROW_DIMS)
     x_raw = tl.load(x_ptrs, mask=valid, other=0.0)
     if HAS_MASK:

@@ -13,7 +13,7 @@ The direct launch uses ``CompiledKernel.run`` / ``.function`` / ``.packed_metada
 ``.launch_metadata`` and ``triton.knobs.runtime.launch_enter_hook`` / ``launch_exit_hook``, the calls
 ``JITFunction.run`` itself makes in Triton 3.4-3.6 and 3.9. Before it is used for a kernel, the argument
 list is checked once against what Triton's own binder produces; when anything there is missing or differs
-(another Triton version), every launch goes through ``JITFunction.run``, as before. The interpreter
+(another Triton version), every launch goes through ``JITFunction.run``. The interpreter
 (``TRITON_INTERPRET=1``) always launches through ``kernel[grid](...)``.
 
 Set ``safeops.ops._launch.DIRECT = False`` to launch every kernel through ``JITFunction.run``.
@@ -75,7 +75,7 @@ class KernelLaunch:
     caller's cache key: shapes, strides, dtypes, 16-byte alignment of every pointer, the options), then
     call it with the positional runtime arguments, exactly as ``kernel[grid](*args, **kwargs)``. A direct
     launch whose tensor arguments' dtypes differ from the first launch's goes through ``JITFunction.run``
-    (the guard; ~0.1 us per tensor argument on the direct path).
+    (the guard: one dtype comparison per tensor argument on the direct path).
     """
 
     __slots__ = ("kernel", "grid", "kwargs", "_tail", "_compiled", "_direct_ok", "_tensors", "_dtypes")
@@ -224,14 +224,14 @@ def ensure_tma_allocator() -> None:
 # ---------------------------------------------------------------------------------------------------
 # torch.library.custom_op wraps an op in several Python layers that run on every call, compiled graphs'
 # calls included: an Autograd kernel that builds a metadata object, re-fills default arguments and
-# re-dispatches; a backend kernel that checks the outputs for aliasing; a Dynamo-disable wrapper. On torch
-# 2.11 they cost 30-130 us per call (bench/overhead.py). ``define_op`` registers the same things through
-# torch.library.Library directly: the schema (with the tag custom_op adds), the implementation for every
-# backend (Dynamo-disabled whenever Dynamo intercepts frames, so a graph break never traces into a
-# launcher), the fake, and an Autograd
-# kernel that records an autograd.Function only when a gradient is being recorded, and otherwise calls the
-# implementation directly when nothing but a CPU/CUDA backend is left to dispatch to (fake tensors,
-# functionalization, Python modes and subclasses go on down the dispatcher as before).
+# re-dispatches; a backend kernel that checks the outputs for aliasing; a Dynamo-disable wrapper. Together
+# they cost tens of microseconds per call (bench/RESULTS.md, host overhead). ``define_op`` registers the
+# same things through torch.library.Library directly: the schema (with the tag custom_op adds), the
+# implementation for every backend (Dynamo-disabled whenever Dynamo intercepts frames, so a graph break
+# never traces into a launcher), the fake, and an Autograd kernel that records an autograd.Function only
+# when a gradient is being recorded, and otherwise calls the implementation directly when nothing but a
+# CPU/CUDA backend is left to dispatch to (fake tensors, functionalization, Python modes and subclasses go
+# on down the dispatcher as usual).
 
 _lib = torch.library.Library("safeops", "FRAGMENT")
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset

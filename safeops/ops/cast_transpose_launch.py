@@ -1,7 +1,8 @@
-"""Launcher for the fused fp8 cast + transpose kernel: tile table, grid, amax workspace.
+"""Launcher for the fused fp8 cast + transpose kernels: kernel choice, tile table, grid, amax workspace.
 
-The choice of tile depends on the shape and the input element size only; it cannot change a result (every
-output byte is computed from its own input element, and amax is a maximum, which no order changes).
+The choice of kernel and tile depends on the shape, the input dtype and the device only; it cannot change a
+result (every output byte is computed from its own input element, and amax is a maximum, which no order
+changes).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from .. import _config, reference
-from . import cast_transpose_variants as _variants
 from ._launch import KernelLaunch, check_triton_device
 
 _kernels = None
@@ -47,10 +47,11 @@ class TileConfig:
     programs_per_sm: int | None = 0
     # y_t written as int32 words of 4 codes (the kernel's PACK; used when M % 4 == 0, else bytes).
     pack: bool = True
+    maxnreg: int | None = None  # register cap for ptxas (Triton's ``maxnreg``); None: ptxas chooses
 
 
-# Chosen for the H200 from the compiled sm_90 code (scratch/fp8_sass2.py, SASS per thread); the
-# measurements come from ``bench/cast_transpose.py --sweep``.
+# Chosen for the H200 from the compiled sm_90 code (SASS per thread) and tile sweeps on the H200
+# (bench/RESULTS.md).
 # - PACK (y_t as 4-code words): the byte kernel moved y_t's bytes through shared memory one byte at a time
 #   (128x64 w8: 12 STS + 4 LDS + 32 LDS.U8 per 32 codes; 64x64 w4: 32 STS.U8 + 16 LDS.U16). With PACK and
 #   64 codes per thread (128x64 w4, 256x64 w8, 64x64 w2) Triton uses stmatrix: per thread 8 LDG.128,
@@ -64,10 +65,10 @@ CONFIGS = {
     "large": TileConfig(128, 64, 4, num_stages=1, programs_per_sm=None),
     "small": TileConfig(64, 64, 2, num_stages=1, programs_per_sm=0),
 }
-# What ``bench/cast_transpose.py --sweep`` times (and tests/test_cast_transpose_gpu.py checks bit for bit):
-# (config, hardware_convert) pairs, None = the module default. Configs with 64 codes per thread and PACK
-# (clean SASS, see above), a few others, the previous byte-transpose default as a baseline, and the integer
-# rounding on two tiles (same bits, more ALU). Any of them may go into CONFIGS.
+# Candidates for CONFIGS, which the tests run bit for bit through ``cast_transpose(config=...,
+# hardware_convert=...)`` (interpreted, and on the GPU): (config, hardware_convert) pairs, None = the module
+# default. Configs with 64 codes per thread and PACK (clean SASS, see above), a few others, the previous
+# byte-transpose default, and the integer rounding on two tiles (same bits, more ALU).
 _T = TileConfig
 SWEEP_CANDIDATES = tuple(dict.fromkeys([
     *((cfg, None) for cfg in CONFIGS.values()),
@@ -85,10 +86,11 @@ SWEEP_CANDIDATES = tuple(dict.fromkeys([
 del _T
 # The interpreter runs programs one after another in numpy: one 64 x 64 tile per program.
 INTERPRETER_CONFIG = TileConfig(64, 64, 4)
-# bf16 inputs with M % 4 == 0 on the GPU run the v2 kernel (inline-PTX element work, 80-register cap), the
-# most even variant of the H200 sweep (bench/cast_transpose_variants.py, 2026-11-29: 3.26-3.42 TB/s on the
-# four large shapes against 2.99-3.15 for the kernel below); None: always the kernel below.
-SHIPPED_VARIANT = next(v for v in _variants.VARIANTS if v.name == "asm 128x64w4 r80")
+# bf16 inputs with M % 4 == 0 on a GPU run ``cast_transpose_bf16_kernel`` (element work in inline PTX, y_t
+# as packed words) on this tile, persistent; None: the kernel above for every input. The 80-register cap:
+# uncapped, ptxas holds the tile loop at 64 registers and issues only 5 of a tile's 8 loads before
+# converting; with 80 it issues all 8 (and the scales) first (H200 measurements in bench/RESULTS.md).
+BF16_CONFIG: TileConfig | None = TileConfig(128, 64, 4, num_stages=1, programs_per_sm=None, maxnreg=80)
 
 
 def tile_config(m: int, k: int, elem_size: int) -> TileConfig:
@@ -99,6 +101,14 @@ def tile_config(m: int, k: int, elem_size: int) -> TileConfig:
 
 def _interpreted() -> bool:
     return isinstance(kernels().cast_transpose_kernel, InterpretedFunction)
+
+
+def _bf16_kernel_fits(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``cast_transpose_bf16_kernel`` computes this call: BF16_CONFIG set, a non-empty bf16 x with
+    M % 4 == 0 (packed y_t words) on a GPU with compiled kernels (inline PTX), an fp8 format."""
+    return (BF16_CONFIG is not None and x.dtype == torch.bfloat16 and x.device.type == "cuda"
+            and x.numel() > 0 and x.shape[0] % 4 == 0 and dtype in reference.FP8_FORMATS
+            and not _interpreted())
 
 
 def _check_device(x: torch.Tensor) -> None:
@@ -179,14 +189,16 @@ def _wide(m: int, k: int, sxm: int, sxk: int, cfg: TileConfig) -> bool:
 
 
 # Launch plans: everything about a launch that depends only on shapes, strides, dtypes, the device and
-# the config, computed once per key (host time per call is suspected to dominate a 4096 x 4096 call;
-# bench/cast_transpose.py --sweep prints it).
+# the config, computed once per key (host time per call matters: at 4096 x 4096 the kernel takes ~16 us
+# at the target bandwidth).
 _plans: dict = {}
 
 
 def _options_and_scalars(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool,
-                         config: TileConfig, hardware_convert: bool, pack: bool) -> tuple[dict, tuple]:
-    """The constexprs + launch options and the scalar arguments of the v1 kernel (no tensor is kept)."""
+                         config: TileConfig, hardware_convert: bool, pack: bool, bf16: bool
+                         ) -> tuple[dict, tuple]:
+    """The constexprs + launch options and the scalar arguments of a launch (no tensor is kept): of
+    ``cast_transpose_bf16_kernel`` with ``bf16``, else of ``cast_transpose_kernel``."""
     m, k = x.shape
     fmt = reference.FP8_FORMATS[dtype]
     n_tiles_k = triton.cdiv(k, config.block_k)
@@ -196,20 +208,28 @@ def _options_and_scalars(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
     sxm, sxk = x.stride()
     scalars = (m, k, sxm, sxk, scale.stride(0) if rowwise else 0, n_tiles_k, n_tiles, m // 4)
     options = dict(
-        FP8=fmt.code, MAX_BITS=fmt.max_bits, MAN=fmt.mantissa_bits, BIAS=fmt.exponent_bias,
-        ROWWISE=bool(rowwise), HW_CVT=bool(hardware_convert), X_BF16_BITS=x.dtype == torch.bfloat16,
-        WIDE=_wide(m, k, sxm, sxk, config), EVEN=(m % config.block_m == 0 and k % config.block_k == 0),
-        NUM_STAGES=config.num_stages, BLOCK_M=config.block_m, BLOCK_K=config.block_k, PACK=pack,
-        num_warps=config.num_warps, enable_fp_fusion=_config.fp_fusion,
+        FP8=fmt.code, ROWWISE=bool(rowwise), WIDE=_wide(m, k, sxm, sxk, config),
+        EVEN=(m % config.block_m == 0 and k % config.block_k == 0), NUM_STAGES=config.num_stages,
+        BLOCK_M=config.block_m, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        enable_fp_fusion=_config.fp_fusion,
     )
+    if not bf16:
+        options.update(MAX_BITS=fmt.max_bits, MAN=fmt.mantissa_bits, BIAS=fmt.exponent_bias,
+                       HW_CVT=bool(hardware_convert), X_BF16_BITS=x.dtype == torch.bfloat16, PACK=pack)
+    if config.maxnreg:
+        options["maxnreg"] = config.maxnreg
     return options, scalars
 
 
+def _kernel(bf16: bool):
+    return kernels().cast_transpose_bf16_kernel if bf16 else kernels().cast_transpose_kernel
+
+
 def _plan(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool, config: TileConfig,
-          hardware_convert: bool, pack: bool, tensors: list) -> tuple:
+          hardware_convert: bool, pack: bool, bf16: bool, tensors: list) -> tuple:
     """(scalar arguments, the launch) of one launch; the launch is made with ``(*tensors, *scalars)``."""
-    options, scalars = _options_and_scalars(x, scale, dtype, rowwise, config, hardware_convert, pack)
-    kernel = kernels().cast_transpose_kernel
+    options, scalars = _options_and_scalars(x, scale, dtype, rowwise, config, hardware_convert, pack, bf16)
+    kernel = _kernel(bf16)
     programs = min(scalars[6], _programs(kernel, [*tensors, *scalars], options, config, x.device))
     return scalars, KernelLaunch(kernel, (programs,), options)
 
@@ -221,18 +241,33 @@ def _yt_arg(y_t: torch.Tensor, pack: bool) -> torch.Tensor:
     return storage.view(torch.int32) if pack else storage
 
 
+def _choice(x: torch.Tensor, config: TileConfig | None, hardware_convert: bool | None,
+            bf16: bool) -> tuple[TileConfig, bool, bool]:
+    """(tile config, hardware conversion, packed y_t words) of a launch: BF16_CONFIG for the bf16 kernel
+    (always the hardware conversion and packed words), else the given config and conversion, the table's
+    and the module default where None."""
+    if bf16:
+        return BF16_CONFIG, True, True
+    interpreted = _interpreted()
+    if config is None:
+        config = INTERPRETER_CONFIG if interpreted else tile_config(*x.shape, x.element_size())
+    if hardware_convert is None:
+        hardware_convert = HARDWARE_CONVERT and not interpreted
+    return config, hardware_convert, config.pack and x.shape[0] % 4 == 0
+
+
 # ---------------------------------------------------------------------------------------------------
 # Routes: the default call (no config / hardware_convert given), what safeops.cast_transpose runs
 # ---------------------------------------------------------------------------------------------------
 # Per key -- x's shape, strides, dtype, device and 16-byte alignment, scale's dtype, alignment and row
 # stride, the fp8 dtype, rowwise -- the decision the general path below makes on every call (which kernel:
-# the v2 variant for bf16 with M % 4 == 0 on a GPU, else the v1 kernel with its tile table; the empty
-# and oversized cases and TMA variants: the general path itself), with that kernel's constexprs, scalar
-# arguments and launch (grid and compiled kernel kept: safeops.ops._launch). A repeated call then costs:
+# the bf16 kernel for bf16 with M % 4 == 0 on a GPU, else the other kernel with its tile table; the empty
+# and oversized cases: the general path itself), with that kernel's constexprs, scalar arguments and
+# launch (grid and compiled kernel kept: safeops.ops._launch). A repeated call then costs:
 # the key and one lookup, three output allocations, the workspace lookup, the kernel arguments' dtype
 # views and the launch. Fresh outputs and the workspace are 16-byte aligned (caching allocators); if one
 # ever is not, that call takes the general path (the compiled kernel is specialized on alignment).
-# The module settings a route depends on (SHIPPED_VARIANT, HARDWARE_CONVERT, CONFIGS, LARGE_NUMEL, ...)
+# The module settings a route depends on (BF16_CONFIG, HARDWARE_CONVERT, CONFIGS, LARGE_NUMEL, ...)
 # are compared by identity on every call, and the routes dropped when one was replaced; changing a
 # TileConfig inside CONFIGS in place is not seen: call clear_routes() after that.
 
@@ -266,9 +301,9 @@ def clear_routes() -> None:
 
 
 def _settings() -> tuple:
-    return (SHIPPED_VARIANT, HARDWARE_CONVERT, LARGE_NUMEL, CONFIGS.get("large"), CONFIGS.get("small"),
+    return (BF16_CONFIG, HARDWARE_CONVERT, LARGE_NUMEL, CONFIGS.get("large"), CONFIGS.get("small"),
             INTERPRETER_CONFIG, tile_config, _wide, _interpreted, _check_device, _config.fp_fusion,
-            _variants.unsupported, _variants._on_gpu, _kernels)  # _kernels: the routes keep its kernels
+            _bf16_kernel_fits, _kernels)  # _kernels: the routes keep its kernels
 
 
 def _new_route(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool):
@@ -277,23 +312,10 @@ def _new_route(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise
     m, k = x.shape
     if x.numel() == 0 or m >= 2**31 or k >= 2**31:
         return _GENERAL
-    interpreted = _interpreted()
-    v = SHIPPED_VARIANT
-    if not interpreted and v is not None and _variants.unsupported(v, x, dtype) is None:
-        if v.tma_x or v.tma_y or v.tma_yt:
-            return _GENERAL  # descriptors' scratch is set up per launch (the variant launcher does it)
-        options, scalars = _variants.launch_options_and_scalars(v, x, scale, dtype, rowwise)
-        kernel = _variants.kernels().cast_transpose_v2_kernel
-
-        def programs(tensors, device):
-            return _variants._programs(kernel, [*tensors, *scalars], options, v, device, scalars[6])
-
-        return _Route(kernel, options, scalars, x.dtype == torch.bfloat16, True, programs)
-    config = INTERPRETER_CONFIG if interpreted else tile_config(m, k, x.element_size())
-    hardware_convert = HARDWARE_CONVERT and not interpreted
-    pack = config.pack and m % 4 == 0
-    options, scalars = _options_and_scalars(x, scale, dtype, rowwise, config, hardware_convert, pack)
-    kernel = kernels().cast_transpose_kernel
+    bf16 = _bf16_kernel_fits(x, dtype)
+    config, hardware_convert, pack = _choice(x, config=None, hardware_convert=None, bf16=bf16)
+    options, scalars = _options_and_scalars(x, scale, dtype, rowwise, config, hardware_convert, pack, bf16)
+    kernel = _kernel(bf16)
 
     def programs(tensors, device):
         return _programs(kernel, [*tensors, *scalars], options, config, device)
@@ -348,16 +370,9 @@ def _general(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: 
         return y, y_t, amax
     if m >= 2**31 or k >= 2**31:
         raise ValueError(f"x: dimensions of 2**31 or more are not supported, got {tuple(x.shape)}")
-    interpreted = _interpreted()
-    if config is None and hardware_convert is None and not interpreted and SHIPPED_VARIANT is not None:
-        if _variants.unsupported(SHIPPED_VARIANT, x, dtype) is None:
-            return _variants.cast_transpose(x, scale, dtype, rowwise, SHIPPED_VARIANT)
+    bf16 = config is None and hardware_convert is None and _bf16_kernel_fits(x, dtype)
+    config, hardware_convert, pack = _choice(x, config, hardware_convert, bf16)
     y, y_t, amax = empty_outputs(x, dtype)
-    if config is None:
-        config = INTERPRETER_CONFIG if interpreted else tile_config(m, k, x.element_size())
-    if hardware_convert is None:
-        hardware_convert = HARDWARE_CONVERT and not interpreted
-    pack = config.pack and m % 4 == 0
     tensors = [x.view(torch.int16) if x.dtype == torch.bfloat16 else x, scale, y.view(torch.uint8),
                _yt_arg(y_t, pack), _workspace(x.device), amax.view(torch.int32)]
     # Everything else depends only on what this key holds: computed once per key, not per call. The
@@ -368,11 +383,11 @@ def _general(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: 
         if t.data_ptr() % 16 == 0:
             align |= 1 << i
     key = (x.shape, x.stride(), x.dtype, x.device, scale.dtype, scale.stride(0) if rowwise else 0, dtype,
-           rowwise, config, hardware_convert, _config.fp_fusion, _wide, align,  # _wide: tests patch it
+           rowwise, config, hardware_convert, bf16, _config.fp_fusion, _wide, align,  # _wide: tests patch it
            _kernels)  # the plan keeps its kernel
     plan = _plans.get(key)
     if plan is None:
-        plan = _plan(x, scale, dtype, rowwise, config, hardware_convert, pack, tensors)
+        plan = _plan(x, scale, dtype, rowwise, config, hardware_convert, pack, bf16, tensors)
         if len(_plans) >= 4096:
             _plans.clear()
         _plans[key] = plan

@@ -8,9 +8,8 @@ Ops (namespace ``safeops``):
 ``outs`` is the stack of partial outputs ``(P, ..., D)`` (any float dtype), ``lses`` their natural-log
 logsumexps ``(P, ...)``, fp32 (fp64 with fp64 outputs). ``out`` has the outputs' dtype, ``lse`` the lses'.
 The formulas (and why they cannot make NaN) are in ``safeops.kernels.merge`` and ``safeops.reference``.
-Like the other ops these are opaque ops (registered through ``safeops.ops._launch.define_op``, with the
-schemas ``torch.library.custom_op`` gave them before), so compiled code runs the eager launcher's exact
-kernel.
+Like the other ops these are opaque ops (registered through ``safeops.ops._launch.define_op``), so
+compiled code runs the eager launcher's exact kernel.
 """
 
 from __future__ import annotations
@@ -65,8 +64,8 @@ def _backward_fake(grad_out, grad_lse, outs, lses):
 
 
 def _merge_function(below):
-    """The autograd.Function recorded when a gradient is wanted (see ``define_op``): what the earlier
-    ``register_autograd(_backward, setup_context=_setup_context)`` did."""
+    """The autograd.Function recorded when a gradient is wanted (see ``define_op``): the forward through
+    the layers below autograd, the backward through ``merge_attention_backward``."""
 
     class Recorded_merge_attention(torch.autograd.Function):
         @staticmethod
@@ -90,9 +89,8 @@ def _merge_function(below):
 
 
 # Registered through torch.library.Library (safeops.ops._launch.define_op) rather than
-# torch.library.custom_op: the schemas custom_op inferred before, the same implementations, fakes and
-# autograd, with fewer Python layers per call. merge_attention_backward has no derivative (double backward
-# raises, as it did without a register_autograd).
+# torch.library.custom_op: the schemas custom_op would infer, with fewer Python layers per call.
+# merge_attention_backward has no derivative, so double backward raises.
 merge_attention_backward_op = define_op("merge_attention_backward",
                                         "(Tensor grad_out, Tensor? grad_lse, Tensor outs, Tensor lses) -> "
                                         "(Tensor, Tensor)", _backward_impl, _backward_fake)

@@ -66,7 +66,7 @@ def _scale_grad(grad_scale, scale_tensor, need_dscale):
     return grad_scale.to(scale_tensor.dtype).reshape(scale_tensor.shape) if need_dscale else None
 
 
-# The schemas torch.library.custom_op inferred from the type hints of the earlier definitions, unchanged.
+# The schemas torch.library.custom_op would infer from the implementations' type hints.
 FORWARD_SCHEMA = ("(Tensor x, SymInt dim, float? scale, Tensor? scale_tensor, Tensor? mask, "
                   "ScalarType? out_dtype) -> (Tensor, Tensor, Tensor)")
 BACKWARD_SCHEMA = ("(Tensor grad, Tensor x, Tensor row_max, Tensor row_sum, SymInt dim, SymInt kind, "
@@ -141,8 +141,8 @@ logsumexp_op = _make_forward_op(LOGSUMEXP)
 # ---------------------------------------------------------------------------------------------------
 # Eager fast path
 # ---------------------------------------------------------------------------------------------------
-# A call through torch.library's Python custom-op layers costs 100-300 us of host time per op on torch
-# 2.11 (bench/overhead.py), more than the kernel itself for small and medium inputs. Eager calls on plain
+# A call through torch.library's Python custom-op layers costs more host time than the kernel itself
+# takes for small and medium inputs (bench/RESULTS.md, host overhead). Eager calls on plain
 # tensors skip those layers: the same forward and backward implementations behind a plain
 # autograd.Function, so the same kernels run with the same arguments and give the same bits. Anything
 # that traces or transforms (torch.compile / export, FakeTensor, make_fx, vmap, tensor subclasses, Python

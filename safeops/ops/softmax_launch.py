@@ -36,10 +36,9 @@ def _check_device(x: torch.Tensor) -> None:
 # Longest row a single program keeps entirely in registers, by element size in bytes: the backward's limit
 # (and the forward's where ROW_RESIDENT_MAX_COLS_FWD has no larger one).
 ROW_RESIDENT_MAX_COLS = {1: 16384, 2: 16384, 4: 16384}
-# The forward holds one value per element: a 32K row fits one 32-warp program without spilling (offline
-# sm_90, Triton 3.6: 51-64 registers for every kind, scale mode and mask, bf16 and fp32; 64K spills 200-252
-# bytes). H200 bf16 32K: 3.22 against 2.49 TB/s on the split path (bench/results/softmax_sweep_32k_
-# 2026-11-30-s6.txt). The backward, holding x and grad, spills at 32K (1.83 TB/s) and keeps the 16K limit.
+# The forward holds one value per element: a 32K row fits one 32-warp program without spilling (sm_90;
+# 64K spills), and reading it once beats the split path, which reads it twice. The backward, holding x and
+# grad, spills at 32K and keeps the 16K limit. Measurements: bench/RESULTS.md (softmax).
 ROW_RESIDENT_MAX_COLS_FWD = {1: 32768, 2: 32768, 4: 32768}
 # Short rows, by element size: (smallest tile of BLOCK_M x BLOCK_N elements, elements per thread).
 ROWS_FWD = {1: (4096, 32), 2: (4096, 32), 4: (1024, 16)}
@@ -48,9 +47,9 @@ ROWS_BWD = {1: (1024, 16), 2: (1024, 16), 4: (1024, 8)}
 # ROWS_BWD_PERSIST_PER_SM programs per SM whose loop Triton pipelines over ROWS_BWD_STAGES stages. The
 # pipeline keeps ROWS_BWD_STAGES - 1 tiles of x and grad (and the mask) in shared memory: 131 KB at 16K
 # bf16 (164 KB masked), so wider blocks would not fit.
-# At 16K bf16 columns one 32-warp program fills an SM and nothing else hides its loads' latency:
-# 2.65 -> 4.1-4.2 TB/s on an H200 (bench/softmax_bwd_variants.py, 2026-11-30). fp32 rows do not fit two
-# stages in shared memory, and shorter rows measured slower persistent (92-95% of copy against 100%).
+# At 16K bf16 columns one 32-warp program fills an SM and nothing else hides its loads' latency; the
+# pipeline does. fp32 rows do not fit two stages in shared memory, and shorter rows are faster with one
+# tile per program (bench/RESULTS.md, softmax).
 ROWS_BWD_PERSIST: dict[int, tuple[int, ...]] = {1: (16384,), 2: (16384,)}
 ROWS_BWD_STAGES = 3
 ROWS_BWD_PERSIST_PER_SM = 1
@@ -97,7 +96,7 @@ class SplitConfig:
 
 def rows_config(n_cols: int, elem_size: int, col_stride_is_one: bool, backward: bool = False
                 ) -> RowsConfig | None:
-    """Whole rows per program. Tile and elements per thread come from a sweep on an H200 (bench/)."""
+    """Whole rows per program. Tile and elements per thread are tuned on an H200 (bench/softmax.py)."""
     limit = ROW_RESIDENT_MAX_COLS.get(elem_size, 8192)
     if not backward:
         limit = max(limit, ROW_RESIDENT_MAX_COLS_FWD.get(elem_size, 0))
