@@ -107,10 +107,20 @@ def gluon(q, k, v, causal, **kw):
 
 
 def triton_fwd(q, k, v, causal, scale=None):
+    """The safeops Triton forward (SAFEOPS_GLUON=0 for the call: the launcher's CUDA default is Gluon)."""
     from safeops.ops import attention_launch as L
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return L.forward(q, k, v, None, 0, None, None, q.shape[2], k.shape[2], causal, scale, None, -1, -1, 0)
+    saved = os.environ.get("SAFEOPS_GLUON")
+    os.environ["SAFEOPS_GLUON"] = "0"
+    try:
+        return L.forward(q, k, v, None, 0, None, None, q.shape[2], k.shape[2], causal, scale, None,
+                         -1, 0 if causal else -1, 0)
+    finally:
+        if saved is None:
+            del os.environ["SAFEOPS_GLUON"]
+        else:
+            os.environ["SAFEOPS_GLUON"] = saved
 
 
 def triton_bwd(g, q, k, v, o, m, l, causal):
@@ -156,8 +166,9 @@ def _warm_gluon(job):
         descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), shape,
                                       K.shared_layout(shape[2], d, dtype_name)))
     stat = torch.empty(1, 1, 256)
-    K.attn_fwd_gluon_kernel.warmup(*descs, stat, stat, 0.5, 1, 1, 1, 256, 256, 2, 2, grid=(1,),
-                                   **K.constexprs(cfg, causal), **K.LAUNCH_OPTIONS,
+    o = torch.empty(1, 1, 256, d, dtype=dtype)
+    K.attn_fwd_gluon_kernel.warmup(*descs, stat, stat, o, stat, stat, 0.5, 1, 1, 1, 256, 256, 2, 2, 0, 0,
+                                   grid=(1,), **K.constexprs(cfg, causal), **K.LAUNCH_OPTIONS,
                                    enable_fp_fusion=_config.fp_fusion)
     return job
 
@@ -503,9 +514,9 @@ def main():
     from safeops.ops import attention_gluon as G
 
     q, k, v = inputs(1, 2, 2, 128, 128, 128, torch.bfloat16)
-    ok, why = G.can_run(q, k, v)
-    say(f"Gluon path can run: {ok} {why}")
-    if not ok:
+    why = G.reason(q, k, v, None, None, False, None, -1, -1)
+    say(f"Gluon path can run: {not why} {why}")
+    if why:
         dump()
         return 1
     if not args.no_prewarm:

@@ -6,6 +6,10 @@
 - ``triton``: always the Triton kernels. CPU tensors then run under Triton's interpreter, which is how
   CI exercises the kernels without a GPU.
 - ``reference``: always the pure-torch reference (``safeops.reference``).
+
+`SAFEOPS_GLUON` (also read on every call): ``1`` (default) lets a CUDA attention forward that the Gluon
+kernel takes run it (``safeops.attention_backend`` says which path a call takes and why); ``0`` keeps
+every forward on the Triton kernels.
 """
 
 from __future__ import annotations
@@ -31,6 +35,16 @@ def backend_name() -> str:
     if name not in BACKENDS:
         raise ValueError(f"SAFEOPS_BACKEND must be one of {BACKENDS}, got {name!r}")
     return name
+
+
+def gluon_enabled() -> bool:
+    """SAFEOPS_GLUON: whether attention forwards may run the Gluon kernel (see the module docstring)."""
+    value = os.environ.get("SAFEOPS_GLUON", "1").strip().lower() or "1"
+    if value in ("1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"SAFEOPS_GLUON must be 1 (on, the default) or 0 (off), got {value!r}")
 
 
 def use_triton(x: torch.Tensor) -> bool:

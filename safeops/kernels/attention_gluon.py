@@ -17,7 +17,11 @@ Structure (one CTA per query tile of ``NUM_WG * BLOCK_M_WG`` rows, or persistent
   warpgroups take turns issuing their MMAs (an mbarrier per warpgroup), so one warpgroup's softmax runs
   while the other's MMAs use the tensor cores (FA3's inter-warpgroup overlap);
 - causal tiles are numbered longest first (inside L2-sized chunks of heads); a persistent launch walks the
-  tiles round-robin, one program per SM.
+  tiles round-robin, one program per SM;
+- ``VARLEN``: packed sequences (``attention_varlen``), the tiles of each sequence placed by cu_seqlens. A
+  tile's TMA boxes may reach into the next sequence's rows: its keys there are selected away like any
+  excluded key, its query rows are computed but never stored (O, m, l of a sequence's last tile go out by
+  masked stores), so each sequence gets the bits it gets alone in a dense call.
 
 Numerics (CONTRACT.md sections 1-4, 6), identical in meaning to ``safeops.kernels.attention``'s forward:
 
@@ -50,7 +54,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 NEG_INF = gl.constexpr(float("-inf"))
 # Values that change with the problem size are not specialised: one compiled kernel per configuration.
-SIZE_ARGS = ["n_heads", "group", "head_group", "seqlen_q", "seqlen_k", "n_m_blocks", "n_tiles"]
+SIZE_ARGS = ["n_heads", "group", "head_group", "seqlen_q", "seqlen_k", "n_m_blocks", "n_tiles",
+             "o_stride_row", "o_stride_head"]
+# Pointers read only by the varlen kernel (dense launches pass the m pointer there): no alignment
+# specialisation, so an offset cu_seqlens tensor gets the same compiled kernel.
+UNALIGNED_ARGS = ["o_ptr", "cu_q_ptr", "cu_k_ptr"]
 BLOCK_M_WG = 64  # query rows per consumer warpgroup: one m64 wgmma row block
 LOADER_REGS = gl.constexpr(24)  # registers per thread of the TMA producer warp (setmaxnreg)
 
@@ -99,24 +107,26 @@ def block_shapes(cfg: GluonFwdConfig, head_dim: int) -> dict[str, list[int]]:
     return {"q": qo, "k": kv, "v": kv, "o": qo}
 
 
-def constexprs(cfg: GluonFwdConfig, causal: bool) -> dict:
+def constexprs(cfg: GluonFwdConfig, causal: bool, varlen: bool = False) -> dict:
     """The kernel's constexpr arguments for one configuration (block shapes come with the descriptors)."""
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
-                PINGPONG=cfg.pingpong)
+                PINGPONG=cfg.pingpong, VARLEN=varlen)
 
 
 LAUNCH_OPTIONS = {"num_warps": 4}  # the default partition is one consumer warpgroup
 
 
-def signature(cfg: GluonFwdConfig, head_dim: int, dtype: str) -> dict[str, str]:
-    """The kernel's runtime argument types as Triton's compiler spells them (for offline compiles)."""
-    sig = {}
+def signature(cfg: GluonFwdConfig, head_dim: int, dtype: str, varlen: bool = False) -> dict[str, str]:
+    """The kernel's runtime argument types as Triton's compiler spells them (for offline compiles), in
+    argument order. Dense launches pass the (fp32) m pointer for the cu_seqlens pointers."""
+    types = {}
     for name, shape in block_shapes(cfg, head_dim).items():
         layout = shared_layout(shape[2], head_dim, dtype)
-        sig[f"{name}_desc"] = f"tensordesc<{_SHORT[dtype]}[{', '.join(map(str, shape))}],{layout!r}>"
-    sig.update(m_ptr="*fp32", l_ptr="*fp32", C1="fp32")
-    sig.update({name: "i32" for name in SIZE_ARGS})
-    return sig
+        types[f"{name}_desc"] = f"tensordesc<{_SHORT[dtype]}[{', '.join(map(str, shape))}],{layout!r}>"
+    cu = "*i32" if varlen else "*fp32"
+    types.update(m_ptr="*fp32", l_ptr="*fp32", o_ptr=f"*{_SHORT[dtype]}", cu_q_ptr=cu, cu_k_ptr=cu, C1="fp32")
+    types.update({name: "i32" for name in SIZE_ARGS})
+    return {name: types[name] for name in attn_fwd_gluon_kernel.arg_names if name in types}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -124,15 +134,21 @@ def signature(cfg: GluonFwdConfig, head_dim: int, dtype: str) -> dict[str, str]:
 # ------------------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _tile_coords(tile, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """(first query row, batch, query head, kv head, key blocks) of tile number ``tile``. The order changes
-    no result (each tile is computed alone), only the schedule.
+def _tile_coords(tile, sizes, cu_q_ptr, cu_k_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
+    """Where tile number ``tile`` is: (m0, bc, b, h, hk, n_blocks, q_start, k_start, rows_q, rows_k) = its
+    first query row in its sequence, the batch coordinate of its TMA boxes, its sequence, query head and kv
+    head, its key blocks, and the first row and the length of its sequence in q and in k. Dense: bc = b, the
+    sequences start at row 0 with the tensors' lengths. ``VARLEN`` (descriptors over (1, H, T, D) views of
+    the packed tensors): bc = 0, starts and lengths from cu_seqlens. The order changes no result (each tile
+    is computed alone), only the schedule.
 
     Causal: heads in chunks of ``head_group`` (whose K/V fit in L2 together); inside a chunk, query blocks
     from the last (most keys) down, the chunk's heads innermost: the longest tiles start first and the
     short ones fill the tail. Otherwise the query blocks of one head are adjacent (they share K/V in L2).
-    Query row i sees key j iff j <= i (top-left aligned, as the Triton path)."""
-    C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles = sizes
+    Query row i sees key j iff j <= i (top-left aligned within each sequence, as the Triton path)."""
+    (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
+     o_stride_head) = sizes
     n_bh = n_tiles // n_m_blocks
     if CAUSAL:
         chunk = tile // (head_group * n_m_blocks)
@@ -144,17 +160,31 @@ def _tile_coords(tile, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUS
         m_block = tile % n_m_blocks
         bh = tile // n_m_blocks
     m0 = m_block * BLOCK_M
-    hi = seqlen_k
-    if CAUSAL:
-        hi = gl.minimum(seqlen_k, m0 + BLOCK_M)
     h = bh % n_heads
-    return m0, bh // n_heads, h, h // group, gl.cdiv(hi, BLOCK_N)
+    b = bh // n_heads
+    if VARLEN:
+        q_start = gl.load(cu_q_ptr + b)
+        rows_q = gl.load(cu_q_ptr + b + 1) - q_start
+        k_start = gl.load(cu_k_ptr + b)
+        rows_k = gl.load(cu_k_ptr + b + 1) - k_start
+        bc = 0
+    else:
+        q_start = 0
+        rows_q = seqlen_q
+        k_start = 0
+        rows_k = seqlen_k
+        bc = b
+    hi = rows_k
+    if CAUSAL:
+        hi = gl.minimum(rows_k, m0 + BLOCK_M)
+    return m0, bc, b, h, h // group, gl.cdiv(hi, BLOCK_N), q_start, k_start, rows_q, rows_k
 
 
 @gluon.jit
 def _load_block(desc, bufs, ready, empty, b, hk, n0, count, NUM_STAGES: gl.constexpr):
     """Block number ``count`` of a ring: wait until its slot is free, then TMA rows n0.. of head (b, hk).
-    Rows past the sequence read as zeros (the descriptor's shape is the tensor's)."""
+    Rows past the tensor read as zeros (the descriptor's shape is the tensor's); in a packed (varlen)
+    tensor, rows past a sequence's end are the next sequence's, which the consumers select away."""
     slot = count % NUM_STAGES
     mbarrier.wait(empty.index(slot), ((count // NUM_STAGES) & 1) ^ 1)
     mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
@@ -162,31 +192,52 @@ def _load_block(desc, bufs, ready, empty, b, hk, n0, count, NUM_STAGES: gl.const
 
 
 @gluon.jit
-def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-              PINGPONG: gl.constexpr):
-    """The TMA warp: K_0, each consumer's Q rows, then K_j before V_{j-1}, the order the consumers use."""
+def _produce_tile(bufs, bc, h, hk, q_row, k_start, n_blocks, c, t, NUM_STAGES: gl.constexpr,
+                  NUM_WG: gl.constexpr):
+    """One tile's loads: K_0, each consumer's Q rows (from row ``q_row``), then K_j before V_{j-1}, the order
+    the consumers use. Returns the ring position and the Q phase after the tile."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-     v_empty, turn, m_ptr, l_ptr) = bufs
+     v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr) = bufs
+    BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    _load_block(k_desc, k_smem, k_ready, k_empty, bc, hk, k_start, c, NUM_STAGES)
+    for w in gl.static_range(NUM_WG):
+        mbarrier.wait(q_empty.index(w), (t & 1) ^ 1)
+        mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [bc, h, q_row + w * BLOCK_M_WG, 0], q_ready.index(w),
+                                        q_smem.index(w))
+    for j in range(1, n_blocks):
+        _load_block(k_desc, k_smem, k_ready, k_empty, bc, hk, k_start + j * BLOCK_N, c + j, NUM_STAGES)
+        _load_block(v_desc, v_smem, v_ready, v_empty, bc, hk, k_start + (j - 1) * BLOCK_N, c + j - 1,
+                    NUM_STAGES)
+    _load_block(v_desc, v_smem, v_ready, v_empty, bc, hk, k_start + (n_blocks - 1) * BLOCK_N,
+                c + n_blocks - 1, NUM_STAGES)
+    return c + n_blocks, t + 1
+
+
+@gluon.jit
+def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
+              PINGPONG: gl.constexpr, VARLEN: gl.constexpr):
+    """The TMA warp: every tile of this program, in order (``_produce_tile``)."""
+    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+     v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr) = bufs
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     n_tiles = sizes[7]
     c = 0  # K/V blocks loaded so far (ring position, across this program's tiles)
-    t = 0  # tiles done so far (phase of the Q barriers)
+    t = 0  # tiles loaded so far (phase of the Q barriers)
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        m0, b, h, hk, n_blocks = _tile_coords(tile, sizes, NUM_WG * BLOCK_M_WG, BLOCK_N, CAUSAL)
-        _load_block(k_desc, k_smem, k_ready, k_empty, b, hk, 0, c, NUM_STAGES)
-        for w in gl.static_range(NUM_WG):
-            mbarrier.wait(q_empty.index(w), (t & 1) ^ 1)
-            mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, h, m0 + w * BLOCK_M_WG, 0], q_ready.index(w),
-                                            q_smem.index(w))
-        for j in range(1, n_blocks):
-            _load_block(k_desc, k_smem, k_ready, k_empty, b, hk, j * BLOCK_N, c + j, NUM_STAGES)
-            _load_block(v_desc, v_smem, v_ready, v_empty, b, hk, (j - 1) * BLOCK_N, c + j - 1, NUM_STAGES)
-        _load_block(v_desc, v_smem, v_ready, v_empty, b, hk, (n_blocks - 1) * BLOCK_N, c + n_blocks - 1,
-                    NUM_STAGES)
-        c += n_blocks
-        t += 1
+        m0, bc, b, h, hk, n_blocks, q_start, k_start, rows_q, rows_k = _tile_coords(
+            tile, sizes, cu_q_ptr, cu_k_ptr, NUM_WG * BLOCK_M_WG, BLOCK_N, CAUSAL, VARLEN)
+        if VARLEN:
+            # A tile past its sequence's end loads nothing, nor does one of a sequence without keys (its
+            # consumers write the empty rows directly): the consumers skip the same tiles.
+            if m0 < rows_q:
+                if n_blocks > 0:
+                    c, t = _produce_tile(bufs, bc, h, hk, q_start + m0, k_start, n_blocks, c, t, NUM_STAGES,
+                                         NUM_WG)
+        else:
+            c, t = _produce_tile(bufs, bc, h, hk, m0, k_start, n_blocks, c, t, NUM_STAGES, NUM_WG)
 
 
 @gluon.jit
@@ -224,143 +275,223 @@ def _turn_pass(turn, w: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constex
 
 
 @gluon.jit
-def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Consumer warpgroup ``w``: rows m0 + 64 w .. m0 + 64 w + 63 of each tile."""
+def _store_rows(o_ptr, out, row0, n_rows, h, o_stride_row, o_stride_head):
+    """A masked store of ``out``'s first ``n_rows`` rows (all if more, none if <= 0) to rows row0.. of head
+    ``h`` of the packed o: a varlen tile's rows past its sequence's end belong to the next sequence, which
+    a TMA box store would overwrite."""
+    layout: gl.constexpr = out.type.layout
+    BLOCK_M: gl.constexpr = out.shape[0]
+    HEAD_DIM: gl.constexpr = out.shape[1]
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    rows = h.to(gl.int64) * o_stride_head + (row0 + offs_m).to(gl.int64) * o_stride_row
+    mask = (offs_m < n_rows)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    gl.store(o_ptr + rows[:, None] + offs_d[None, :], out, mask=mask)
+
+
+@gluon.jit
+def _store_empty_rows(o_ptr, m_ptr, l_ptr, row0, n_rows, h, total_q, o_stride_row, o_stride_head, zeros):
+    """Empty rows (a packed sequence without keys): O = 0, m = -inf, l = 0 (contract section 4) for the
+    first ``n_rows`` rows of ``zeros``'s height, from packed row ``row0`` of head ``h``."""
+    _store_rows(o_ptr, zeros, row0, n_rows, h, o_stride_row, o_stride_head)
+    BLOCK_M: gl.constexpr = zeros.shape[0]
+    row_layout: gl.constexpr = gl.SliceLayout(1, zeros.type.layout)
+    offs = gl.arange(0, BLOCK_M, layout=row_layout)
+    st = h.to(gl.int64) * total_q + row0 + offs
+    ok = offs < n_rows
+    gl.store(m_ptr + st, gl.full([BLOCK_M], NEG_INF, gl.float32, row_layout), mask=ok)
+    gl.store(l_ptr + st, gl.zeros([BLOCK_M], gl.float32, row_layout), mask=ok)
+
+
+@gluon.jit
+def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n_blocks, q_start, rows_q,
+                  rows_k, c, t, rounds, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr):
+    """Consumer warpgroup ``w``'s rows m0 + 64 w .. m0 + 64 w + 63 of one tile (n_blocks >= 1 key blocks):
+    the online softmax, then O, m and l out. Returns (c, t, rounds) after the tile."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-     v_empty, turn, m_ptr, l_ptr) = bufs
-    C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles = sizes
+     v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr) = bufs
+    (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
+     o_stride_head) = sizes
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
-    # wgmma register layouts of one warpgroup: S (64 x BLOCK_N) and O (64 x HEAD_DIM) accumulators, and P
-    # as the register A operand of the PV product.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+    s_layout: gl.constexpr = s_zero.type.layout
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    s_zero = gl.zeros([BLOCK_M_WG, BLOCK_N], gl.float32, s_layout)
-    offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    c = 0  # K/V blocks consumed so far (ring position)
-    t = 0  # tiles done (Q barrier phase)
-    rounds = 0  # MMA turns taken (pingpong barrier phase)
-    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        m0, b, h, hk, n_blocks = _tile_coords(tile, sizes, NUM_WG * BLOCK_M_WG, BLOCK_N, CAUSAL)
-        r0 = m0 + w * BLOCK_M_WG
-        offs_m = r0 + gl.arange(0, BLOCK_M_WG, layout=row_layout)
-        # Per row, the first key it does not see; a block needs the select only where it reaches past the
-        # smallest row's limit (the causal diagonal, the partial last block).
-        if CAUSAL:
-            limit = gl.minimum(offs_m + 1, seqlen_k)
-            full_end = gl.minimum(r0 + 1, seqlen_k)
-        else:
-            limit = gl.full([BLOCK_M_WG], 0, gl.int32, row_layout) + seqlen_k
-            full_end = seqlen_k
-        m_i = gl.full([BLOCK_M_WG], NEG_INF, gl.float32, row_layout)
-        l_i = gl.zeros([BLOCK_M_WG], gl.float32, row_layout)
-        o = gl.zeros([BLOCK_M_WG, HEAD_DIM], gl.float32, o_layout)
+    r0 = m0 + w * BLOCK_M_WG
+    offs_m = r0 + gl.arange(0, BLOCK_M_WG, layout=row_layout)
+    # Per row, the first key it does not see; a block needs the select only where it reaches past the
+    # smallest row's limit (the causal diagonal, the partial last block).
+    if CAUSAL:
+        limit = gl.minimum(offs_m + 1, rows_k)
+        full_end = gl.minimum(r0 + 1, rows_k)
+    else:
+        limit = gl.full([BLOCK_M_WG], 0, gl.int32, row_layout) + rows_k
+        full_end = rows_k
+    m_i = gl.full([BLOCK_M_WG], NEG_INF, gl.float32, row_layout)
+    l_i = gl.zeros([BLOCK_M_WG], gl.float32, row_layout)
+    o = gl.zeros([BLOCK_M_WG, HEAD_DIM], gl.float32, o_layout)
 
-        mbarrier.wait(q_ready.index(w), t & 1)
-        q = q_smem.index(w).reshape([BLOCK_M_WG, HEAD_DIM])
+    mbarrier.wait(q_ready.index(w), t & 1)
+    q = q_smem.index(w).reshape([BLOCK_M_WG, HEAD_DIM])
 
-        # Block 0: S_0 = Q K_0^T and its softmax.
-        slot = c % NUM_STAGES
-        mbarrier.wait(k_ready.index(slot), (c // NUM_STAGES) & 1)
+    # Block 0: S_0 = Q K_0^T and its softmax.
+    slot = c % NUM_STAGES
+    mbarrier.wait(k_ready.index(slot), (c // NUM_STAGES) & 1)
+    _turn_wait(turn, w, rounds, PINGPONG)
+    s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                      use_acc=False, is_async=True)
+    _turn_pass(turn, w, NUM_WG, PINGPONG)
+    rounds += 1
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    mbarrier.arrive(k_empty.index(slot), count=1)
+    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, 0, offs_n0, limit, C1, BLOCK_N > full_end)
+    p = gl.convert_layout(p.to(dtype), p_layout)
+
+    # Block j: issue S_j = Q K_j^T, rescale O, issue O += P_{j-1} V_{j-1}; the softmax of S_j runs while
+    # the PV product is on the tensor cores.
+    for j in range(1, n_blocks):
+        kc = c + j
+        kslot = kc % NUM_STAGES
+        vslot = (kc - 1) % NUM_STAGES
+        mbarrier.wait(k_ready.index(kslot), (kc // NUM_STAGES) & 1)
         _turn_wait(turn, w, rounds, PINGPONG)
-        s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+        s = warpgroup_mma(q, k_smem.index(kslot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
-        _turn_pass(turn, w, NUM_WG, PINGPONG)
-        rounds += 1
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        mbarrier.arrive(k_empty.index(slot), count=1)
-        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, 0, offs_n0, limit, C1, BLOCK_N > full_end)
-        p = gl.convert_layout(p.to(dtype), p_layout)
-
-        # Block j: issue S_j = Q K_j^T, rescale O, issue O += P_{j-1} V_{j-1}; the softmax of S_j runs while
-        # the PV product is on the tensor cores.
-        for j in range(1, n_blocks):
-            kc = c + j
-            kslot = kc % NUM_STAGES
-            vslot = (kc - 1) % NUM_STAGES
-            mbarrier.wait(k_ready.index(kslot), (kc // NUM_STAGES) & 1)
-            _turn_wait(turn, w, rounds, PINGPONG)
-            s = warpgroup_mma(q, k_smem.index(kslot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
-            o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
-            mbarrier.wait(v_ready.index(vslot), ((kc - 1) // NUM_STAGES) & 1)
-            o = warpgroup_mma(p, v_smem.index(vslot).reshape([BLOCK_N, HEAD_DIM]), o, is_async=True)
-            _turn_pass(turn, w, NUM_WG, PINGPONG)
-            rounds += 1
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-            mbarrier.arrive(k_empty.index(kslot), count=1)
-            n0 = j * BLOCK_N
-            p_next, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, n0, offs_n0, limit, C1,
-                                                     n0 + BLOCK_N > full_end)
-            # P_{j-1} is a register operand of the PV wgmma: keep it alive until that wgmma has retired.
-            o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
-            mbarrier.arrive(v_empty.index(vslot), count=1)
-            p = gl.convert_layout(p_next.to(dtype), p_layout)
-
-        # The last block's PV.
-        vc = c + n_blocks - 1
-        vslot = vc % NUM_STAGES
         o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
-        mbarrier.wait(v_ready.index(vslot), (vc // NUM_STAGES) & 1)
-        _turn_wait(turn, w, rounds, PINGPONG)
+        mbarrier.wait(v_ready.index(vslot), ((kc - 1) // NUM_STAGES) & 1)
         o = warpgroup_mma(p, v_smem.index(vslot).reshape([BLOCK_N, HEAD_DIM]), o, is_async=True)
         _turn_pass(turn, w, NUM_WG, PINGPONG)
         rounds += 1
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        mbarrier.arrive(k_empty.index(kslot), count=1)
+        n0 = j * BLOCK_N
+        p_next, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, n0, offs_n0, limit, C1, n0 + BLOCK_N > full_end)
+        # P_{j-1} is a register operand of the PV wgmma: keep it alive until that wgmma has retired.
         o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
         mbarrier.arrive(v_empty.index(vslot), count=1)
-        c += n_blocks
+        p = gl.convert_layout(p_next.to(dtype), p_layout)
 
-        # Empty rows (l = 0) give 0, not 0/0. O goes out through this warpgroup's Q buffer (Q is dead now)
-        # and TMA, which drops rows past the sequence.
-        l_o = gl.convert_layout(l_i, o_row_layout)
-        out = o / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-        q_smem.index(w).reshape([BLOCK_M_WG, HEAD_DIM]).store(out.to(dtype))
+    # The last block's PV.
+    vc = c + n_blocks - 1
+    vslot = vc % NUM_STAGES
+    o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
+    mbarrier.wait(v_ready.index(vslot), (vc // NUM_STAGES) & 1)
+    _turn_wait(turn, w, rounds, PINGPONG)
+    o = warpgroup_mma(p, v_smem.index(vslot).reshape([BLOCK_N, HEAD_DIM]), o, is_async=True)
+    _turn_pass(turn, w, NUM_WG, PINGPONG)
+    rounds += 1
+    o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+    mbarrier.arrive(v_empty.index(vslot), count=1)
+
+    # Empty rows (l = 0) give 0, not 0/0. O goes out through this warpgroup's Q buffer (Q is dead now)
+    # and TMA, which drops rows past the tensor; a packed sequence's last rows go out by a masked store.
+    l_o = gl.convert_layout(l_i, o_row_layout)
+    out = (o / gl.where(l_o == 0.0, 1.0, l_o)[:, None]).to(dtype)
+    if VARLEN:
+        if r0 + BLOCK_M_WG <= rows_q:
+            q_smem.index(w).reshape([BLOCK_M_WG, HEAD_DIM]).store(out)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [bc, h, q_start + r0, 0], q_smem.index(w))
+        else:
+            _store_rows(o_ptr, out, q_start + r0, rows_q - r0, h, o_stride_row, o_stride_head)
+        row_ok = offs_m < rows_q
+        st = h.to(gl.int64) * seqlen_q + q_start + offs_m  # stats (H, T): seqlen_q is T here
+    else:
+        q_smem.index(w).reshape([BLOCK_M_WG, HEAD_DIM]).store(out)
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [b, h, r0, 0], q_smem.index(w))
+        tma.async_copy_shared_to_global(o_desc, [bc, h, r0, 0], q_smem.index(w))
         row_ok = offs_m < seqlen_q
         st = (b * n_heads + h).to(gl.int64) * seqlen_q + offs_m
-        gl.store(m_ptr + st, m_i, mask=row_ok)
-        gl.store(l_ptr + st, l_i, mask=row_ok)
-        tma.store_wait(pendings=0)
-        mbarrier.arrive(q_empty.index(w), count=1)  # the producer may load the next tile's Q rows
-        t += 1
+    gl.store(m_ptr + st, m_i, mask=row_ok)
+    gl.store(l_ptr + st, l_i, mask=row_ok)
+    tma.store_wait(pendings=0)
+    mbarrier.arrive(q_empty.index(w), count=1)  # the producer may load the next tile's Q rows
+    return c + n_blocks, t + 1, rounds
+
+
+@gluon.jit
+def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+              NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr):
+    """Consumer warpgroup ``w``: rows m0 + 64 w .. m0 + 64 w + 63 of each tile of this program."""
+    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+     v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr) = bufs
+    (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
+     o_stride_head) = sizes
+    BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    # wgmma register layouts of one warpgroup: S (64 x BLOCK_N) and O (64 x HEAD_DIM) accumulators (P, the
+    # register A operand of the PV product, takes O's; see _consume_tile).
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_zero = gl.zeros([BLOCK_M_WG, BLOCK_N], gl.float32, s_layout)
+    offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    c = 0  # K/V blocks consumed so far (ring position)
+    t = 0  # tiles consumed (Q barrier phase)
+    rounds = 0  # MMA turns taken (pingpong barrier phase)
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        m0, bc, b, h, hk, n_blocks, q_start, k_start, rows_q, rows_k = _tile_coords(
+            tile, sizes, cu_q_ptr, cu_k_ptr, NUM_WG * BLOCK_M_WG, BLOCK_N, CAUSAL, VARLEN)
+        if VARLEN:
+            if m0 < rows_q:  # the producer skips the same tiles
+                if n_blocks > 0:
+                    c, t, rounds = _consume_tile(w, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n_blocks,
+                                                 q_start, rows_q, rows_k, c, t, rounds, CAUSAL, NUM_STAGES,
+                                                 NUM_WG, PINGPONG, VARLEN)
+                else:  # a sequence without keys: its rows are empty, and nothing was loaded for them
+                    _store_empty_rows(o_ptr, m_ptr, l_ptr, q_start + m0 + w * BLOCK_M_WG,
+                                      rows_q - m0 - w * BLOCK_M_WG, h, seqlen_q, o_stride_row, o_stride_head,
+                                      gl.zeros([BLOCK_M_WG, HEAD_DIM], dtype, o_layout))
+        else:
+            c, t, rounds = _consume_tile(w, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n_blocks, q_start,
+                                         rows_q, rows_k, c, t, rounds, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG,
+                                         VARLEN)
 
 
 @gluon.jit
 def _consumer0(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PINGPONG: gl.constexpr):
-    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG)
+               PINGPONG: gl.constexpr, VARLEN: gl.constexpr):
+    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN)
 
 
 @gluon.jit
 def _consumer1(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PINGPONG: gl.constexpr):
-    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG)
+               PINGPONG: gl.constexpr, VARLEN: gl.constexpr):
+    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN)
 
 
 @gluon.jit
 def _consumer2(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PINGPONG: gl.constexpr):
-    _consumer(2, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG)
+               PINGPONG: gl.constexpr, VARLEN: gl.constexpr):
+    _consumer(2, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN)
 
 
-@gluon.jit(do_not_specialize=SIZE_ARGS)
-def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, C1,
-                          n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles,
-                          CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr):
+@gluon.jit(do_not_specialize=SIZE_ARGS, do_not_specialize_on_alignment=UNALIGNED_ARGS)
+def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, C1,
+                          n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
+                          o_stride_head, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+                          NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+                          VARLEN: gl.constexpr):
     """o, m, l of the query tiles program_id(0), program_id(0) + num_programs(0), ... of ``n_tiles`` =
-    n_m_blocks x batch x heads. Descriptors are over (B, H, S, D) views of q / o ((B, Hq, Sq, D)) and
-    k / v ((B, Hkv, Sk, D)); m and l are (B, Hq, Sq) contiguous fp32; kv head = q head // group;
-    ``head_group``: heads per chunk of the causal tile order (``_tile_coords``)."""
+    n_m_blocks x batch x heads. kv head = q head // group; ``head_group``: heads per chunk of the causal
+    tile order (``_tile_coords``).
+
+    Dense: descriptors over (B, H, S, D) views of q / o ((B, Hq, Sq, D)) and k / v ((B, Hkv, Sk, D)); m and
+    l are (B, Hq, Sq) contiguous fp32; ``seqlen_q`` / ``seqlen_k`` are Sq / Sk; o_ptr, cu_q_ptr, cu_k_ptr
+    and the o strides are not read. ``VARLEN``: descriptors over (1, H, T, D) views of the packed q / o
+    ((Tq, Hq, D)) and k / v ((Tk, Hkv, D)); sequence b is rows cu_q[b]:cu_q[b+1] of q and cu_k[b]:cu_k[b+1]
+    of k / v; m and l are (Hq, Tq) contiguous and ``seqlen_q`` is Tq; o_ptr with its row and head strides
+    takes the rows a TMA box store would write past a sequence's end; ``n_m_blocks`` covers the longest
+    sequence (tiles past a sequence's end do nothing)."""
     gl.static_assert(q_desc.block_type.shape[2] == 64)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -383,17 +514,19 @@ def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, C1,
         mbarrier.init(k_empty.index(i), count=NUM_WG)
         mbarrier.init(v_empty.index(i), count=NUM_WG)
     bufs = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-            v_ready, v_empty, turn, m_ptr, l_ptr)
-    sizes = (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles)
+            v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr)
+    sizes = (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
+             o_stride_head)
+    # (The argument tuples are written out: a tuple assigned to a name turns its constexprs into tensors.)
     if NUM_WG == 2:
-        gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG)),
-                            (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG)),
-                            (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG))],
+        gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN)),
+                            (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN)),
+                            (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN))],
                            [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.static_assert(NUM_WG == 3)
-        gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG)),
-                            (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG)),
-                            (_consumer2, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG)),
-                            (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG))],
+        gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN)),
+                            (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN)),
+                            (_consumer2, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN)),
+                            (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

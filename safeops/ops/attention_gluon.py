@@ -1,19 +1,30 @@
-"""Launcher of the Gluon attention forward for Hopper (``safeops.kernels.attention_gluon``).
+"""Where an attention forward runs, and the launcher of the Gluon forward for Hopper
+(``safeops.kernels.attention_gluon``).
 
-``forward(q, k, v, causal, scale)`` returns ``(o, m, l)`` with the meaning of the Triton forward's
-(``safeops.ops.attention_launch.forward``): o in q's dtype, and per query row the base-2 row max ``m`` and
-row sum ``l`` in fp32, kept apart (contract section 3), so the Triton backward consumes them unchanged.
-``can_run(q, k, v, ...)`` says whether this path can take an input and, if not, why, in words.
+The path choice is one check, :func:`reason`: ``""`` when the Gluon kernel computes the forward, else why
+not, in words. ``safeops.ops.attention_launch.forward`` asks it once per plan (its CUDA forwards run the
+Gluon kernel where it says so, the Triton kernels elsewhere), and :func:`path` (behind
+``safeops.attention_backend``) puts the reference choice of ``safeops.ops.attention`` in front of it. The
+check reads the dtype, the head dims, the device, the options and the settings only: never the batch, the
+number of sequences, their lengths or the memory layout, so a row's kernel, and with it its bits, does not
+depend on what else is in the batch or where the tensor lies in memory (contract section 6). A layout TMA
+cannot read (an unaligned base or stride, a stride of 0, a head dim that is not innermost) is copied first.
 
-Dense layout only: q ``(B, Hq, Sq, D)``, k / v ``(B, Hkv, Sk, D)`` (GQA / MQA: kv head = q head //
-(Hq / Hkv)), any strides with a unit last stride that TMA accepts (16-byte aligned base and strides), so a
-(B, S, H, D) tensor transposed to (B, H, S, D) runs without a copy. The configuration depends on the head
-dim only (``FWD_CONFIGS``), never on batch, heads or sequence lengths: batch-invariant bits (contract
-section 6).
+:class:`Plan` is one problem signature's launch: configuration, grid, scalars, descriptor layouts and the
+compiled kernel, kept by ``attention_launch.forward``'s plan cache like the Triton path's plans; a call
+allocates o, m, l, builds the four TMA descriptors (host-side, so a CUDA-graph capture records them by
+value) and launches. It returns ``(o, m, l)`` with the Triton forward's meaning: o in q's dtype and layout,
+per query row the base-2 row max ``m`` and row sum ``l`` in fp32, kept apart (contract section 3), so the
+Triton backward consumes them unchanged.
+
+Layouts: dense q ``(B, Hq, Sq, D)``, k / v ``(B, Hkv, Sk, D)``, stats ``(B, Hq, Sq)``; packed (varlen) q
+``(Tq, Hq, D)``, k / v ``(Tk, Hkv, D)``, stats ``(Hq, Tq)``. GQA / MQA: kv head = q head // (Hq / Hkv).
+The configuration depends on the head dim only (``FWD_CONFIGS``).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -47,106 +58,245 @@ def _triton_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+# ------------------------------------------------------------------------------------------------------
+# The path choice.
+# ------------------------------------------------------------------------------------------------------
+
+@functools.cache
+def _device_reason(index: int) -> str:
+    """'' if CUDA device ``index`` can run the Gluon kernel, else why not."""
+    major, minor = torch.cuda.get_device_capability(index)
+    if (major, minor) != (9, 0):
+        return f"the Gluon kernel needs a Hopper GPU (sm_90); cuda:{index} is sm_{major}{minor}"
+    if _triton_version() != TRITON_VERSION:
+        wanted = ".".join(map(str, TRITON_VERSION))
+        return f"the Gluon kernel is written for Triton {wanted}; this is Triton {triton.__version__}"
+    return ""
+
+
+def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_causal: bool, softcap,
+           wl: int, wr: int, out_dtype: torch.dtype | None = None) -> str:
+    """``""`` if the Gluon forward computes this attention, else why not, in words. The arguments are the
+    attention op's (``wl`` / ``wr``: window sides, < 0 unbounded; ``wr`` is 0 with ``is_causal``); what
+    they are read for: q's dtype, q's and v's head dims, q's device, whether a mask / softcap / window
+    is given, and the settings (``SAFEOPS_GLUON``, a forced Triton forward configuration)."""
+    if not _config.gluon_enabled():
+        return "SAFEOPS_GLUON=0 turns the Gluon forward off"
+    from . import attention_launch
+
+    if "fwd" in attention_launch._override:
+        return "a Triton forward configuration is forced (attention_launch.config_override)"
+    if out_dtype is not None and out_dtype != q.dtype:
+        return f"the Gluon kernel writes the output in q's dtype, not {out_dtype} (fp32 partials)"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"the Gluon kernel takes bf16 or fp16, not {str(q.dtype).removeprefix('torch.')}"
+    if mask is not None:
+        return "the Gluon kernel does not take an attention mask"
+    if softcap is not None:
+        return "the Gluon kernel does not take softcap"
+    if wl >= 0 or (wr >= 0 and not is_causal):
+        return "the Gluon kernel does not take a sliding window"
+    d, dv = q.shape[-1], v.shape[-1]
+    configs = kernels().FWD_CONFIGS
+    if d not in configs:
+        return f"head dim {d}: the Gluon kernel has head dims {', '.join(map(str, sorted(configs)))}"
+    if dv != d:
+        return f"v's head dim {dv} is not q's {d}: the Gluon kernel needs them equal"
+    if q.device.type != "cuda":
+        return f"the Gluon kernel needs a CUDA device; q is on {q.device.type}"
+    return _device_reason(q.device.index)
+
+
+def describe(q: torch.Tensor, is_causal: bool, varlen: bool) -> str:
+    """What the Gluon kernel runs, in words (for a problem :func:`reason` accepts)."""
+    dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
+    major, minor = torch.cuda.get_device_capability(q.device.index)
+    what = f"{dtype} {'causal' if is_causal else 'non-causal'} D={q.shape[-1]}"
+    return f"{what}{' packed (varlen)' if varlen else ''} on sm_{major}{minor}"
+
+
+def _reference_reason(q: torch.Tensor) -> str:
+    if q.dtype == torch.float64:
+        return "float64 inputs run the float64 reference"
+    if _config.backend_name() == "reference":
+        return "SAFEOPS_BACKEND=reference"
+    return f"{q.device.type} tensors run the pure-torch reference (SAFEOPS_BACKEND=auto)"
+
+
+def path(q, k, v, mask, cu_q, is_causal: bool, softcap, wl: int, wr: int) -> tuple[str, str]:
+    """(``"reference"`` / ``"triton"`` / ``"gluon"``, why): the forward's path as the op chooses it, by the
+    same two checks (``safeops.ops.attention._runs_reference``, then :func:`reason`)."""
+    from .attention import _runs_reference
+
+    if _runs_reference(q):
+        return "reference", _reference_reason(q)
+    why = reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr)
+    if why:
+        return "triton", why
+    return "gluon", describe(q, is_causal, cu_q is not None)
+
+
+def settings() -> tuple:
+    """What the path choice and the Gluon plans depend on beyond ``attention_launch.forward``'s plan keys
+    (its plans are dropped when any of it changes)."""
+    return _config.gluon_enabled(), PERSISTENT, L2_CHUNK_BYTES, reason, Plan
+
+
+# ------------------------------------------------------------------------------------------------------
+# The launch.
+# ------------------------------------------------------------------------------------------------------
+
 @functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _tma_strides(t: torch.Tensor) -> list[int]:
-    """t's strides for a TMA descriptor: a dimension of size 1 is never stepped along, so its stride (which
-    torch leaves arbitrary) is replaced by a valid one (16 bytes)."""
-    return [s if n > 1 else 16 // t.element_size() for n, s in zip(t.shape, t.stride(), strict=True)]
+def _view4(t: torch.Tensor, varlen: bool) -> tuple[list[int], list[int]]:
+    """Shape and strides of the (B, H, S, D) view the descriptors address: the tensor's own (dense), or
+    (1, H, T, D) over a packed (T, H, D) tensor. A dimension of size 1 is never stepped along, so its
+    stride (which torch leaves arbitrary) is replaced by a valid one (16 bytes)."""
+    if varlen:
+        shape = [1, t.shape[1], t.shape[0], t.shape[2]]
+        strides = [0, t.stride(1), t.stride(0), t.stride(2)]
+    else:
+        shape, strides = list(t.shape), list(t.stride())
+    return shape, [s if n > 1 else 16 // t.element_size() for n, s in zip(shape, strides, strict=True)]
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
+def _tma_ok(t: torch.Tensor, varlen: bool) -> bool:
+    """TMA can read ``t`` in place: 16-byte aligned base, unit head-dim stride, the other strides positive
+    multiples of 16 bytes."""
     per16 = 16 // t.element_size()
-    strides = _tma_strides(t)
+    strides = _view4(t, varlen)[1]
     return t.data_ptr() % 16 == 0 and strides[-1] == 1 and all(s > 0 and s % per16 == 0 for s in strides[:-1])
 
 
-def can_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-            mask=None, softcap=None, window=None, varlen: bool = False) -> tuple[bool, str]:
-    """(True, "") if :func:`forward` can compute this attention, else (False, the reason in words)."""
-    named = [n for n, x in (("attn_mask", mask), ("softcap", softcap), ("window", window),
-                            ("varlen", varlen or None)) if x is not None]
-    if named:
-        return False, f"the Gluon forward does not support {', '.join(named)} yet"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            return False, f"{name} has {t.dim()} dims, the Gluon forward takes (B, H, S, D)"
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        return False, (f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}: the Gluon forward takes bf16 or fp16, "
-                       "all alike")
-    d = q.shape[-1]
-    if k.shape[-1] != d or v.shape[-1] != d:
-        return False, f"head dims q {d}, k {k.shape[-1]}, v {v.shape[-1]}: the Gluon forward needs them equal"
-    configs = kernels().FWD_CONFIGS
-    if d not in configs:
-        return False, f"head dim {d}: the Gluon forward has head dims {sorted(configs)}"
-    if k.shape != v.shape or k.shape[0] != q.shape[0]:
-        return False, f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match"
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        return False, f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads"
-    if q.shape[0] * q.shape[1] * triton.cdiv(q.shape[2], configs[d].block_m) >= 2**31:
-        return False, "too many query tiles for the 1-D grid"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.device.type != "cuda":
-            return False, f"{name} is on {t.device}, the Gluon forward needs CUDA tensors"
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        major, minor = torch.cuda.get_device_capability(q.device)
-        return False, f"the Gluon forward needs a Hopper GPU (sm_90), this is sm_{major}{minor}"
-    if _triton_version() != TRITON_VERSION:
-        return False, (f"the Gluon forward is written for Triton {'.'.join(map(str, TRITON_VERSION))}, "
-                       f"this is Triton {triton.__version__}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not _tma_ok(t):
-            return False, (f"{name} strides {tuple(t.stride())} or alignment do not suit TMA (unit last "
-                           "stride, 16-byte aligned base and strides)")
-    return True, ""
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous, freshly allocated (so aligned) copy: what TMA reads when it cannot read ``t``."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+class Plan:
+    """One forward's launch for every call with the shapes, strides, dtypes, 16-byte alignment, options and
+    settings of the call it was made for (``attention_launch.forward``'s plan key): what that call decided
+    once (copies, configuration, grid, scalars, kernel handle), so a repeated call only allocates o, m, l,
+    builds the descriptors and launches."""
+
+    __slots__ = ("varlen", "copy", "o_scratch", "stat_shape", "empty", "block_shapes", "layouts", "args",
+                 "launch", "templates")
+
+    def __init__(self, q, k, v, cu_q, max_q: int, max_k: int, causal: bool, scale: float | None, *,
+                 persistent: bool | None = None, config=None):
+        from ._launch import KernelLaunch
+        from .attention_launch import constants  # the Triton path's host constants: the same C1 bits
+
+        K = kernels()
+        varlen = self.varlen = cu_q is not None
+        d = q.shape[-1]
+        if varlen:
+            batch, hq, hkv = cu_q.numel() - 1, q.shape[1], k.shape[1]
+            self.stat_shape = (hq, q.shape[0])
+            rows_q, rows_k = q.shape[0], max_k  # seqlen_q: the stats' head stride (Tq); seqlen_k: unused
+        else:
+            batch, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
+            self.stat_shape = tuple(q.shape[:3])
+            rows_q, rows_k = q.shape[2], k.shape[2]
+            max_q, max_k = rows_q, rows_k
+        # No rows: nothing to compute. No keys: every row is empty (contract section 4).
+        self.empty = "rows" if q.numel() == 0 else "keys" if k.numel() == 0 or max_k == 0 else None
+        self.copy = tuple(not _tma_ok(t, varlen) for t in (q, k, v))
+        o_like = torch.empty_like(q, device="meta")  # the output's layout (q's, as the op's fake gives it)
+        self.o_scratch = not (o_like.stride(-1) == 1 and all(
+            s > 0 and s % (16 // q.element_size()) == 0 for s in _view4(o_like, varlen)[1][:-1]))
+        self.launch = self.templates = None
+        if self.empty:
+            return
+        cfg = config or K.FWD_CONFIGS[d]
+        dtype = "bfloat16" if q.dtype == torch.bfloat16 else "float16"
+        shapes = K.block_shapes(cfg, d)
+        self.block_shapes = [shapes[n] for n in ("q", "k", "v", "o")]
+        self.layouts = [K.shared_layout(s[2], d, dtype) for s in self.block_shapes]
+        n_m_blocks = triton.cdiv(max_q, cfg.block_m)
+        n_tiles = n_m_blocks * batch * hq
+        if n_tiles >= 2**31:
+            raise ValueError(f"q: {n_tiles} query tiles of {cfg.block_m} rows, more than the 2**31 - 1 the "
+                             "launch grid allows")
+        persistent = PERSISTENT if persistent is None else persistent
+        grid = (min(n_tiles, _num_sms(q.device.index)) if persistent else n_tiles,)
+        kv_bytes = 2 * max(max_k, 1) * d * k.element_size()  # one kv head's K and V, shared by a query group
+        head_group = max(1, min(batch * hq, L2_CHUNK_BYTES * (hq // hkv) // kv_bytes))
+        c1 = constants(d**-0.5 if scale is None else scale, None)[0]
+        self.args = (c1, hq, hq // hkv, head_group, rows_q, rows_k, n_m_blocks, n_tiles)
+        kwargs = dict(K.constexprs(cfg, causal, varlen), **K.LAUNCH_OPTIONS,
+                      enable_fp_fusion=_config.fp_fusion)
+        self.launch = KernelLaunch(K.attn_fwd_gluon_kernel, grid, kwargs)
+
+    def _descriptors(self, tensors) -> list:
+        """The four TMA descriptors over ``tensors`` (q, k, v, o as launched). The first call builds them
+        with TensorDescriptor's checks and keeps them without their tensors; later calls, whose tensors have
+        the same shapes, strides and alignment, copy them with the new base."""
+        if self.templates is None:
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+            descs = [TensorDescriptor(t, *_view4(t, self.varlen), block, layout) for t, block, layout
+                     in zip(tensors, self.block_shapes, self.layouts, strict=True)]
+            self.templates = [copy.copy(d) for d in descs]
+            for template in self.templates:
+                template.base = None  # a plan must not keep a call's tensors alive
+            return descs
+        descs = []
+        for template, t in zip(self.templates, tensors, strict=True):
+            desc = copy.copy(template)
+            desc.base = t
+            descs.append(desc)
+        return descs
+
+    def __call__(self, q, k, v, cu_q=None, cu_k=None):
+        o = torch.empty_like(q)
+        m = torch.empty(self.stat_shape, dtype=torch.float32, device=q.device)
+        l = torch.empty(self.stat_shape, dtype=torch.float32, device=q.device)
+        if self.empty == "rows":
+            return o, m, l
+        if self.empty == "keys":
+            return o.zero_(), m.fill_(float("-inf")), l.zero_()
+        cq, ck, cv = self.copy
+        q_ = _copy(q) if cq else q
+        k_ = _copy(k) if ck else k
+        v_ = _copy(v) if cv else v
+        o_ = torch.empty(q.shape, dtype=q.dtype, device=q.device) if self.o_scratch else o
+        q_desc, k_desc, v_desc, o_desc = self._descriptors((q_, k_, v_, o_))
+        if self.varlen:
+            self.launch(q_desc, k_desc, v_desc, o_desc, m, l, o_, cu_q, cu_k, *self.args, o_.stride(0),
+                        o_.stride(1))
+        else:
+            self.launch(q_desc, k_desc, v_desc, o_desc, m, l, o_, m, m, *self.args, 0, 0)
+        if o_ is not o:
+            o.copy_(o_)
+        return o, m, l
+
+
+_plans: dict = {}
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
             scale: float | None = None, *, persistent: bool | None = None,
             config=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(o, m, l)``: o ``(B, Hq, Sq, D)`` in q's dtype and layout, m and l ``(B, Hq, Sq)`` fp32 (base 2).
+    """``(o, m, l)`` of dense attention through the Gluon kernel: o ``(B, Hq, Sq, D)`` in q's dtype and
+    layout, m and l ``(B, Hq, Sq)`` fp32 (base 2). For benchmarks and tests (``safeops.attention`` gets
+    here through ``attention_launch.forward``).
 
     ``scale`` defaults to 1 / sqrt(D); ``causal`` is top-left aligned (query i sees keys j <= i), as in the
     Triton path. ``persistent`` / ``config`` (a ``GluonFwdConfig``) are benchmark knobs. Raises ValueError
-    with :func:`can_run`'s reason for an input this path cannot take."""
-    ok, why = can_run(q, k, v, causal=causal)
-    if not ok:
+    with :func:`reason`'s answer for an input this path does not take."""
+    why = reason(q, k, v, None, None, causal, None, -1, 0 if causal else -1)
+    if why:
         raise ValueError(why)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from .attention_launch import constants  # the Triton path's host constants: the same C1 bits
-
-    K = kernels()
-    batch, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    scale = d**-0.5 if scale is None else scale
-    o = torch.empty_like(q)  # q's layout: a transposed (B, S, H, D) q gives a transposed o
-    m = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
-    l = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device)
-    if q.numel() == 0:
-        return o, m, l
-    if sk == 0:  # no keys: every row is empty (contract section 4)
-        return o.zero_(), m.fill_(float("-inf")), l.zero_()
-    cfg = config or K.FWD_CONFIGS[d]
-    dtype = "bfloat16" if q.dtype == torch.bfloat16 else "float16"
-    descs = []
-    for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
-        shape = K.block_shapes(cfg, d)[name]
-        layout = K.shared_layout(shape[2], d, dtype)
-        descs.append(TensorDescriptor(t, list(t.shape), _tma_strides(t), shape, layout))
-    n_m_blocks = triton.cdiv(sq, cfg.block_m)
-    n_tiles = n_m_blocks * batch * hq
-    persistent = PERSISTENT if persistent is None else persistent
-    grid = (min(n_tiles, _num_sms(q.device.index)) if persistent else n_tiles,)
-    kv_bytes = 2 * sk * d * k.element_size()  # one kv head's K and V, shared by hq // hkv query heads
-    head_group = max(1, min(batch * hq, L2_CHUNK_BYTES * (hq // hkv) // kv_bytes))
-    c1 = constants(scale, None)[0]
-    with torch.cuda.device(q.device):
-        K.attn_fwd_gluon_kernel[grid](
-            *descs, m, l, c1, hq, hq // hkv, head_group, sq, sk, n_m_blocks, n_tiles,
-            **K.constexprs(cfg, causal), **K.LAUNCH_OPTIONS, enable_fp_fusion=_config.fp_fusion)
-    return o, m, l
+    key = tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16, t.device) for t in (q, k, v)) + (
+        causal, scale, persistent, config, settings(), _config.fp_fusion)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= 256:
+            _plans.clear()
+        plan = _plans[key] = Plan(q, k, v, None, q.shape[2], k.shape[2], causal, scale, persistent=persistent,
+                                  config=config)
+    return plan(q, k, v)
