@@ -2,7 +2,8 @@
 that the compiler cannot break, plus a fused fp8 cast + transpose.
 
 Public API: :func:`softmax`, :func:`log_softmax`, :func:`logsumexp`, :func:`attention`,
-:func:`attention_varlen`, :func:`merge_attention`, :func:`cast_transpose`; :func:`register`,
+:func:`attention_varlen`, :func:`attention_backend` (which kernel an attention call runs, and why),
+:func:`merge_attention`, :func:`cast_transpose`; :func:`register`,
 :func:`unregister`, :func:`registered`, :func:`is_registered` for ``torch.compile`` (and
 ``backend="safeops"``). For existing models: :mod:`safeops.nn` (drop-in modules), :func:`replace_modules` /
 :func:`restore_modules`, :func:`patched` (eager patching) and ``import safeops.transformers``
@@ -16,6 +17,7 @@ from . import ops as _ops  # noqa: E402,F401  (registers the torch.library ops)
 from .compile import is_registered, register, registered, unregister  # noqa: E402
 from .functional import (  # noqa: E402
     attention,
+    attention_backend,
     attention_varlen,
     cast_transpose,
     log_softmax,
@@ -27,7 +29,7 @@ from .patching import patched  # noqa: E402
 from .replace import replace_modules, restore_modules  # noqa: E402
 
 __all__ = [
-    "softmax", "log_softmax", "logsumexp", "attention", "attention_varlen",
+    "softmax", "log_softmax", "logsumexp", "attention", "attention_varlen", "attention_backend",
     "cast_transpose", "merge_attention",
     "register", "unregister", "registered", "is_registered",
     "nn", "replace_modules", "restore_modules", "patched",

@@ -9,6 +9,7 @@ import torch
 
 from . import dtensor as _dtensor
 from .ops import attention as _ops_attention
+from .ops import attention_gluon as _ops_attention_path
 from .ops import cast_transpose as _ops_cast
 from .ops import merge as _ops_merge
 from .ops import softmax as _ops
@@ -306,7 +307,7 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, softcap=N
     return _finish(out, row_max, row_sum, return_lse)
 
 
-def _check_cu_seqlens(name: str, cu, total: int, device, max_seqlen, max_name: str) -> tuple[int, int]:
+def _check_cu_tensor(name: str, cu, device) -> None:
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -315,6 +316,10 @@ def _check_cu_seqlens(name: str, cu, total: int, device, max_seqlen, max_name: s
         raise ValueError(f"{name} must be 1-D with batch + 1 entries, got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+
+
+def _check_cu_seqlens(name: str, cu, total: int, device, max_seqlen, max_name: str) -> tuple[int, int]:
+    _check_cu_tensor(name, cu, device)
     values = cu.tolist()  # one device sync: bad offsets would read out of bounds in the kernel
     if values[0] != 0 or values[-1] != total:
         raise ValueError(f"{name} must start at 0 and end at the packed length {total}, got "
@@ -360,6 +365,52 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     out, row_max, row_sum = _ops_attention.forward(
         q, k, v, None, 0, cu_seqlens_q, cu_seqlens_k, sq, sk, is_causal, scale, softcap, left, right, code)
     return _finish(out, row_max, row_sum, return_lse)
+
+
+def attention_backend(q, k, v, *, attn_mask=None, is_causal=False, scale=None, softcap=None, window=None,
+                      return_lse=False, precision=None, cu_seqlens_q=None, cu_seqlens_k=None
+                      ) -> tuple[str, str]:
+    """Which kernel runs the forward of ``safeops.attention(q, k, v, **options)`` (with ``cu_seqlens_q`` and
+    ``cu_seqlens_k``: of ``safeops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)``), and
+    why: ``(path, reason)``, the path one of
+
+    - ``"gluon"``: the warp-specialized Hopper kernel (CUDA, sm_90, bf16 / fp16, head dim 64, 128 or 256,
+      causal or not, GQA / MQA, dense or packed; no mask, softcap or window), e.g.
+      ``("gluon", "bf16 causal D=128 on sm_90")``;
+    - ``"triton"``: the Triton kernels, e.g.
+      ``("triton", "the Gluon kernel does not take an attention mask")``;
+    - ``"reference"``: the pure-torch reference (fp64 inputs, CPU tensors, ``SAFEOPS_BACKEND=reference``).
+
+    The forward asks the same check. Its answer depends on the dtype, the head dims, the device, the
+    options and the settings (``SAFEOPS_BACKEND``, ``SAFEOPS_GLUON=0`` turns the Gluon path off), never on
+    the batch size, the number or lengths of the sequences or the memory layout: a row's kernel, and so its
+    bits, does not change with what else is in the batch. The backward runs the Triton kernels whatever
+    the forward ran (the reference on the reference path). The arguments are checked as ``attention`` /
+    ``attention_varlen`` check them (the same errors); nothing is computed and the device is not
+    synchronized.
+    """
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        _check_qkv(q, k, v, 4, "(B, H, S, D)")
+        if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+            raise ValueError(f"q, k and v must have the same batch size, got {q.shape[0]}, {k.shape[0]}, "
+                             f"{v.shape[0]}")
+        mask = _attention_mask(attn_mask, q, k.shape[2])[0]
+    else:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("pass both cu_seqlens_q and cu_seqlens_k (a packed batch, attention_varlen's "
+                             "layout) or neither")
+        if attn_mask is not None:
+            raise ValueError("attention_varlen takes no attn_mask")
+        _check_qkv(q, k, v, 3, "(total, H, D)")
+        _check_cu_tensor("cu_seqlens_q", cu_seqlens_q, q.device)
+        _check_cu_tensor("cu_seqlens_k", cu_seqlens_k, q.device)
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.numel()} entries but cu_seqlens_k has "
+                             f"{cu_seqlens_k.numel()}: one batch size")
+        mask = None
+    _, softcap, left, right, _ = _attention_options(q, scale, softcap, window, is_causal, return_lse,
+                                                    precision)
+    return _ops_attention_path.path(q, k, v, mask, cu_seqlens_q, is_causal, softcap, left, right)
 
 
 # --------------------------------------------------------------------------------------------------

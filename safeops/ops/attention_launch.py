@@ -24,6 +24,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from .. import _config, reference
+from . import attention_gluon as _gluon
 from ._launch import KernelLaunch, check_triton_device, ensure_tma_allocator, launch
 
 _kernels = None
@@ -491,8 +492,9 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
 # A later call allocates the outputs as the general path does (same shapes, strides, dtypes) and launches
 # with the same arguments, so the kernels and their bits are the same (a plan with TMA loads sets Triton's
 # per-thread scratch allocator first, as the general path does). Layouts the plan does not cover (inputs
-# that need a copy to unit head-dim stride, empty tensors) run the general path on every call. Editing a
-# config table in place is not seen: call ``clear_plans()`` after that.
+# that need a copy to unit head-dim stride, empty tensors) run the general path on every call. A forward
+# the Gluon kernel takes (``attention_gluon.reason``) is kept as an ``attention_gluon.Plan`` instead. Editing
+# a config table in place is not seen: call ``clear_plans()`` after that.
 
 _GENERAL = "general"
 _PLANS_MAX = 1024
@@ -512,7 +514,7 @@ def _settings() -> tuple:
     return (kernels, _kernels, _config.fp_fusion, tuple(_override.items()), DKDV_SPLIT_MAX_BYTES,
             SPLIT_SUM_BLOCK_R, SPLIT_SUM_WARPS, BACKWARD_HEAD_GROUP, INTERPRETER_CONFIG,
             config, dkdv_split, DKDV_HEADS_PER_PROGRAM, _gpu, _check_device, _use_tma, launch, FWD_CONFIGS,
-            DKDV_CONFIGS, DQ_CONFIGS, MASK_CONFIGS, FP32_FWD, FP32_BWD)
+            DKDV_CONFIGS, DQ_CONFIGS, MASK_CONFIGS, FP32_FWD, FP32_BWD, _gluon.settings())
 
 
 def _tables() -> tuple[dict, dict]:
@@ -602,6 +604,12 @@ def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale
            _sig(cu_q), _sig(cu_k), max_q, max_k, is_causal, scale, softcap, wl, wr, precision, out_dtype)
     plan = plans.get(key)
     if plan is None:
+        # The path choice (safeops.attention_backend reports it): the Gluon kernel where it takes the forward.
+        if not _gluon.reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, out_dtype):
+            if len(plans) >= _PLANS_MAX:
+                plans.clear()
+            plan = plans[key] = _gluon.Plan(q, k, v, cu_q, max_q, max_k, is_causal, scale)
+            return plan(q, k, v, cu_q, cu_k)
         record: list = []
         result = _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale,
                                   softcap, wl, wr, precision, out_dtype=out_dtype, record=record)
@@ -612,6 +620,8 @@ def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale
     if plan is _GENERAL:
         return _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale, softcap,
                                 wl, wr, precision, out_dtype=out_dtype)
+    if plan.__class__ is _gluon.Plan:
+        return plan(q, k, v, cu_q, cu_k)
     device = q.device
     if plan.out_like_q:
         out = torch.empty_like(q)
