@@ -149,30 +149,6 @@ CHECK_CONFIGS = [(dt, d, c) for dt in ("bfloat16", "float16") for d in (64, 128,
 SCHEDULE_CONFIGS = [(64, False), (64, True), (128, False), (128, True)]
 
 
-def _warm_gluon(job):
-    """(in a spawned worker) Compile one Gluon configuration through the JIT's own warmup: CPU tensors stand
-    in for the CUDA ones (the specialization reads dtypes, block shapes and alignment only)."""
-    dtype_name, d, causal, changes = job
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from safeops import _config
-    from safeops.kernels import attention_gluon as K
-
-    dtype = getattr(torch, dtype_name)
-    cfg = dataclasses.replace(K.FWD_CONFIGS[d], **changes)
-    descs = []
-    for shape in K.block_shapes(cfg, d).values():
-        t = torch.empty(1, 1, 256, d, dtype=dtype)
-        descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), shape,
-                                      K.shared_layout(shape[2], d, dtype_name)))
-    stat = torch.empty(1, 1, 256)
-    o = torch.empty(1, 1, 256, d, dtype=dtype)
-    K.attn_fwd_gluon_kernel.warmup(*descs, stat, stat, o, stat, stat, 0.5, 1, 1, 1, 256, 256, 2, 2, 0, 0,
-                                   grid=(1,), **K.constexprs(cfg, causal), **K.LAUNCH_OPTIONS,
-                                   enable_fp_fusion=_config.fp_fusion)
-    return job
-
-
 def _triton_launches(quick):
     """The safeops Triton kernels this script launches, recorded on meta tensors (no GPU work)."""
     import json
@@ -200,10 +176,9 @@ def _triton_launches(quick):
 
 
 def prewarm(quick, variants):
-    import multiprocessing
     import threading
-    from concurrent.futures import ProcessPoolExecutor
 
+    from safeops.ops import attention_gluon as G
     from safeops.ops import attention_launch as L
 
     t0 = time.time()
@@ -219,23 +194,18 @@ def prewarm(quick, variants):
 
     thread = threading.Thread(target=triton_side)
     thread.start()
-    jobs = [(dt, d, c, {}) for dt, d, c in CHECK_CONFIGS]
-    jobs += [("bfloat16", d, c, {"pingpong": False}) for d, c in (SCHEDULE_CONFIGS[2:] if quick else
-                                                                 SCHEDULE_CONFIGS)]
+    jobs = [(dt, d, c, False, {}) for dt, d, c in CHECK_CONFIGS]
+    jobs += [("bfloat16", d, c, False, {"pingpong": False}) for d, c in (SCHEDULE_CONFIGS[2:] if quick else
+                                                                        SCHEDULE_CONFIGS)]
     if variants:
-        jobs += [("bfloat16", d, c, changes) for by_d in VARIANTS.values() for d, changes in by_d.items()
-                 for c in (False, True) if ("bfloat16", d, c, changes) not in jobs]
-    done, failed = 0, []
+        jobs += [("bfloat16", d, c, False, changes) for by_d in VARIANTS.values()
+                 for d, changes in by_d.items() for c in (False, True)
+                 if ("bfloat16", d, c, False, changes) not in jobs]
     try:
-        with ProcessPoolExecutor(6, mp_context=multiprocessing.get_context("spawn")) as pool:
-            for job, fut in [(j, pool.submit(_warm_gluon, j)) for j in jobs]:
-                try:
-                    fut.result()
-                    done += 1
-                except Exception as e:  # noqa: BLE001 - the launch compiles (and reports) it again
-                    failed.append(f"{job}: {type(e).__name__}: {str(e)[:300]}")
-    except Exception as e:  # noqa: BLE001
-        failed.append(f"pool: {type(e).__name__}: {str(e)[:300]}")
+        failed = G.warm_cache(jobs, workers=6)
+    except Exception as e:  # noqa: BLE001 - the launches compile on first use instead
+        failed = [f"pool: {type(e).__name__}: {str(e)[:300]}"]
+    done = len(jobs) - len(failed)
     thread.join()
     say(f"prewarm ({time.time() - t0:.0f} s): {done}/{len(jobs)} Gluon configurations, "
         f"{result.get('triton')}")

@@ -1,4 +1,6 @@
-"""GPU-only tests of safeops.attention / attention_varlen: the compiled Triton kernels on CUDA.
+"""GPU-only tests of safeops.attention / attention_varlen: the compiled kernels on CUDA, with the shipped
+path choice (on an sm_90 GPU the forwards the Gluon kernel takes run it, the rest and every backward run the
+Triton kernels; tests/test_attention_gluon_gpu.py tests the Gluon forward itself).
 
 Skipped without a CUDA device. What CPU CI cannot check (the interpreter ignores ``enable_fp_fusion``, has
 no bf16 math and runs tiny blocks):
@@ -56,6 +58,7 @@ def rng():
 @pytest.fixture(autouse=True)
 def _shipped_settings(monkeypatch):
     monkeypatch.setenv("SAFEOPS_BACKEND", "auto")
+    monkeypatch.delenv("SAFEOPS_GLUON", raising=False)
     assert _config.fp_fusion is False, "safeops._config.fp_fusion must be False (the shipped setting)"
 
 
@@ -384,8 +387,11 @@ EVEN_CASES = {
 def test_even_same_bits(d, case, rng, monkeypatch):
     """Whole blocks (the shipped configs at S=1024): the launcher compiles the EVEN kernels (no bounds masks,
     no partial-last-block loop; forward, dk/dv, dq), and they give the bits of the generic kernels
-    (``_even`` forced False): out, lse, dq, dk, dv."""
+    (``_even`` forced False): out, lse, dq, dk, dv. The Triton forward is the one under test, so the Gluon
+    path is off here (it would take the forwards without a mask or window)."""
     from safeops.ops import attention_launch as L
+
+    monkeypatch.setenv("SAFEOPS_GLUON", "0")
 
     options = dict(EVEN_CASES[case])
     group = options.pop("group", 1)

@@ -63,11 +63,18 @@ def _triton_version() -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------------------
 
 @functools.cache
-def _device_reason(index: int) -> str:
-    """'' if CUDA device ``index`` can run the Gluon kernel, else why not."""
+def _arch(index: int) -> str:
     major, minor = torch.cuda.get_device_capability(index)
-    if (major, minor) != (9, 0):
-        return f"the Gluon kernel needs a Hopper GPU (sm_90); cuda:{index} is sm_{major}{minor}"
+    return f"sm_{major}{minor}"
+
+
+def device_reason(device: torch.device) -> str:
+    """'' if the Gluon kernel runs on ``device``, else why not."""
+    if device.type != "cuda":
+        return f"the Gluon kernel needs a CUDA device; q is on {device.type}"
+    arch = _arch(device.index)
+    if arch != "sm_90":
+        return f"the Gluon kernel needs a Hopper GPU (sm_90); {device} is {arch}"
     if _triton_version() != TRITON_VERSION:
         wanted = ".".join(map(str, TRITON_VERSION))
         return f"the Gluon kernel is written for Triton {wanted}; this is Triton {triton.__version__}"
@@ -102,17 +109,14 @@ def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_cau
         return f"head dim {d}: the Gluon kernel has head dims {', '.join(map(str, sorted(configs)))}"
     if dv != d:
         return f"v's head dim {dv} is not q's {d}: the Gluon kernel needs them equal"
-    if q.device.type != "cuda":
-        return f"the Gluon kernel needs a CUDA device; q is on {q.device.type}"
-    return _device_reason(q.device.index)
+    return device_reason(q.device)
 
 
 def describe(q: torch.Tensor, is_causal: bool, varlen: bool) -> str:
     """What the Gluon kernel runs, in words (for a problem :func:`reason` accepts)."""
     dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
-    major, minor = torch.cuda.get_device_capability(q.device.index)
     what = f"{dtype} {'causal' if is_causal else 'non-causal'} D={q.shape[-1]}"
-    return f"{what}{' packed (varlen)' if varlen else ''} on sm_{major}{minor}"
+    return f"{what}{' packed (varlen)' if varlen else ''} on {_arch(q.device.index)}"
 
 
 def _reference_reason(q: torch.Tensor) -> str:
@@ -300,3 +304,57 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
         plan = _plans[key] = Plan(q, k, v, None, q.shape[2], k.shape[2], causal, scale, persistent=persistent,
                                   config=config)
     return plan(q, k, v)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Compiling ahead, in parallel (GPU tests, benchmarks): first launches then load from Triton's cache.
+# ------------------------------------------------------------------------------------------------------
+
+def configurations() -> list[tuple[str, int, bool, bool]]:
+    """Every (dtype name, head dim, causal, varlen) the path choice can launch (one compiled kernel each)."""
+    K = kernels()
+    return [(dtype, d, causal, varlen) for dtype in K.DTYPES for d in K.HEAD_DIMS for causal in (False, True)
+            for varlen in (False, True)]
+
+
+def _warm(job) -> tuple:
+    """(In a spawned worker.) Compile one configuration through the JIT's own warmup, so it lands in Triton's
+    on-disk cache under the key the launch computes: CPU tensors stand in for the CUDA ones (the key reads
+    dtypes, block shapes, layouts, alignment and the options, as :class:`Plan` passes them)."""
+    import dataclasses
+
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dtype_name, d, causal, varlen, changes = job
+    K = kernels()
+    dtype = getattr(torch, dtype_name)
+    cfg = dataclasses.replace(K.FWD_CONFIGS[d], **changes)
+    t = torch.empty(1, 1, 256, d, dtype=dtype)
+    descs = []
+    for block in K.block_shapes(cfg, d).values():
+        layout = K.shared_layout(block[2], d, dtype_name)
+        descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout))
+    stat = torch.empty(1, 256)
+    cu = torch.zeros(2, dtype=torch.int32) if varlen else stat
+    K.attn_fwd_gluon_kernel.warmup(*descs, stat, stat, t, cu, cu, 0.5, 1, 1, 1, 256, 256, 2, 2, 0, 0,
+                                   grid=(1,), **K.constexprs(cfg, causal, varlen), **K.LAUNCH_OPTIONS,
+                                   enable_fp_fusion=_config.fp_fusion)
+    return job
+
+
+def warm_cache(jobs: list[tuple] | None = None, workers: int = 8) -> list[str]:
+    """Compiles Gluon configurations (default: :func:`configurations`; a job is (dtype name, head dim,
+    causal, varlen) or that plus a dict of ``GluonFwdConfig`` changes) in ``workers`` spawned processes
+    into Triton's on-disk cache. Returns the failures, in words (those compile again on first launch)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [(*j, {}) if len(j) == 4 else tuple(j) for j in (configurations() if jobs is None else jobs)]
+    failed = []
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for job, future in [(j, pool.submit(_warm, j)) for j in jobs]:
+            try:
+                future.result()
+            except Exception as e:  # noqa: BLE001 - reported; the launch compiles it again
+                failed.append(f"{job}: {type(e).__name__}: {str(e)[:300]}")
+    return failed

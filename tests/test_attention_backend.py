@@ -1,0 +1,308 @@
+"""safeops.attention_backend and the path choice behind it (safeops.ops.attention_gluon), on CPU and meta
+tensors, plus the Gluon launch's arguments with the kernel replaced by a recorder (the kernel itself runs in
+tests/test_attention_gluon_gpu.py and compiles offline in tests/test_attention_gluon_offline.py).
+
+- The reasons a person reads: each thing the Gluon kernel does not take names itself; fp64 and CPU tensors
+  name the reference; ``SAFEOPS_GLUON=0`` and a forced Triton configuration name themselves.
+- The answer depends on no size and no layout (batch invariance, contract section 6): with the device check
+  accepting CPU tensors, every batch size, head count, sequence length, GQA group and memory layout of a
+  problem gets the same answer.
+- Bad arguments raise what ``safeops.attention`` / ``attention_varlen`` raise.
+- ``attention_launch.forward`` runs a Gluon plan exactly when the check says so, keeps it, and reuses it.
+- The launch arguments match the kernel's signature (what the offline test compiles), in order; layouts TMA
+  can read go in place, others are copied; o keeps q's layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import safeops
+from safeops.kernels import attention_gluon as K
+from safeops.ops import attention_gluon as G
+from safeops.ops import attention_launch as L
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _settings(monkeypatch):
+    monkeypatch.setenv("SAFEOPS_BACKEND", "triton")  # CPU tensors run the Triton kernels (interpreted)
+    monkeypatch.delenv("SAFEOPS_GLUON", raising=False)
+    yield
+    L.clear_plans()
+
+
+def _qkv(d=64, dtype=BF16, b=1, hq=2, hkv=2, sq=64, sk=64, dv=None, device="cpu"):
+    q = torch.zeros(b, hq, sq, d, dtype=dtype, device=device)
+    k = torch.zeros(b, hkv, sk, d, dtype=dtype, device=device)
+    v = torch.zeros(b, hkv, sk, dv or d, dtype=dtype, device=device)
+    return q, k, v
+
+
+def _on_hopper(monkeypatch):
+    """The device check accepts CPU tensors (as an sm_90 GPU): the rest of the check is what answers."""
+    monkeypatch.setattr(G, "device_reason", lambda device: "")
+    monkeypatch.setattr(G, "_arch", lambda index: "sm_90")
+
+
+@pytest.mark.parametrize(
+    ("make", "options", "path", "reason"),
+    [
+        (dict(dtype=torch.float32), {}, "triton", "the Gluon kernel takes bf16 or fp16, not float32"),
+        (dict(dtype=torch.float64), {}, "reference", "float64 inputs run the float64 reference"),
+        (dict(d=96), {}, "triton", "head dim 96: the Gluon kernel has head dims 64, 128, 256"),
+        (dict(d=64, dv=128), {}, "triton", "v's head dim 128 is not q's 64"),
+        (dict(), {"softcap": 30.0}, "triton", "the Gluon kernel does not take softcap"),
+        (dict(), {"attn_mask": torch.ones(64, 64, dtype=torch.bool)}, "triton",
+         "the Gluon kernel does not take an attention mask"),
+        (dict(), {"attn_mask": torch.zeros(64, 64)}, "triton",
+         "the Gluon kernel does not take an attention mask"),
+        (dict(), {"window": (16, 16)}, "triton", "the Gluon kernel does not take a sliding window"),
+        (dict(), {"window": (None, 0)}, "triton", "the Gluon kernel does not take a sliding window"),
+        (dict(), {"is_causal": True, "window": (16, None)}, "triton",
+         "the Gluon kernel does not take a sliding window"),
+        # Unbounded sides are no window; causal alone is what the kernel takes: the device answers.
+        (dict(), {"is_causal": True, "window": (None, None)}, "triton", "needs a CUDA device; q is on cpu"),
+        (dict(), {"window": (-1, -1), "return_lse": True}, "triton", "needs a CUDA device; q is on cpu"),
+        (dict(device="meta"), {}, "triton", "needs a CUDA device; q is on meta"),
+    ],
+)
+def test_reasons(make, options, path, reason):
+    q, k, v = _qkv(**make)
+    got = safeops.attention_backend(q, k, v, **options)
+    assert got[0] == path and reason in got[1], got
+
+
+def test_reference_and_settings_reasons(monkeypatch):
+    q, k, v = _qkv()
+    monkeypatch.setenv("SAFEOPS_BACKEND", "auto")
+    assert safeops.attention_backend(q, k, v) == (
+        "reference", "cpu tensors run the pure-torch reference (SAFEOPS_BACKEND=auto)")
+    monkeypatch.setenv("SAFEOPS_BACKEND", "reference")
+    assert safeops.attention_backend(q, k, v) == ("reference", "SAFEOPS_BACKEND=reference")
+    monkeypatch.setenv("SAFEOPS_BACKEND", "triton")
+    _on_hopper(monkeypatch)
+    assert safeops.attention_backend(q, k, v, is_causal=True) == ("gluon", "bf16 causal D=64 on sm_90")
+    for off in ("0", "off", "false"):
+        monkeypatch.setenv("SAFEOPS_GLUON", off)
+        assert safeops.attention_backend(q, k, v) == ("triton", "SAFEOPS_GLUON=0 turns the Gluon forward off")
+    monkeypatch.setenv("SAFEOPS_GLUON", "1")
+    assert safeops.attention_backend(q, k, v)[0] == "gluon"
+    with L.config_override(fwd=L.AttnConfig(64, 64, 4, 2)):
+        assert safeops.attention_backend(q, k, v) == (
+            "triton", "a Triton forward configuration is forced (attention_launch.config_override)")
+    monkeypatch.setenv("SAFEOPS_GLUON", "maybe")
+    with pytest.raises(ValueError, match="SAFEOPS_GLUON must be 1"):
+        safeops.attention_backend(q, k, v)
+
+
+def test_answer_depends_on_no_size_or_layout(monkeypatch):
+    """Per (dtype, head dim, options): the same answer for every batch size, head count, GQA group,
+    sequence length (partial blocks, Sq != Sk, no keys), packed batch and memory layout."""
+    _on_hopper(monkeypatch)
+    shapes = [(1, 2, 2, 64, 64), (7, 2, 2, 64, 64), (3, 8, 2, 1, 5000), (2, 4, 1, 333, 200), (1, 1, 1, 77, 0)]
+    for dtype in (BF16, torch.float16, torch.float32):
+        for d in (32, 64, 128, 256):
+            for options in ({}, {"is_causal": True}, {"softcap": 5.0}, {"window": (8, 0)}):
+                answers = set()
+                for b, hq, hkv, sq, sk in shapes:
+                    q, k, v = _qkv(d, dtype, b, hq, hkv, sq, sk)
+                    answers.add(safeops.attention_backend(q, k, v, **options))
+                    # (B, S, H, D) memory; a slice of a wider buffer (rows of D + 8 elements, base offset)
+                    bshd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+                    answers.add(safeops.attention_backend(*bshd, **options))
+                    wide = [torch.zeros(*t.shape[:-1], t.shape[-1] + 8, dtype=dtype)[..., 1:1 + t.shape[-1]]
+                            for t in (q, k, v)]
+                    answers.add(safeops.attention_backend(*wide, **options))
+                    packed = [torch.zeros(t.shape[0] * t.shape[2], t.shape[1], d, dtype=dtype)
+                              for t in (q, k, v)]
+                    cu_q = torch.tensor([0, b * sq], dtype=torch.int32)
+                    cu_k = torch.tensor([0, b * sk], dtype=torch.int32)
+                    path, why = safeops.attention_backend(*packed, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                                          **options)
+                    answers.add((path, why.replace(" packed (varlen)", "")))
+                assert len(answers) == 1, (dtype, d, options, answers)
+                (answer,) = answers
+                takes = dtype != torch.float32 and d != 32 and not ({"softcap", "window"} & set(options))
+                assert (answer[0] == "gluon") == takes, (dtype, d, options, answer)
+
+
+def test_varlen_answer(monkeypatch):
+    _on_hopper(monkeypatch)
+    q = torch.zeros(100, 4, 128, dtype=torch.float16)
+    k = torch.zeros(90, 2, 128, dtype=torch.float16)
+    cu_q = torch.tensor([0, 30, 30, 100], dtype=torch.int32)
+    cu_k = torch.tensor([0, 0, 40, 90], dtype=torch.int32)
+    assert safeops.attention_backend(q, k, k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, is_causal=True) == (
+        "gluon", "fp16 causal D=128 packed (varlen) on sm_90")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(shapes=((1, 2, 64, 64), (1, 2, 64, 128), (1, 2, 64, 128))),  # head dims differ
+        dict(shapes=((1, 3, 64, 64), (1, 2, 64, 64), (1, 2, 64, 64))),  # 3 heads over 2 kv heads
+        dict(shapes=((2, 64, 64),) * 3),  # not (B, H, S, D)
+        dict(shapes=((1, 2, 64, 64), (2, 2, 64, 64), (2, 2, 64, 64))),  # batch sizes differ
+        dict(shapes=((1, 2, 64, 64),) * 3, attn_mask=torch.ones(3, 3, dtype=torch.bool)),
+        dict(shapes=((1, 2, 64, 64),) * 3, scale="big"),
+        dict(shapes=((1, 2, 64, 64),) * 3, window=(1, 2, 3)),
+        dict(shapes=((1, 2, 64, 64),) * 3, is_causal=1),
+        dict(shapes=((1, 2, 64, 64),) * 3, dtype=torch.int32),
+    ],
+)
+def test_bad_arguments_raise_as_attention_does(case):
+    case = dict(case)
+    dtype = case.pop("dtype", BF16)
+    q, k, v = (torch.zeros(s, dtype=dtype) for s in case.pop("shapes"))
+    with pytest.raises((TypeError, ValueError)) as expected:
+        safeops.attention(q, k, v, **case)
+    with pytest.raises(expected.type, match=str(expected.value).replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        safeops.attention_backend(q, k, v, **case)
+
+
+def test_bad_varlen_arguments():
+    q = torch.zeros(10, 2, 64, dtype=BF16)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="pass both cu_seqlens_q and cu_seqlens_k"):
+        safeops.attention_backend(q, q, q, cu_seqlens_q=cu)
+    with pytest.raises(ValueError, match="takes no attn_mask"):
+        safeops.attention_backend(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, attn_mask=torch.ones(10, 10))
+    with pytest.raises(TypeError, match="cu_seqlens_k must be int32"):
+        safeops.attention_backend(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu.long())
+    with pytest.raises(ValueError, match="one batch size"):
+        safeops.attention_backend(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=torch.tensor([0, 5, 10],
+                                                                                       dtype=torch.int32))
+
+
+# ------------------------------------------------------------------------------------------------------
+# The dispatch, and the Gluon launch's arguments (kernel replaced by a recorder).
+# ------------------------------------------------------------------------------------------------------
+
+class _Recorder:
+    launches: list = []
+
+    def __init__(self, kernel, grid, kwargs):
+        self.kernel, self.grid, self.kwargs = kernel, grid, kwargs
+
+    def __call__(self, *args):
+        _Recorder.launches.append((self.grid, self.kwargs, args))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    from safeops.ops import _launch
+
+    _Recorder.launches = []
+    monkeypatch.setattr(_launch, "KernelLaunch", _Recorder)
+    return _Recorder.launches
+
+
+def test_forward_runs_a_gluon_plan_exactly_when_the_check_says_so(monkeypatch, recorded):
+    q, k, v = _qkv(sq=100, sk=70)
+    options = (None, 0, None, None, 100, 70, True, 0.125, None, -1, 0, 0)
+    _on_hopper(monkeypatch)
+    o, m, l = L.forward(q, k, v, *options)
+    assert len(recorded) == 1 and o.shape == q.shape and m.shape == l.shape == (1, 2, 100)
+    (plan,) = L._fwd_plans.values()
+    assert plan.__class__ is G.Plan
+    L.forward(q, k, v, *options)  # the kept plan launches again
+    assert len(recorded) == 2 and list(L._fwd_plans.values()) == [plan]
+    monkeypatch.setenv("SAFEOPS_GLUON", "0")  # the Triton kernels (interpreted here), and a Triton plan
+    o, m, l = L.forward(q, k, v, *options)
+    assert len(recorded) == 2 and not any(p.__class__ is G.Plan for p in L._fwd_plans.values())
+    masked = (torch.ones(1, 2, 100, 70, dtype=torch.bool), 1, *options[2:])
+    monkeypatch.setenv("SAFEOPS_GLUON", "1")
+    L.forward(q, k, v, *masked)  # a mask: Triton
+    assert len(recorded) == 2
+
+
+def _arg_kinds(args) -> list[str]:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32"}
+    kinds = []
+    for a in args:
+        if isinstance(a, TensorDescriptor):
+            block = ", ".join(map(str, a.block_shape))
+            kinds.append(f"tensordesc<{short[a.base.dtype]}[{block}],{a.layout!r}>")
+        elif isinstance(a, torch.Tensor):
+            kinds.append("*" + short[a.dtype])
+        else:
+            kinds.append({int: "i32", float: "fp32"}[type(a)])
+    return kinds
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+@pytest.mark.parametrize("d", K.HEAD_DIMS)
+@pytest.mark.parametrize("varlen", [False, True])
+def test_launch_matches_the_compiled_signature(dtype, d, varlen, monkeypatch, recorded):
+    """The launch's arguments are, in order, of the types the offline test compiles (K.signature), with its
+    constexprs; descriptors address what the kernel expects (dense (B, H, S, D) views, or (1, H, T, D)
+    over packed tensors); inputs TMA can read are not copied."""
+    _on_hopper(monkeypatch)
+    if varlen:
+        q = torch.randn(150, 4, d).to(dtype)
+        k, v = (torch.randn(120, 2, d).to(dtype) for _ in range(2))
+        cu_q = torch.tensor([0, 100, 150], dtype=torch.int32)
+        cu_k = torch.tensor([0, 20, 120], dtype=torch.int32)
+        options = (None, 0, cu_q, cu_k, 100, 100, True, 0.1, None, -1, 0, 0)
+    else:
+        q = torch.randn(2, 150, 4, d).to(dtype).transpose(1, 2)  # (B, S, H, D) memory
+        k, v = (torch.randn(2, 2, 120, d).to(dtype) for _ in range(2))
+        options = (None, 0, None, None, 150, 120, False, 0.1, None, -1, -1, 0)
+    o, m, l = L.forward(q, k, v, *options)
+    ((grid, kwargs, args),) = recorded
+    cfg = K.FWD_CONFIGS[d]
+    dname = "bfloat16" if dtype == BF16 else "float16"
+    assert _arg_kinds(args) == list(K.signature(cfg, d, dname, varlen).values())
+    assert {n: kwargs[n] for n in K.constexprs(cfg, True, varlen)} == K.constexprs(cfg, options[6], varlen)
+    assert kwargs["num_warps"] == 4 and kwargs["enable_fp_fusion"] is False
+    q_desc, k_desc, v_desc, o_desc = args[:4]
+    assert q_desc.base is q and k_desc.base is k and v_desc.base is v and o_desc.base is o  # read in place
+    assert o.stride() == q.stride()  # o keeps q's layout (the op's fake gives empty_like(q))
+    if varlen:
+        assert q_desc.shape == [1, 4, 150, d] and q_desc.strides[1:] == [d, 4 * d, 1]
+        assert k_desc.shape == [1, 2, 120, d] and m.shape == (4, 150)
+        assert args[7] is cu_q and args[8] is cu_k and args[-2:] == (o.stride(0), o.stride(1))
+        n_m_blocks = -(-100 // cfg.block_m)
+        sizes = (150, 100, n_m_blocks, n_m_blocks * 2 * 4)  # seqlen_q = Tq (the stats' head stride)
+    else:
+        assert q_desc.shape == [2, 4, 150, d] and q_desc.strides == list(q.stride())
+        assert m.shape == (2, 4, 150)
+        n_m_blocks = -(-150 // cfg.block_m)
+        sizes = (150, 120, n_m_blocks, n_m_blocks * 2 * 4)
+    assert args[9:17] == (L.constants(0.1, None)[0], 4, 2, args[12], *sizes)  # C1, heads, group, chunk, sizes
+    assert grid == (args[16],)  # one program per tile (attention_gluon.PERSISTENT is off)
+
+
+def test_layouts_tma_cannot_read_are_copied(monkeypatch, recorded):
+    _on_hopper(monkeypatch)
+    d = 64
+    wide = torch.randn(1, 2, 100, d + 1).to(BF16)[..., :d]  # rows of 65 elements: not 16-byte multiples
+    offset = torch.randn(2 * 100 * d + 1).to(BF16)[1:].view(1, 2, 100, d)  # base 2 bytes off
+    expanded = torch.randn(1, 1, 100, d).to(BF16).expand(1, 2, 100, d)  # head stride 0
+    head_dim_outer = torch.randn(1, 2, d, 100).to(BF16).transpose(2, 3)  # head dim not innermost
+    for q in (wide, offset, head_dim_outer):
+        recorded.clear()
+        L.clear_plans()
+        o, m, l = L.forward(q, expanded, expanded, None, 0, None, None, 100, 100, False, 0.125, None, -1, -1,
+                            0)
+        ((_, _, args),) = recorded
+        for desc, t in zip(args[:3], (q, expanded, expanded), strict=True):
+            assert desc.base is not t and desc.base.is_contiguous() and torch.equal(desc.base, t)
+        assert o.stride() == torch.empty_like(q).stride()
+        assert (args[3].base is o) == (o.stride(-1) == 1)  # else a scratch, copied into o after the launch
+
+
+def test_empty_problems_launch_nothing(monkeypatch, recorded):
+    _on_hopper(monkeypatch)
+    q, k, v = _qkv(sq=10, sk=0)
+    o, m, l = L.forward(q, k, v, None, 0, None, None, 10, 0, True, 0.125, None, -1, 0, 0)
+    assert not recorded and (o == 0).all() and (m == float("-inf")).all() and (l == 0).all()
+    q, k, v = _qkv(b=0)
+    o, m, l = L.forward(q, k, v, None, 0, None, None, 64, 64, False, 0.125, None, -1, -1, 0)
+    assert not recorded and o.shape == q.shape and m.shape == (0, 2, 64)

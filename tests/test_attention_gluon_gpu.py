@@ -1,0 +1,273 @@
+"""GPU tests of the Gluon attention forward (safeops.kernels.attention_gluon), the CUDA default where
+``safeops.attention_backend`` says "gluon" (sm_90, Triton 3.6, bf16 / fp16, head dim 64 / 128 / 256, no mask,
+softcap or window). Skipped without such a GPU (the device check's reason is the skip reason).
+
+- against the float64 oracle (tests/oracle.py): bf16 / fp16 x D 64 / 128 / 256 x causal or not, GQA and MQA,
+  Sq != Sk with partial blocks: out, lse, and dq / dk / dv of the Triton backward run from the Gluon
+  forward's saved statistics (contract sections 1-3);
+- packed sequences (attention_varlen): each sequence's out / lse bits equal its dense call's (the oracle
+  checks those), with a sequence without keys (out 0, lse -inf), one without queries, one shorter than a
+  block; NaN keys of a neighbouring sequence stay out (they are selected away);
+- bits (section 6): 10 reruns, batch invariance (a batch element alone and among others), layouts ((B, S, H,
+  D) memory, a layout TMA cannot read and the launcher copies), the persistent grid;
+- exact rows: causal row 0 gives v_0 and l = 1, q = 0 gives m = 0 and l = #visible keys exactly, no keys
+  gives O = 0, m = -inf, l = 0 (section 4), a NaN query row stays in its row (section 5);
+- the path: attention_backend's answer, the plan the forward keeps, ``SAFEOPS_GLUON=0`` gives the Triton
+  forward (its bits differ; both pass the oracle).
+
+The whole attention suite (tests/test_attention_gpu.py) runs with this path as the default as well, CUDA
+graph capture included. ``SAFEOPS_TEST_SEED=<int>`` replays the random inputs of a failure.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_attention_gpu import DEV, Rng, check_oracle
+
+import safeops
+from safeops.ops import attention_gluon as G
+from safeops.ops import attention_launch as L
+
+
+def _why_not() -> str:
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    return G.device_reason(torch.device("cuda", torch.cuda.current_device()))
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_why_not()), reason=_why_not() or "-")]
+
+BF16, FP16 = torch.bfloat16, torch.float16
+NEG_INF = float("-inf")
+
+
+@pytest.fixture
+def rng():
+    return Rng()
+
+
+def _triton_launches() -> list[dict]:
+    """The Triton kernels these tests launch (the backward of the oracle cases, the Triton forwards),
+    recorded on meta tensors."""
+    import json
+
+    meta = torch.device("meta")
+    with L.recording() as launches:
+        for dtype in (BF16, FP16):
+            for d in (64, 128, 256):
+                for causal in (False, True):
+                    q = torch.empty(2, 4, 300, d, dtype=dtype, device=meta)
+                    k = torch.empty(2, 2, 300, d, dtype=dtype, device=meta)
+                    opts = (None, 0, None, None, 300, 300, causal, d**-0.5, None, -1, 0 if causal else -1, 0)
+                    o, m, l = L.forward(q, k, k, *opts)
+                    L.backward(o, q, k, k, o, m, l, *opts)
+    return list({json.dumps(x, sort_keys=True): x for x in launches}.values())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled():
+    """Every Gluon configuration and the Triton kernels the tests use compiled in parallel first (the
+    launches then load them from Triton's cache instead of compiling one at a time)."""
+    import sys
+    import threading
+
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(triton=L.compile_launches(
+        _triton_launches(), python=sys.executable, arch=90, workers=8)))
+    thread.start()
+    failed = G.warm_cache(workers=8)
+    thread.join()
+    assert not failed, failed
+    assert all(r["ok"] for r in result["triton"]["results"]), result
+
+
+@pytest.fixture(autouse=True)
+def _shipped_settings(monkeypatch):
+    monkeypatch.setenv("SAFEOPS_BACKEND", "auto")
+    monkeypatch.delenv("SAFEOPS_GLUON", raising=False)
+    yield
+    L.clear_plans()
+
+
+def _kept_plans():
+    return [p.__class__ for p in L._fwd_plans.values()]
+
+
+def _forward(q, k, v, causal):
+    """(o, m, l) through the launcher (the op's forward, statistics included)."""
+    return L.forward(q, k, v, None, 0, None, None, q.shape[2], k.shape[2], causal, q.shape[-1] ** -0.5, None,
+                     -1, 0 if causal else -1, 0)
+
+
+def test_path_and_reasons(rng):
+    q, k, v = (rng.randn(2, 4, 300, 128, dtype=BF16) for _ in range(3))
+    assert safeops.attention_backend(q, k, v, is_causal=True) == ("gluon", "bf16 causal D=128 on sm_90")
+    assert safeops.attention_backend(q.half(), k.half(), v.half()) == (
+        "gluon", "fp16 non-causal D=128 on sm_90")
+    safeops.attention(q, k, v, is_causal=True)
+    assert _kept_plans() == [G.Plan]
+    mask = torch.ones(300, 300, dtype=torch.bool, device=DEV)
+    assert safeops.attention_backend(q, k, v, attn_mask=mask) == (
+        "triton", "the Gluon kernel does not take an attention mask")
+    safeops.attention(q, k, v, attn_mask=mask)
+    assert _kept_plans() == [G.Plan, L._FwdPlan]
+    assert safeops.attention_backend(q[..., :96], k[..., :96], v[..., :96])[0] == "triton"
+
+
+def test_gluon_off_runs_the_triton_forward(rng, monkeypatch):
+    q, k, v = (rng.randn(2, 4, 300, 64, dtype=BF16) for _ in range(3))
+    on = _forward(q, k, v, True)
+    monkeypatch.setenv("SAFEOPS_GLUON", "0")
+    assert safeops.attention_backend(q, k, v, is_causal=True) == (
+        "triton", "SAFEOPS_GLUON=0 turns the Gluon forward off")
+    off = _forward(q, k, v, True)
+    assert _kept_plans() == [L._FwdPlan]
+    check_oracle(q, k, v, rng, is_causal=True)  # the Triton path, against the oracle
+    monkeypatch.setenv("SAFEOPS_GLUON", "1")
+    again = _forward(q, k, v, True)
+    assert _kept_plans() == [G.Plan]
+    for a, b in zip(on, again, strict=True):
+        assert torch.equal(a, b)
+    assert all(a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
+               for a, b in zip(on, off, strict=True))
+
+
+# (B, Hq, Hkv, Sq, Sk): GQA with partial blocks, MQA with Sq != Sk (both ways), one short row block.
+SHAPES = [(2, 4, 2, 300, 300), (1, 2, 1, 200, 333), (1, 4, 1, 333, 77), (3, 2, 2, 1, 129)]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_matches_oracle(dtype, d, causal, rng):
+    for i, (b, hq, hkv, sq, sk) in enumerate(SHAPES):
+        q = rng.randn(b, hq, sq, d, dtype=dtype)
+        k, v = (rng.randn(b, hkv, sk, d, dtype=dtype) for _ in range(2))
+        assert safeops.attention_backend(q, k, v, is_causal=causal)[0] == "gluon"
+        check_oracle(q, k, v, rng, grads=i < 2, is_causal=causal)
+
+
+def _packed(rng, lengths_q, lengths_k, hq, hkv, d, dtype):
+    seqs = [(rng.randn(1, hq, nq, d, dtype=dtype), rng.randn(1, hkv, nk, d, dtype=dtype),
+             rng.randn(1, hkv, nk, d, dtype=dtype)) for nq, nk in zip(lengths_q, lengths_k, strict=True)]
+    packed = [torch.cat([s[i][0].transpose(0, 1) for s in seqs]) for i in range(3)]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+                  for n in (lengths_q, lengths_k))
+    return seqs, packed, cu_q, cu_k
+
+
+@pytest.mark.parametrize("dtype,d", [(BF16, 64), (BF16, 128), (BF16, 256), (FP16, 128)])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_varlen_equals_dense_bits(dtype, d, causal, rng):
+    """Each packed sequence gets the bits of its dense call: one past a block boundary, one row, no keys
+    (queries only), no queries (keys only), shorter than a key block, Sq != Sk."""
+    lengths_q = [300, 1, 70, 0, 129, 200]
+    lengths_k = [300, 1, 0, 50, 64, 333]
+    seqs, packed, cu_q, cu_k = _packed(rng, lengths_q, lengths_k, 4, 2, d, dtype)
+    assert safeops.attention_backend(*packed, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, is_causal=causal) == (
+        "gluon", f"{'bf16' if dtype == BF16 else 'fp16'} {'causal' if causal else 'non-causal'} D={d} packed "
+        "(varlen) on sm_90")
+    out, lse = safeops.attention_varlen(*packed, cu_q, cu_k, is_causal=causal, return_lse=True)
+    for b, nk in enumerate(lengths_k):
+        o, ls = safeops.attention(*seqs[b], is_causal=causal, return_lse=True)
+        sl = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        assert torch.equal(out[sl], o[0].transpose(0, 1)), f"out, sequence {b}; {rng}"
+        assert torch.equal(lse[:, sl], ls[0]), f"lse, sequence {b}; {rng}"
+        if nk == 0:
+            assert (out[sl] == 0).all() and (lse[:, sl] == NEG_INF).all()
+    check_oracle(*seqs[4], rng, grads=False, is_causal=causal)
+
+
+def test_varlen_neighbours_nan_keys_stay_out(rng):
+    """A sequence's last key block reaches into the next sequence's rows: NaN keys there are selected away
+    (its output bits are those of the clean run), while the NaN sequence's own rows are NaN."""
+    lengths = [100, 300, 64]
+    seqs, packed, cu, _ = _packed(rng, lengths, lengths, 2, 2, 128, BF16)
+    clean = safeops.attention_varlen(*packed, cu, cu)
+    k = packed[1].clone()
+    k[100:400] = float("nan")
+    dirty = safeops.attention_varlen(packed[0], k, packed[2], cu, cu)
+    assert torch.equal(dirty[:100], clean[:100]) and torch.equal(dirty[400:], clean[400:])
+    assert torch.isnan(dirty[100:400]).all()
+
+
+def test_deterministic_and_batch_invariant_bits(rng):
+    q = rng.randn(5, 8, 700, 128, dtype=BF16)
+    k, v = (rng.randn(5, 2, 700, 128, dtype=BF16) for _ in range(2))
+    first = _forward(q, k, v, True)
+    for _ in range(10):
+        for a, b in zip(first, _forward(q, k, v, True), strict=True):
+            assert torch.equal(a, b)
+    alone = _forward(q[3:4].clone(), k[3:4].clone(), v[3:4].clone(), True)
+    among = _forward(q[1:4], k[1:4], v[1:4], True)  # a slice: other neighbours, another offset
+    for a, b, c in zip(first, alone, among, strict=True):
+        assert torch.equal(a[3:4], b) and torch.equal(a[3:4], c[2:3])
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_layout_and_schedule_same_bits(d, rng, monkeypatch):
+    """(B, S, H, D) memory (read in place), a layout TMA cannot read (rows of D + 8 elements, 2 bytes off:
+    copied first), and the persistent grid give the bits of the contiguous call."""
+    b, hq, hkv, s = 2, 8, 2, 777
+
+    def make(h):
+        return rng.randn(b, s, h, d, dtype=BF16).transpose(1, 2)
+    q, k, v = make(hq), make(hkv), make(hkv)
+    for causal in (False, True):
+        ref = _forward(q.contiguous(), k.contiguous(), v.contiguous(), causal)
+        bshd = _forward(q, k, v, causal)
+        odd = [torch.empty(*t.shape[:-1], d + 9, dtype=BF16, device=DEV)[..., 1:d + 1].copy_(t)
+               for t in (q, k, v)]
+        copied = _forward(*odd, causal)
+        monkeypatch.setattr(G, "PERSISTENT", True)
+        persistent = _forward(q, k, v, causal)
+        monkeypatch.setattr(G, "PERSISTENT", False)
+        assert bshd[0].stride() == q.stride()  # o in q's layout
+        for name, got in (("bshd", bshd), ("copied", copied), ("persistent", persistent)):
+            for a, r in zip(got, ref, strict=True):
+                assert torch.equal(a, r), f"{name} causal={causal}; {rng}"
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_exact_rows(d, causal, rng):
+    b, hq, hkv, sq, sk = 2, 4, 2, 200, 333
+    q = rng.randn(b, hq, sq, d, dtype=BF16)
+    k, v = (rng.randn(b, hkv, sk, d, dtype=BF16) for _ in range(2))
+    if causal:  # row 0 sees key 0 only: p = 1 exactly
+        o, m, l = _forward(q, k, v, True)
+        assert torch.equal(o[:, :, 0], v[:, :, 0].repeat_interleave(hq // hkv, 1)) and (l[:, :, 0] == 1).all()
+    o, m, l = _forward(torch.zeros_like(q), k, v, causal)  # equal scores: z2 = 0 everywhere
+    rows = torch.arange(sq, device=DEV)
+    visible = torch.clamp(rows + 1, max=sk) if causal else torch.full_like(rows, sk)
+    assert (m == 0).all() and (l == visible.float()).all()
+    o, m, l = _forward(q, k[:, :, :0], v[:, :, :0], causal)  # no keys
+    assert (o == 0).all() and (m == NEG_INF).all() and (l == 0).all()
+    qn = q.clone()
+    qn[0, 1, 7] = float("nan")
+    on, mn, ln = _forward(qn, k, v, causal)
+    oc, mc, lc = _forward(q, k, v, causal)
+    keep = torch.ones_like(on[..., 0], dtype=torch.bool)
+    keep[0, 1, 7] = False
+    assert torch.isnan(on[0, 1, 7]).all()
+    for a, c in ((on, oc), (mn, mc), (ln, lc)):
+        assert torch.equal(a[keep], c[keep])
+
+
+def test_long_sequence_llama_layer(rng):
+    """The Llama-3-8B layer's shape (32 query / 8 kv heads, D=128, causal) at S=8K: a few rows against a
+    float64 computation, and the lse."""
+    b, hq, hkv, s, d = 1, 32, 8, 8192, 128
+    q = rng.randn(b, hq, s, d, dtype=BF16)
+    k, v = (rng.randn(b, hkv, s, d, dtype=BF16) for _ in range(2))
+    out, lse = safeops.attention(q, k, v, is_causal=True, return_lse=True)
+    rows = torch.tensor([0, 1, 127, 128, 4095, 8191], device=DEV)
+    kk, vv = (t.double().repeat_interleave(4, 1) for t in (k, v))
+    z = (q.double()[:, :, rows] @ kk.transpose(-1, -2)) / math.sqrt(d)
+    z = torch.where(torch.arange(s, device=DEV)[None, :] <= rows[:, None], z, torch.full_like(z, NEG_INF))
+    expected = torch.softmax(z, -1) @ vv
+    assert (out[:, :, rows].double() - expected).abs().max().item() <= 2**-7 * vv.abs().max().item()
+    assert torch.allclose(lse[:, :, rows].double(), torch.logsumexp(z, -1), atol=1e-3)
