@@ -277,6 +277,13 @@ def test_launch_matches_the_compiled_signature(dtype, d, varlen, monkeypatch, re
         sizes = (150, 120, n_m_blocks, n_m_blocks * 2 * 4)
     assert args[9:17] == (L.constants(0.1, None)[0], 4, 2, args[12], *sizes)  # C1, heads, group, chunk, sizes
     assert grid == (args[16],)  # one program per tile (attention_gluon.PERSISTENT is off)
+    # The kept plan: new tensors of the same layout get the same launch, descriptors rebased onto them.
+    q2, k2, v2 = (t.clone(memory_format=torch.preserve_format) for t in (q, k, v))
+    o2, m2, l2 = L.forward(q2, k2, v2, *options)
+    (_, kwargs2, args2) = recorded[1]
+    assert kwargs2 == kwargs and args2[4:] == (m2, l2, o2, *args2[7:9], *args[9:])
+    for new, old, base in zip(args2[:4], args[:4], (q2, k2, v2, o2), strict=True):
+        assert new.base is base and {**vars(new), "base": None} == {**vars(old), "base": None}
 
 
 def test_layouts_tma_cannot_read_are_copied(monkeypatch, recorded):

@@ -24,7 +24,6 @@ The configuration depends on the head dim only (``FWD_CONFIGS``).
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import torch
@@ -244,13 +243,13 @@ class Plan:
 
             descs = [TensorDescriptor(t, *_view4(t, self.varlen), block, layout) for t, block, layout
                      in zip(tensors, self.block_shapes, self.layouts, strict=True)]
-            self.templates = [copy.copy(d) for d in descs]
-            for template in self.templates:
-                template.base = None  # a plan must not keep a call's tensors alive
+            # Fields without the base: a plan must not keep a call's tensors alive.
+            self.templates = [(type(d), {**d.__dict__, "base": None}) for d in descs]
             return descs
         descs = []
-        for template, t in zip(self.templates, tensors, strict=True):
-            desc = copy.copy(template)
+        for (cls, fields), t in zip(self.templates, tensors, strict=True):
+            desc = object.__new__(cls)  # the checked fields, without __init__'s checks again (~1 us, not 10)
+            desc.__dict__.update(fields)
             desc.base = t
             descs.append(desc)
         return descs
