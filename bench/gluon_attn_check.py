@@ -198,9 +198,9 @@ def prewarm(quick, variants):
     jobs += [("bfloat16", d, c, False, {"pingpong": False}) for d, c in (SCHEDULE_CONFIGS[2:] if quick else
                                                                         SCHEDULE_CONFIGS)]
     if variants:
-        jobs += [("bfloat16", d, c, False, changes) for by_d in VARIANTS.values()
-                 for d, changes in by_d.items() for c in (False, True)
-                 if ("bfloat16", d, c, False, changes) not in jobs]
+        extra = [("bfloat16", d, c, False, _config_changes(changes)) for by_d in VARIANTS.values()
+                 for d, changes in by_d.items() for c in (False, True)]
+        jobs += [j for i, j in enumerate(extra) if j not in jobs and j not in extra[:i]]
     try:
         failed = G.warm_cache(jobs, workers=6)
     except Exception as e:  # noqa: BLE001 - the launches compile on first use instead
@@ -382,19 +382,32 @@ BENCH_SHAPES = [  # (label, B, Hq, Hkv, S, D, causal)
 
 
 # --variants: configurations to time against the default at the B4 H16 S4K shapes (name -> head dim ->
-# changes to FWD_CONFIGS[d]); "same bits" is expected wherever the key block (block_n) is unchanged.
+# changes to FWD_CONFIGS[d], plus "persistent" for the persistent grid); "same bits" is expected wherever the
+# key block (block_n) is unchanged. Each compiles offline for sm_90 without spills (Triton 3.6).
 VARIANTS = {
     "pingpong off": {64: {"pingpong": False}, 128: {"pingpong": False}},
     "one more stage": {64: {"num_stages": 4}, 128: {"num_stages": 3}},
     "64-key blocks, 4 stages": {128: {"block_n": 64, "num_stages": 4}},
-    "3 consumer warpgroups (192 rows), 160 regs": {64: {"num_wg": 3, "consumer_regs": 160, "num_stages": 2}},
+    "3 consumer warpgroups (192 rows), 64-key blocks, 4 stages": {
+        64: {"num_wg": 3, "consumer_regs": 160, "block_n": 64, "num_stages": 4}},
+    "persistent": {64: {"persistent": True}, 128: {"persistent": True}},
+    "persistent, separate O buffer": {64: {"persistent": True, "separate_o": True},
+                                      128: {"persistent": True, "separate_o": True}},
+    "3 warpgroups, 64-key blocks, persistent, separate O": {
+        64: {"num_wg": 3, "consumer_regs": 160, "block_n": 64, "num_stages": 4, "persistent": True,
+             "separate_o": True}},
 }
+
+
+def _config_changes(changes: dict) -> dict:
+    return {k: v for k, v in changes.items() if k != "persistent"}
 
 
 def variant_configs():
     from safeops.kernels import attention_gluon as K
 
-    return [(name, d, dataclasses.replace(K.FWD_CONFIGS[d], **changes))
+    return [(name, d, dataclasses.replace(K.FWD_CONFIGS[d], **_config_changes(changes)),
+             changes.get("persistent", False))
             for name, by_d in VARIANTS.items() for d, changes in by_d.items()]
 
 
@@ -408,15 +421,16 @@ def bench_variants(deadline):
         ms = triton.testing.do_bench(lambda q=q, k=k, v=v, c=causal: gluon(q, k, v, c), warmup=25, rep=100,
                                      return_mode="median")
         rows.append((label, "default", flops / ms / 1e9, ""))
-        for name, vd, cfg in variant_configs():
+        for name, vd, cfg, persistent in variant_configs():
             if vd != d or time.time() > deadline:
                 continue
             try:
-                out = gluon(q, k, v, causal, config=cfg)
+                out = gluon(q, k, v, causal, config=cfg, persistent=persistent)
                 finish_or_die(f"{name} {label}")
                 same = all(bits_equal(x, y) for x, y in zip(out, base, strict=True))
                 ms = triton.testing.do_bench(
-                    lambda q=q, k=k, v=v, c=causal, cfg=cfg: gluon(q, k, v, c, config=cfg),
+                    lambda q=q, k=k, v=v, c=causal, cfg=cfg, p=persistent: gluon(q, k, v, c, config=cfg,
+                                                                                 persistent=p),
                     warmup=25, rep=100, return_mode="median")
                 note = f"same bits {same}, max|dO| {maxdiff(out[0], base[0]):.3g}"
                 rows.append((label, name, flops / ms / 1e9, note))
@@ -475,7 +489,7 @@ def main():
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--no-prewarm", action="store_true", help="compile on first launch, one at a time")
     ap.add_argument("--variants", action="store_true",
-                    help="also time the configurations of VARIANTS (about 2 more minutes)")
+                    help="also time the configurations of VARIANTS (1-2 more minutes)")
     ap.add_argument("--budget-s", type=float, default=270.0, help="stop starting new parts after this")
     args = ap.parse_args()
     start = time.time()

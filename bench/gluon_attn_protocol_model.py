@@ -34,8 +34,11 @@ class Barrier:
         return (self.phase & 1) != parity
 
 
-def simulate(tiles: list[int], stages: int, num_wg: int, pingpong: bool, seed: int) -> None:
-    """One program's tiles (key blocks per tile) under a random schedule; raises on deadlock or hazard."""
+def simulate(tiles: list[int], stages: int, num_wg: int, pingpong: bool, seed: int,
+             separate_o: bool = False) -> None:
+    """One program's tiles (key blocks per tile) under a random schedule; raises on deadlock or hazard.
+    ``separate_o``: O goes out through its own buffer, the Q buffer being released after the tile's last
+    QK^T (GluonFwdConfig.separate_o); otherwise through the Q buffer, released once its O store read it."""
     rnd = random.Random(seed)
     q_ready, q_empty, turn = ([Barrier(1) for _ in range(num_wg)] for _ in range(3))
     k_ready, v_ready = ([Barrier(1) for _ in range(stages)] for _ in range(2))
@@ -43,6 +46,8 @@ def simulate(tiles: list[int], stages: int, num_wg: int, pingpong: bool, seed: i
     k_slot, v_slot, q_buf = [None] * stages, [None] * stages, [None] * num_wg
     k_readers, v_readers = [set() for _ in range(stages)], [set() for _ in range(stages)]
     in_flight = []  # TMA copies: [steps left, barrier, buffer, index, value]
+    o_buf = [None] * num_wg if separate_o else q_buf
+    stores = []  # O stores in flight: [steps left, buffer, index, value it must still read, consumer]
 
     def tma(bar, buf, idx, value):
         in_flight.append([rnd.randint(1, 5), bar, buf, idx, value])
@@ -114,6 +119,8 @@ def simulate(tiles: list[int], stages: int, num_wg: int, pingpong: bool, seed: i
                 yield ("step",)
                 v_readers[vs].discard(w)
                 v_empty[vs].arrive()
+            if separate_o:  # every QK^T of the tile is done: Q may be refilled
+                q_empty[w].arrive()
             vc = c + n - 1
             vs = vc % stages
             yield ("wait", v_ready[vs], (vc // stages) & 1)
@@ -125,8 +132,15 @@ def simulate(tiles: list[int], stages: int, num_wg: int, pingpong: bool, seed: i
             v_readers[vs].discard(w)
             v_empty[vs].arrive()
             c += n
-            yield ("step",)  # O through the Q buffer, TMA store, store_wait
-            q_empty[w].arrive()
+            if separate_o:
+                yield ("stored", w)  # the previous tile's O store has read the buffer
+            o_buf[w] = ("O", t)
+            stores.append([rnd.randint(1, 5), o_buf, w, ("O", t), w])
+            yield ("step",)
+            if not separate_o:
+                yield ("stored", w)
+                q_empty[w].arrive()
+        yield ("stored", w)
 
     agents = {"producer": producer(), **{f"consumer {w}": consumer(w) for w in range(num_wg)}}
     state = dict.fromkeys(agents, ("step",))
@@ -137,9 +151,19 @@ def simulate(tiles: list[int], stages: int, num_wg: int, pingpong: bool, seed: i
                 in_flight.remove(copy)
                 copy[2][copy[3]] = copy[4]
                 copy[1].arrive()
-        runnable = [name for name, s in state.items() if s[0] == "step" or s[1].passes(s[2])]
+        for store in list(stores):
+            store[0] -= 1
+            if store[0] <= 0:
+                stores.remove(store)
+                assert store[1][store[2]] == store[3], f"O buffer {store[2]} overwritten before its store"
+
+        def ready(s):
+            if s[0] == "stored":
+                return not any(st[4] == s[1] for st in stores)
+            return s[0] == "step" or s[1].passes(s[2])
+        runnable = [name for name, s in state.items() if ready(s)]
         if not runnable:
-            if in_flight:
+            if in_flight or stores:
                 continue
             raise RuntimeError(f"deadlock: tiles {tiles}, stages {stages}, {num_wg} consumers, "
                                f"pingpong {pingpong}, seed {seed}")
@@ -157,7 +181,7 @@ def main() -> None:
     for seed in range(runs):
         rnd = random.Random(seed)
         tiles = [rnd.choice([0, 1, 2, 3, 4, 5, 6]) for _ in range(rnd.randint(1, 5))]
-        simulate(tiles, rnd.randint(1, 4), rnd.choice([2, 3]), rnd.random() < 0.7, seed)
+        simulate(tiles, rnd.randint(1, 4), rnd.choice([2, 3]), rnd.random() < 0.7, seed, rnd.random() < 0.5)
     print(f"{runs} random schedules: no deadlock, no hazard")
 
 

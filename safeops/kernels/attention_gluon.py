@@ -75,6 +75,10 @@ class GluonFwdConfig:
     consumer_regs: int = 232  # registers per thread of the worker consumers (setmaxnreg); the default
     # partition (consumer 0) gets what the TMA warp and the workers leave (248 with 232 and 24)
     pingpong: bool = True  # consumer warpgroups take turns issuing their MMAs
+    # O staged in its own shared buffers instead of Q's: a consumer releases its Q buffer after the tile's
+    # last QK^T (the producer loads the next tile's Q during the last PV and the epilogue) and does not wait
+    # for its O store (it overlaps the next tile). For the persistent grid; the same arithmetic, same bits.
+    separate_o: bool = False
 
     @property
     def block_m(self) -> int:
@@ -110,7 +114,7 @@ def block_shapes(cfg: GluonFwdConfig, head_dim: int) -> dict[str, list[int]]:
 def constexprs(cfg: GluonFwdConfig, causal: bool, varlen: bool = False) -> dict:
     """The kernel's constexpr arguments for one configuration (block shapes come with the descriptors)."""
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
-                PINGPONG=cfg.pingpong, VARLEN=varlen)
+                PINGPONG=cfg.pingpong, VARLEN=varlen, SEPARATE_O=cfg.separate_o)
 
 
 LAUNCH_OPTIONS = {"num_warps": 4}  # the default partition is one consumer warpgroup
@@ -196,8 +200,8 @@ def _produce_tile(bufs, bc, h, hk, q_row, k_start, n_blocks, c, t, NUM_STAGES: g
                   NUM_WG: gl.constexpr):
     """One tile's loads: K_0, each consumer's Q rows (from row ``q_row``), then K_j before V_{j-1}, the order
     the consumers use. Returns the ring position and the Q phase after the tile."""
-    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-     v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr) = bufs
+    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
+     v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr) = bufs
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     _load_block(k_desc, k_smem, k_ready, k_empty, bc, hk, k_start, c, NUM_STAGES)
@@ -217,10 +221,10 @@ def _produce_tile(bufs, bc, h, hk, q_row, k_start, n_blocks, c, t, NUM_STAGES: g
 
 @gluon.jit
 def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-              PINGPONG: gl.constexpr, VARLEN: gl.constexpr):
+              PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr):
     """The TMA warp: every tile of this program, in order (``_produce_tile``)."""
-    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-     v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr) = bufs
+    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
+     v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr) = bufs
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     n_tiles = sizes[7]
@@ -306,11 +310,12 @@ def _store_empty_rows(o_ptr, m_ptr, l_ptr, row0, n_rows, h, total_q, o_stride_ro
 @gluon.jit
 def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n_blocks, q_start, rows_q,
                   rows_k, c, t, rounds, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr):
+                  NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr,
+                  SEPARATE_O: gl.constexpr):
     """Consumer warpgroup ``w``'s rows m0 + 64 w .. m0 + 64 w + 63 of one tile (n_blocks >= 1 key blocks):
     the online softmax, then O, m and l out. Returns (c, t, rounds) after the tile."""
-    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-     v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr) = bufs
+    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
+     v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr) = bufs
     (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
      o_stride_head) = sizes
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
@@ -377,6 +382,9 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n
         mbarrier.arrive(v_empty.index(vslot), count=1)
         p = gl.convert_layout(p_next.to(dtype), p_layout)
 
+    if SEPARATE_O:  # every QK^T of the tile has retired: the producer may load the next tile's Q rows
+        mbarrier.arrive(q_empty.index(w), count=1)
+
     # The last block's PV.
     vc = c + n_blocks - 1
     vslot = vc % NUM_STAGES
@@ -389,38 +397,42 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n
     o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
     mbarrier.arrive(v_empty.index(vslot), count=1)
 
-    # Empty rows (l = 0) give 0, not 0/0. O goes out through this warpgroup's Q buffer (Q is dead now)
-    # and TMA, which drops rows past the tensor; a packed sequence's last rows go out by a masked store.
+    # Empty rows (l = 0) give 0, not 0/0. O goes out through this warpgroup's O buffer (its Q buffer, Q
+    # being dead now, unless SEPARATE_O) and TMA, which drops rows past the tensor; a packed sequence's last
+    # rows go out by a masked store.
     l_o = gl.convert_layout(l_i, o_row_layout)
     out = (o / gl.where(l_o == 0.0, 1.0, l_o)[:, None]).to(dtype)
+    if SEPARATE_O:
+        tma.store_wait(pendings=0)  # the previous tile's O store has read the buffer
     if VARLEN:
         if r0 + BLOCK_M_WG <= rows_q:
-            q_smem.index(w).reshape([BLOCK_M_WG, HEAD_DIM]).store(out)
+            o_smem.index(w).reshape([BLOCK_M_WG, HEAD_DIM]).store(out)
             fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [bc, h, q_start + r0, 0], q_smem.index(w))
+            tma.async_copy_shared_to_global(o_desc, [bc, h, q_start + r0, 0], o_smem.index(w))
         else:
             _store_rows(o_ptr, out, q_start + r0, rows_q - r0, h, o_stride_row, o_stride_head)
         row_ok = offs_m < rows_q
         st = h.to(gl.int64) * seqlen_q + q_start + offs_m  # stats (H, T): seqlen_q is T here
     else:
-        q_smem.index(w).reshape([BLOCK_M_WG, HEAD_DIM]).store(out)
+        o_smem.index(w).reshape([BLOCK_M_WG, HEAD_DIM]).store(out)
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [bc, h, r0, 0], q_smem.index(w))
+        tma.async_copy_shared_to_global(o_desc, [bc, h, r0, 0], o_smem.index(w))
         row_ok = offs_m < seqlen_q
         st = (b * n_heads + h).to(gl.int64) * seqlen_q + offs_m
     gl.store(m_ptr + st, m_i, mask=row_ok)
     gl.store(l_ptr + st, l_i, mask=row_ok)
-    tma.store_wait(pendings=0)
-    mbarrier.arrive(q_empty.index(w), count=1)  # the producer may load the next tile's Q rows
+    if not SEPARATE_O:
+        tma.store_wait(pendings=0)
+        mbarrier.arrive(q_empty.index(w), count=1)  # the producer may load the next tile's Q rows
     return c + n_blocks, t + 1, rounds
 
 
 @gluon.jit
 def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr):
+              NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr):
     """Consumer warpgroup ``w``: rows m0 + 64 w .. m0 + 64 w + 63 of each tile of this program."""
-    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-     v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr) = bufs
+    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
+     v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr) = bufs
     (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
      o_stride_head) = sizes
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
@@ -446,7 +458,7 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
                 if n_blocks > 0:
                     c, t, rounds = _consume_tile(w, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n_blocks,
                                                  q_start, rows_q, rows_k, c, t, rounds, CAUSAL, NUM_STAGES,
-                                                 NUM_WG, PINGPONG, VARLEN)
+                                                 NUM_WG, PINGPONG, VARLEN, SEPARATE_O)
                 else:  # a sequence without keys: its rows are empty, and nothing was loaded for them
                     _store_empty_rows(o_ptr, m_ptr, l_ptr, q_start + m0 + w * BLOCK_M_WG,
                                       rows_q - m0 - w * BLOCK_M_WG, h, seqlen_q, o_stride_row, o_stride_head,
@@ -454,25 +466,27 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
         else:
             c, t, rounds = _consume_tile(w, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n_blocks, q_start,
                                          rows_q, rows_k, c, t, rounds, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG,
-                                         VARLEN)
+                                         VARLEN, SEPARATE_O)
+    if SEPARATE_O:
+        tma.store_wait(pendings=0)  # the last O store has read its buffer before the program ends
 
 
 @gluon.jit
 def _consumer0(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PINGPONG: gl.constexpr, VARLEN: gl.constexpr):
-    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN)
+               PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr):
+    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O)
 
 
 @gluon.jit
 def _consumer1(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PINGPONG: gl.constexpr, VARLEN: gl.constexpr):
-    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN)
+               PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr):
+    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O)
 
 
 @gluon.jit
 def _consumer2(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PINGPONG: gl.constexpr, VARLEN: gl.constexpr):
-    _consumer(2, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN)
+               PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr):
+    _consumer(2, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O)
 
 
 @gluon.jit(do_not_specialize=SIZE_ARGS, do_not_specialize_on_alignment=UNALIGNED_ARGS)
@@ -480,7 +494,7 @@ def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, c
                           n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
                           o_stride_head, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                           NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-                          VARLEN: gl.constexpr):
+                          VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr):
     """o, m, l of the query tiles program_id(0), program_id(0) + num_programs(0), ... of ``n_tiles`` =
     n_m_blocks x batch x heads. kv head = q head // group; ``head_group``: heads per chunk of the causal
     tile order (``_tile_coords``).
@@ -513,20 +527,31 @@ def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, c
         # A K/V slot is free once every consumer warpgroup has read it.
         mbarrier.init(k_empty.index(i), count=NUM_WG)
         mbarrier.init(v_empty.index(i), count=NUM_WG)
-    bufs = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-            v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr)
+    if SEPARATE_O:
+        o_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG] + q_desc.block_type.shape, q_desc.layout)
+    else:
+        o_smem = q_smem  # O goes out through the Q buffers (Q is dead by then)
+    bufs = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
+            k_empty, v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr)
     sizes = (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
              o_stride_head)
     # (The argument tuples are written out: a tuple assigned to a name turns its constexprs into tensors.)
     if NUM_WG == 2:
-        gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN)),
-                            (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN)),
-                            (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN))],
+        gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
+                                          SEPARATE_O)),
+                            (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
+                                          SEPARATE_O)),
+                            (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
+                                         SEPARATE_O))],
                            [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.static_assert(NUM_WG == 3)
-        gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN)),
-                            (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN)),
-                            (_consumer2, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN)),
-                            (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN))],
+        gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
+                                          SEPARATE_O)),
+                            (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
+                                          SEPARATE_O)),
+                            (_consumer2, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
+                                          SEPARATE_O)),
+                            (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
+                                         SEPARATE_O))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
