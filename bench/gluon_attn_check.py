@@ -421,6 +421,12 @@ def bench_variants(deadline):
         ms = triton.testing.do_bench(lambda q=q, k=k, v=v, c=causal: gluon(q, k, v, c), warmup=25, rep=100,
                                      return_mode="median")
         rows.append((label, "default", flops / ms / 1e9, ""))
+        try:  # the reference point, in the same run
+            ms = triton.testing.do_bench(lambda q=q, k=k, v=v, c=causal: IMPLS["sdpa cudnn"](q, k, v, c),
+                                         warmup=25, rep=100, return_mode="median")
+            rows.append((label, "sdpa cudnn", flops / ms / 1e9, ""))
+        except Exception as e:  # noqa: BLE001
+            rows.append((label, "sdpa cudnn", None, f"FAILED {type(e).__name__}"))
         for name, vd, cfg, persistent in variant_configs():
             if vd != d or time.time() > deadline:
                 continue
@@ -516,8 +522,8 @@ def main():
             check_config(dt, d, c, args.quick)
         check_schedule_and_backward(args.quick)
     table = {} if args.skip_bench else bench(deadline + 60)
-    if args.variants:
-        bench_variants(deadline + 180)
+    if args.variants:  # alone (--skip-checks --skip-bench), within --budget-s; else up to 3 minutes more
+        bench_variants(deadline if args.skip_checks and args.skip_bench else deadline + 180)
     say(f"\n== summary ({time.time() - start:.0f} s)")
     fails = [n for n, s in SUMMARY if s.startswith("FAIL")]
     say(f"checks: {sum(s.startswith('ok') for _, s in SUMMARY)} ok, {len(fails)} failed")
