@@ -85,7 +85,8 @@ def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_cau
     """``""`` if the Gluon forward computes this attention, else why not, in words. The arguments are the
     attention op's (``wl`` / ``wr``: window sides, < 0 unbounded; ``wr`` is 0 with ``is_causal``); what
     they are read for: q's dtype, q's and v's head dims, q's device, whether a mask / softcap / window
-    is given, and the settings (``SAFEOPS_GLUON``, a forced Triton forward configuration)."""
+    is given, and the settings (``SAFEOPS_GLUON``, a forced Triton forward configuration). Packed
+    sequences (``cu_q`` given) are taken like dense ones."""
     if not _config.gluon_enabled():
         return "SAFEOPS_GLUON=0 turns the Gluon forward off"
     from . import attention_launch
