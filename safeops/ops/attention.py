@@ -26,6 +26,7 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 
 from .. import _config, reference
+from . import attention_launch
 from ._launch import _any_requires_grad, define_op
 from .softmax import eager_fast_path, no_double_backward
 
@@ -36,29 +37,13 @@ def _runs_reference(q: torch.Tensor) -> bool:
     return q.dtype == torch.float64 or not _config.use_triton(q)
 
 
-def _empty_out(q: torch.Tensor, dv: int) -> torch.Tensor:
-    if q.shape[-1] == dv:
-        return torch.empty_like(q)  # keeps q's memory layout (e.g. (B, S, H, D) transposed)
-    return q.new_empty(q.shape[:-1] + (dv,))
-
-
-def _stats_shape(q: torch.Tensor, varlen: bool) -> tuple[int, ...]:
-    return (q.shape[1], q.shape[0]) if varlen else tuple(q.shape[:3])
-
-
-def _fake_forward(q, v, varlen):
-    acc = reference.compute_dtype(q.dtype)
-    shape = _stats_shape(q, varlen)
-    return _empty_out(q, v.shape[-1]), q.new_empty(shape, dtype=acc), q.new_empty(shape, dtype=acc)
-
-
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """(S, H, D) slice of a packed tensor -> (1, H, S, D)."""
     return t.permute(1, 0, 2).unsqueeze(0)
 
 
 def _reference_forward(q, k, v, mask, mask_kind, cu_q, cu_k, is_causal, scale, softcap, wl, wr):
-    out, m, l = _fake_forward(q, v, cu_q is not None)
+    out, m, l = attention_launch.empty_outputs(q, v, cu_q is not None)
     if cu_q is None:
         o, mm, ll = reference.attention_forward(q, k, v, mask, mask_kind, is_causal, scale, softcap, wl, wr)
         return out.copy_(o), m.copy_(mm), l.copy_(ll)
@@ -103,32 +88,19 @@ BACKWARD_SCHEMA = (f"(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Ten
                    f"{_OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor)")
 
 
-_launcher = None
-
-
-def _launch_module():
-    """safeops.ops.attention_launch, imported on first use (it imports Triton) and then kept."""
-    global _launcher
-    if _launcher is None:
-        from . import attention_launch
-
-        _launcher = attention_launch
-    return _launcher
-
-
 def _forward_impl(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                   scale, softcap, window_left, window_right, precision):
     if _runs_reference(q):
         return _reference_forward(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, is_causal, scale,
                                   softcap, window_left, window_right)
-    return (_launcher or _launch_module()).forward(
+    return attention_launch.forward(
         q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
         softcap, window_left, window_right, precision)
 
 
 def _forward_fake(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                   scale, softcap, window_left, window_right, precision):
-    return _fake_forward(q, v, cu_seqlens_q is not None)
+    return attention_launch.empty_outputs(q, v, cu_seqlens_q is not None)
 
 
 def _backward_impl(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seqlens_q, cu_seqlens_k,
@@ -137,7 +109,7 @@ def _backward_impl(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seq
     if row_max.dtype == torch.float64 or not _config.use_triton(q):
         return _reference_backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seqlens_q,
                                    cu_seqlens_k, is_causal, scale, softcap, window_left, window_right)
-    return (_launcher or _launch_module()).backward(
+    return attention_launch.backward(
         grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, is_causal, scale, softcap, window_left, window_right, precision)
 
@@ -196,8 +168,6 @@ def partial_forward(q, k, v, is_causal, scale, softcap, window_left, window_righ
             window_right)
     if _runs_reference(q):  # the reference computes in fp32 anyway: give it fp32 inputs (exact upcast)
         return _forward_impl(q.to(acc), k.to(acc), v.to(acc), *args, 0 if acc == torch.float32 else precision)
-    from . import attention_launch
-
     return attention_launch.forward(q, k, v, *args, precision, out_dtype=acc)
 
 
@@ -211,8 +181,6 @@ def partial_backward(grad, q, k, v, out, row_max, row_sum, is_causal, scale, sof
     if _runs_reference(q):
         return _backward_impl(grad.to(acc), q.to(acc), k.to(acc), v.to(acc), out.to(acc), row_max, row_sum,
                               *args, 0 if acc == torch.float32 else precision)
-    from . import attention_launch
-
     return attention_launch.backward(grad, q, k, v, out, row_max, row_sum, *args, precision, grad_dtype=acc)
 
 

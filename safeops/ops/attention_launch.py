@@ -217,6 +217,17 @@ def _use_tma(cfg: AttnConfig, *tensors: torch.Tensor) -> bool:
     return True
 
 
+def empty_outputs(q: torch.Tensor, v: torch.Tensor, varlen: bool):
+    """``(out, row_max, row_sum)`` as the attention op returns them, uninitialised: ``out`` keeps q's memory
+    layout (e.g. (B, S, H, D) transposed) when the head dims match; the statistics are fp32 (fp64 for fp64
+    inputs), (B, Hq, Sq) dense or (Hq, Tq) packed. The op's fake and reference paths allocate the same."""
+    acc = reference.compute_dtype(q.dtype)
+    shape = (q.shape[1], q.shape[0]) if varlen else tuple(q.shape[:3])
+    dv = v.shape[-1]
+    out = torch.empty_like(q) if q.shape[-1] == dv else q.new_empty(q.shape[:-1] + (dv,))
+    return out, q.new_empty(shape, dtype=acc), q.new_empty(shape, dtype=acc)
+
+
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
     """The kernels address the head dim with stride 1."""
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
@@ -380,10 +391,8 @@ def _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_caus
                      precision, *, out_dtype: torch.dtype | None = None, record: list | None = None):
     """The forward with every decision made again (``forward`` keeps them in plans); ``record`` (a list)
     receives the launch as ``(kernel, grid, args, kwargs)``."""
-    from .attention import _fake_forward
-
     _check_device(q)
-    out, row_max, row_sum = _fake_forward(q, v, cu_q is not None)
+    out, row_max, row_sum = empty_outputs(q, v, cu_q is not None)
     if out_dtype is not None and out_dtype != out.dtype:
         out = torch.empty(out.shape, dtype=out_dtype, device=out.device)
     if out.numel() == 0 and row_max.numel() == 0:
