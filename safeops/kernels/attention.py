@@ -542,8 +542,8 @@ def attn_bwd_dkdv_kernel(
     # from them the pointer tiles and the masks' per-element indices) from a zero the compiler cannot see
     # through ((pid_h + r) // (n_heads + r): 0, pid_h < n_heads), so they die with the range's loop instead
     # of staying live across the others. Hoisted, they filled the registers of the unmasked loop, and ptxas
-    # serialized every wgmma of a causal program holding one head (C7515; H200 causal MHA D=64 backward
-    # -9.9%, bench/results/attn_dkdv_variants_2026-11-30-s7.txt). Same arithmetic, same order, same bits.
+    # serialized every wgmma of a causal program holding one head (its warning C7515), a slower backward.
+    # Same arithmetic, same order, same bits.
     for g in tl.range(GROUP // SPLIT, disable_licm=True):
         pid_h = kv_h * GROUP + part * (GROUP // SPLIT) + g
         q_base = q_ptr + pid_b.to(tl.int64) * sqb + pid_h.to(tl.int64) * sqh + q_start.to(tl.int64) * sqs

@@ -16,8 +16,7 @@ view, usually with zero strides); ``mask_kind`` is 0 (none), 1 (bool, True = att
 The stats are base 2 (``row_max`` = max of z2, ``row_sum`` = sum of exp2(z2 - row_max), see
 ``safeops.reference``), fp32 (fp64 for fp64 inputs), kept apart for the backward (contract section 3).
 Like the softmax ops these are opaque ops (registered through ``safeops.ops._launch.define_op``, with the
-schemas ``torch.library.custom_op`` gave them before), so compiled code runs the eager launcher's exact
-kernels.
+schemas ``torch.library.custom_op`` would infer), so compiled code runs the eager launcher's exact kernels.
 """
 
 from __future__ import annotations
@@ -79,7 +78,7 @@ def _reference_backward(grad, q, k, v, out, m, l, mask, mask_kind, cu_q, cu_k, i
     return dq, dk, dv
 
 
-# The schemas torch.library.custom_op inferred from the type hints of the earlier definitions, unchanged.
+# The schemas torch.library.custom_op would infer from the implementations' type hints.
 _OPTIONS_SCHEMA = ("Tensor? mask, SymInt mask_kind, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
                    "SymInt max_seqlen_q, SymInt max_seqlen_k, bool is_causal, float scale, float? softcap, "
                    "SymInt window_left, SymInt window_right, SymInt precision")
@@ -125,8 +124,8 @@ _OPTION_NAMES = ("mask", "mask_kind", "cu_seqlens_q", "cu_seqlens_k", "max_seqle
 
 
 def _attention_function(below):
-    """The autograd.Function recorded when a gradient is wanted (see ``define_op``): what the earlier
-    ``register_autograd(_backward, setup_context=_setup_context)`` did."""
+    """The autograd.Function recorded when a gradient is wanted (see ``define_op``): the forward saves q, k,
+    v, the output and the row statistics; the backward calls the attention_backward op."""
 
     class Recorded_attention(torch.autograd.Function):
         @staticmethod
@@ -141,8 +140,8 @@ def _attention_function(below):
         def backward(ctx, grad_out, grad_max, grad_sum):
             q, k, v, out, row_max, row_sum, mask, cu_q, cu_k = ctx.saved_tensors
             mask_kind, _, _, max_q, max_k, is_causal, scale, softcap, wl, wr, precision = ctx.options
-            # grad_out as it comes (the launcher takes any strides with a unit head-dim stride, copying
-            # only otherwise): with Hugging Face's (B, S, H, D) layout a .contiguous() here was a full copy.
+            # grad_out as it comes: the launcher takes any strides with a unit head-dim stride and copies
+            # only otherwise (with Hugging Face's (B, S, H, D) layout .contiguous() would copy it all).
             dq, dk, dv = attention_backward_op(
                 grad_out, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q,
                 max_k, is_causal, scale, softcap, wl, wr, precision)
@@ -187,7 +186,7 @@ def partial_backward(grad, q, k, v, out, row_max, row_sum, is_causal, scale, sof
 # Registered through torch.library.Library (safeops.ops._launch.define_op) rather than
 # torch.library.custom_op: the same schemas, implementations, fakes and autograd, with fewer Python layers
 # on every call (compiled graphs call these ops at run time). attention_backward has no derivative: a
-# double backward raises, as it did without a register_autograd.
+# double backward raises, as for a custom_op without register_autograd.
 attention_backward_op = define_op("attention_backward", BACKWARD_SCHEMA, _backward_impl, _backward_fake)
 attention_op = define_op("attention", FORWARD_SCHEMA, _forward_impl, _forward_fake, _attention_function)
 
@@ -222,7 +221,7 @@ def forward(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, *options):
     per-call cost."""
     if eager_fast_path(q, k, v, mask, cu_seqlens_q, cu_seqlens_k):
         if ((torch.is_grad_enabled() and _any_requires_grad(q, k, v, mask))
-                or getattr(_forward_ad, "_current_level", 0) >= 0):  # a dual level: jvp must raise as before
+                or getattr(_forward_ad, "_current_level", 0) >= 0):  # a dual level: jvp must raise
             return _EagerAttention.apply(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, *options)
         return _forward_impl(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, *options)
     return attention_op(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, *options)
