@@ -16,8 +16,7 @@ view, usually with zero strides); ``mask_kind`` is 0 (none), 1 (bool, True = att
 The stats are base 2 (``row_max`` = max of z2, ``row_sum`` = sum of exp2(z2 - row_max), see
 ``safeops.reference``), fp32 (fp64 for fp64 inputs), kept apart for the backward (contract section 3).
 Like the softmax ops these are opaque ops (registered through ``safeops.ops._launch.define_op``, with the
-schemas ``torch.library.custom_op`` gave them before), so compiled code runs the eager launcher's exact
-kernels.
+schemas ``torch.library.custom_op`` would infer), so compiled code runs the eager launcher's exact kernels.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 
 from .. import _config, reference
+from . import attention_launch
 from ._launch import _any_requires_grad, define_op
 from .softmax import eager_fast_path, no_double_backward
 
@@ -36,29 +36,13 @@ def _runs_reference(q: torch.Tensor) -> bool:
     return q.dtype == torch.float64 or not _config.use_triton(q)
 
 
-def _empty_out(q: torch.Tensor, dv: int) -> torch.Tensor:
-    if q.shape[-1] == dv:
-        return torch.empty_like(q)  # keeps q's memory layout (e.g. (B, S, H, D) transposed)
-    return q.new_empty(q.shape[:-1] + (dv,))
-
-
-def _stats_shape(q: torch.Tensor, varlen: bool) -> tuple[int, ...]:
-    return (q.shape[1], q.shape[0]) if varlen else tuple(q.shape[:3])
-
-
-def _fake_forward(q, v, varlen):
-    acc = reference.compute_dtype(q.dtype)
-    shape = _stats_shape(q, varlen)
-    return _empty_out(q, v.shape[-1]), q.new_empty(shape, dtype=acc), q.new_empty(shape, dtype=acc)
-
-
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """(S, H, D) slice of a packed tensor -> (1, H, S, D)."""
     return t.permute(1, 0, 2).unsqueeze(0)
 
 
 def _reference_forward(q, k, v, mask, mask_kind, cu_q, cu_k, is_causal, scale, softcap, wl, wr):
-    out, m, l = _fake_forward(q, v, cu_q is not None)
+    out, m, l = attention_launch.empty_outputs(q, v, cu_q is not None)
     if cu_q is None:
         o, mm, ll = reference.attention_forward(q, k, v, mask, mask_kind, is_causal, scale, softcap, wl, wr)
         return out.copy_(o), m.copy_(mm), l.copy_(ll)
@@ -94,7 +78,7 @@ def _reference_backward(grad, q, k, v, out, m, l, mask, mask_kind, cu_q, cu_k, i
     return dq, dk, dv
 
 
-# The schemas torch.library.custom_op inferred from the type hints of the earlier definitions, unchanged.
+# The schemas torch.library.custom_op would infer from the implementations' type hints.
 _OPTIONS_SCHEMA = ("Tensor? mask, SymInt mask_kind, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
                    "SymInt max_seqlen_q, SymInt max_seqlen_k, bool is_causal, float scale, float? softcap, "
                    "SymInt window_left, SymInt window_right, SymInt precision")
@@ -103,32 +87,19 @@ BACKWARD_SCHEMA = (f"(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Ten
                    f"{_OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor)")
 
 
-_launcher = None
-
-
-def _launch_module():
-    """safeops.ops.attention_launch, imported on first use (it imports Triton) and then kept."""
-    global _launcher
-    if _launcher is None:
-        from . import attention_launch
-
-        _launcher = attention_launch
-    return _launcher
-
-
 def _forward_impl(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                   scale, softcap, window_left, window_right, precision):
     if _runs_reference(q):
         return _reference_forward(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, is_causal, scale,
                                   softcap, window_left, window_right)
-    return (_launcher or _launch_module()).forward(
+    return attention_launch.forward(
         q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
         softcap, window_left, window_right, precision)
 
 
 def _forward_fake(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                   scale, softcap, window_left, window_right, precision):
-    return _fake_forward(q, v, cu_seqlens_q is not None)
+    return attention_launch.empty_outputs(q, v, cu_seqlens_q is not None)
 
 
 def _backward_impl(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seqlens_q, cu_seqlens_k,
@@ -137,7 +108,7 @@ def _backward_impl(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seq
     if row_max.dtype == torch.float64 or not _config.use_triton(q):
         return _reference_backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seqlens_q,
                                    cu_seqlens_k, is_causal, scale, softcap, window_left, window_right)
-    return (_launcher or _launch_module()).backward(
+    return attention_launch.backward(
         grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, is_causal, scale, softcap, window_left, window_right, precision)
 
@@ -153,8 +124,8 @@ _OPTION_NAMES = ("mask", "mask_kind", "cu_seqlens_q", "cu_seqlens_k", "max_seqle
 
 
 def _attention_function(below):
-    """The autograd.Function recorded when a gradient is wanted (see ``define_op``): what the earlier
-    ``register_autograd(_backward, setup_context=_setup_context)`` did."""
+    """The autograd.Function recorded when a gradient is wanted (see ``define_op``): the forward saves q, k,
+    v, the output and the row statistics; the backward calls the attention_backward op."""
 
     class Recorded_attention(torch.autograd.Function):
         @staticmethod
@@ -169,8 +140,8 @@ def _attention_function(below):
         def backward(ctx, grad_out, grad_max, grad_sum):
             q, k, v, out, row_max, row_sum, mask, cu_q, cu_k = ctx.saved_tensors
             mask_kind, _, _, max_q, max_k, is_causal, scale, softcap, wl, wr, precision = ctx.options
-            # grad_out as it comes (the launcher takes any strides with a unit head-dim stride, copying
-            # only otherwise): with Hugging Face's (B, S, H, D) layout a .contiguous() here was a full copy.
+            # grad_out as it comes: the launcher takes any strides with a unit head-dim stride and copies
+            # only otherwise (with Hugging Face's (B, S, H, D) layout .contiguous() would copy it all).
             dq, dk, dv = attention_backward_op(
                 grad_out, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q,
                 max_k, is_causal, scale, softcap, wl, wr, precision)
@@ -196,8 +167,6 @@ def partial_forward(q, k, v, is_causal, scale, softcap, window_left, window_righ
             window_right)
     if _runs_reference(q):  # the reference computes in fp32 anyway: give it fp32 inputs (exact upcast)
         return _forward_impl(q.to(acc), k.to(acc), v.to(acc), *args, 0 if acc == torch.float32 else precision)
-    from . import attention_launch
-
     return attention_launch.forward(q, k, v, *args, precision, out_dtype=acc)
 
 
@@ -211,15 +180,13 @@ def partial_backward(grad, q, k, v, out, row_max, row_sum, is_causal, scale, sof
     if _runs_reference(q):
         return _backward_impl(grad.to(acc), q.to(acc), k.to(acc), v.to(acc), out.to(acc), row_max, row_sum,
                               *args, 0 if acc == torch.float32 else precision)
-    from . import attention_launch
-
     return attention_launch.backward(grad, q, k, v, out, row_max, row_sum, *args, precision, grad_dtype=acc)
 
 
 # Registered through torch.library.Library (safeops.ops._launch.define_op) rather than
 # torch.library.custom_op: the same schemas, implementations, fakes and autograd, with fewer Python layers
 # on every call (compiled graphs call these ops at run time). attention_backward has no derivative: a
-# double backward raises, as it did without a register_autograd.
+# double backward raises, as for a custom_op without register_autograd.
 attention_backward_op = define_op("attention_backward", BACKWARD_SCHEMA, _backward_impl, _backward_fake)
 attention_op = define_op("attention", FORWARD_SCHEMA, _forward_impl, _forward_fake, _attention_function)
 
@@ -254,7 +221,7 @@ def forward(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, *options):
     per-call cost."""
     if eager_fast_path(q, k, v, mask, cu_seqlens_q, cu_seqlens_k):
         if ((torch.is_grad_enabled() and _any_requires_grad(q, k, v, mask))
-                or getattr(_forward_ad, "_current_level", 0) >= 0):  # a dual level: jvp must raise as before
+                or getattr(_forward_ad, "_current_level", 0) >= 0):  # a dual level: jvp must raise
             return _EagerAttention.apply(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, *options)
         return _forward_impl(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, *options)
     return attention_op(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, *options)

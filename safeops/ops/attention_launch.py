@@ -2,9 +2,9 @@
 
 Configurations are keyed by the head-dim block, the dtype and whether a causal/window mask is present,
 never by the batch, head count or sequence length: a sequence then gets the same bits whatever else is in
-the batch, packed (varlen) or padded (contract section 6). The block sizes below are first guesses from the
-FlashAttention-2 / Triton tutorial literature for Hopper; they are to be tuned on the H200 with
-``python3 bench/attention.py --sweep`` (see scratch/notes_attention.md for what to tune first).
+the batch, packed (varlen) or padded (contract section 6). The bf16 / fp16 tables hold the fastest
+configurations of ``python3 bench/attention.py --sweep`` on the H200 (numbers in bench/RESULTS.md); a block
+size changes the reduction order, so a table entry also fixes the bits of its configuration.
 """
 
 from __future__ import annotations
@@ -51,13 +51,10 @@ class AttnConfig:
     maxnreg: int | None = None  # ptxas register cap per thread (Triton's ``maxnreg``): more programs per SM
 
 
-# (head-dim block, element size, masked by causal/window) -> config, bf16 / fp16.
-# D=64 / D=128: the best of the H200 sweep (run 4: Triton 3.6, B=4 H=16 S=4K; see scratch/notes_attention.md):
-# fwd (128, 64, 8, 3) 405 / 482 TFLOP/s (the old (128, 128, 8, 3/2) 325 / 402); dk/dv D=64 (32, 128, 4, 2),
-# D=128 (32, 64, 4, 3); dq D=64 (64, 64, 4, 2), D=128 (128, 64, 8, 3) (three stages: +3% dense, +9% causal
-# over two in bench/attn_bwd_variants.py, session 3). Causal entries equal the dense ones (the causal sweep
-# agreed at D=64). D=16/32 and D=256 are offline picks (no spills, fit).
-# Every entry (and its mask variants below) is compiled for sm_90 by tests/test_attention_configs.py.
+# (head-dim block, element size, masked by causal/window) -> config, bf16 / fp16. D=64 and D=128 are the
+# H200 sweep's best; D=32 and D=256 were chosen offline (no register spills, shared memory fits). Causal
+# entries equal the dense ones except where noted. Every entry (and its mask variants below) is compiled for
+# sm_90 by tests/test_attention_configs.py.
 def _both(cfg: AttnConfig) -> dict[bool, AttnConfig]:
     return {False: cfg, True: cfg}
 
@@ -68,41 +65,34 @@ def _table(by_d: dict[int, AttnConfig]) -> dict[tuple[int, int, bool], AttnConfi
 
 FWD_CONFIGS = _table({32: AttnConfig(128, 64, 4, 3), 64: AttnConfig(128, 64, 8, 3),
                       128: AttnConfig(128, 64, 8, 3), 256: AttnConfig(128, 64, 8, 2)})
-# Causal / windowed forward at D=64: 64-query programs of 4 warps (same key block, so the same bits). H200,
-# session 8 (bench/results/attention_sweep_mha_2026-11-30-s8.txt): B4 H16 S4K causal 0.393 against 0.394 ms;
-# the 1.1B Llama layer 209 against 221 us (session 7). Dense stays (128, 64, 8, 3): 0.671 against 0.718 ms.
+# Causal / windowed forward at D=64: 64-query programs of 4 warps (the same key block, so the same bits),
+# faster on the causal Llama layer; dense attention stays faster with 128-query programs.
 FWD_CONFIGS[(64, 2, True)] = AttnConfig(64, 64, 4, 3)
 # dk/dv kernel: block_n keys per program, block_m queries per step.
 DKDV_CONFIGS = _table({32: AttnConfig(32, 128, 4, 2), 64: AttnConfig(32, 128, 4, 2),
                        128: AttnConfig(32, 64, 4, 3), 256: AttnConfig(32, 64, 8, 1)})
-# Dense dk/dv at D=64: three stages (same tile, same bits). H200, session 8, B4 H16 S4K whole backward 2.169
-# against 2.346 ms; causal keeps two (1.264 against 1.335 ms with three).
+# Dense dk/dv at D=64: three pipeline stages (same tile, same bits); causal is faster with two.
 DKDV_CONFIGS[(64, 2, False)] = AttnConfig(32, 128, 4, 3)
-# Causal / windowed dk/dv at D=64: q / dO through TMA descriptors (same tile, same bits). H200, session 8
-# (bench/results/attention_sweep_dkdv_tma_2026-11-30-s8.txt): B4 H16 S4K causal whole backward 1.205 against
-# 1.255 ms; the 1.1B Llama layer's dk/dv 402 against 409 us.
+# Causal / windowed dk/dv at D=64: q / dO loaded through TMA descriptors (same tile, same bits), faster.
 DKDV_CONFIGS[(64, 2, True)] = AttnConfig(32, 128, 4, 2, tma=True)
-# dq kernel: block_m queries per program, block_n keys per step. (128, 32, 4, 2) at D=16 crashed ptxas
-# (SIGSEGV, Triton 3.6's ptxas 12.8) on the H200: not used. D=64 loads K / V through TMA descriptors (same
-# bits): at the 1.1B Llama layer ((B, S, H, D) layout, GQA) 195 against 225 us on the H200
-# (bench/results/attention_sweep_llama_2026-11-30-s7b.txt), MHA causal 168 against 165 TFLOP/s.
+# dq kernel: block_m queries per program, block_n keys per step. (128, 32, 4, 2) at D=16 is avoided: Triton
+# 3.6's ptxas (12.8) crashes on it. D=64 loads K / V through TMA descriptors (same bits), faster with
+# Hugging Face's (B, S, H, D) layout.
 DQ_CONFIGS = _table({32: AttnConfig(64, 64, 4, 2), 64: AttnConfig(64, 64, 4, 2, tma=True),
                      128: AttnConfig(128, 64, 8, 3), 256: AttnConfig(64, 32, 8, 1)})
 # A dense attn_mask is loaded tile by tile beside K/V, and the pipeliner stages its tiles through shared
-# memory too: (kind, head-dim block, smallest mask element size) -> the config to use instead; kind is
-# "fwd" / "dkdv" / "dq" for bf16 / fp16 and "fp32-fwd" / "fp32-dkdv" / "fp32-dq" for fp32 inputs. Run 4 hit
-# 245760 B (limit 232448) with the fwd D=64 (128, 128, 8, 3) and an fp32 mask.
-# Offline (Triton 3.6, sm_90) with causal + window + softcap + GQA: fwd D=128 (128, 64, 8, 3) takes 196608 B
-# with an fp32 mask but 262144 with fp64; D=256 (128, 64, 8, 2) 229376 with fp32, 262144 with fp64.
+# memory too, which must fit sm_90's 232448 bytes: (kind, head-dim block, smallest mask element size) -> the
+# config to use instead; kind is "fwd" / "dkdv" / "dq" for bf16 / fp16 and "fp32-fwd" / "fp32-dkdv" /
+# "fp32-dq" for fp32 inputs. With causal + window + softcap + GQA (sm_90 compile) the fwd D=128 table entry
+# takes 196608 B with an fp32 mask, 262144 with fp64; D=256 takes 229376 with fp32, 262144 with fp64.
 MASK_CONFIGS: dict[tuple[str, int, int], AttnConfig] = {
     ("fwd", 128, 8): AttnConfig(128, 64, 8, 2),
     ("fwd", 256, 4): AttnConfig(128, 32, 8, 2),
-    # dq D=128: three K/V stages take 163840 B unmasked, 180224 with a 2-byte mask; a 4-byte
-    # mask tile per stage would not fit (offline sm_90 compile, Triton 3.6).
+    # dq D=128: three K/V stages fit with a 2-byte mask tile per stage, not with a 4-byte one.
     ("dq", 128, 4): AttnConfig(128, 64, 8, 2),
 }
 # fp32 inputs, by (head-dim block, ieee): smaller tiles. "ieee" dots are FMA loops (no tensor cores) and
-# spill with larger tiles (offline sm_90 compile, Triton 3.6); tf32 / tf32x3 use the tensor cores.
+# spill registers with larger tiles; tf32 / tf32x3 use the tensor cores.
 FP32_FWD = {(32, False): AttnConfig(64, 32, 8, 2), (64, False): AttnConfig(64, 32, 8, 2),
             (128, False): AttnConfig(64, 32, 4, 2), (256, False): AttnConfig(32, 32, 4, 1),
             (32, True): AttnConfig(64, 32, 8, 2), (64, True): AttnConfig(64, 32, 8, 2),
@@ -218,6 +208,17 @@ def _use_tma(cfg: AttnConfig, *tensors: torch.Tensor) -> bool:
     return True
 
 
+def empty_outputs(q: torch.Tensor, v: torch.Tensor, varlen: bool):
+    """``(out, row_max, row_sum)`` as the attention op returns them, uninitialised: ``out`` keeps q's memory
+    layout (e.g. (B, S, H, D) transposed) when the head dims match; the statistics are fp32 (fp64 for fp64
+    inputs), (B, Hq, Sq) dense or (Hq, Tq) packed. The op's fake and reference paths allocate the same."""
+    acc = reference.compute_dtype(q.dtype)
+    shape = (q.shape[1], q.shape[0]) if varlen else tuple(q.shape[:3])
+    dv = v.shape[-1]
+    out = torch.empty_like(q) if q.shape[-1] == dv else q.new_empty(q.shape[:-1] + (dv,))
+    return out, q.new_empty(shape, dtype=acc), q.new_empty(shape, dtype=acc)
+
+
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
     """The kernels address the head dim with stride 1."""
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
@@ -309,13 +310,11 @@ def _common_constexprs(p: _Problem, mask_kind: int, softcap) -> dict:
 
 
 # GQA: the dk/dv kernel runs one program per (key block, kv head), looping over the head's query group. With
-# few kv heads that is too few programs (a 4-kv-head model at S=4K: 128 programs for 132 SMs, 3.5x slower
-# than the whole dq kernel on the H200), so each group is split over SPLIT programs writing fp32 partials.
-# Two query heads per program beat one wherever the group has 4 or more (H200, causal bf16, whole backward:
-# 32q/4kv D64 0.758 -> 0.684 ms, 32q/8kv D64 0.771 -> 0.693, 32q/8kv D128 1.228 -> 1.113, 64q/4kv D64
-# 1.443 -> 1.282, 32q/4kv D128 1.211 -> 1.095, B4 S1K 0.318 -> 0.306; one head per program or the unsplit
-# kernel were slower at every shape: bench/results/attention_split_sweep_2026-11-30-s7.txt).
-# The split depends on the group size only (plus a memory cap), never on the sequence lengths or the batch.
+# few kv heads that is too few programs to fill the GPU (a 4-kv-head model at S=4K: 128 programs for 132 SMs),
+# so each group is split over SPLIT programs writing fp32 partials, summed afterwards in a fixed order. Two
+# query heads per program beat both one head per program and the unsplit kernel wherever the group has 4 or
+# more (H200 sweep, bench/RESULTS.md). The split depends on the group size only (plus a memory cap for the
+# partials), never on the sequence lengths or the batch.
 DKDV_SPLIT_MAX_BYTES = 4 << 30
 DKDV_HEADS_PER_PROGRAM = 2
 
@@ -332,7 +331,7 @@ def dkdv_split(group: int, kv_elements: int) -> int:
 
 
 # Causal / windowed backward programs differ in length; ordering them block-major over groups of this many
-# heads starts the longest ones first (H200, D=64 causal: +7% backward, bench/attn_bwd_variants.py "lpt8").
+# heads starts the longest ones first, so the short ones fill the tail.
 BACKWARD_HEAD_GROUP = 8
 
 
@@ -353,8 +352,7 @@ def _even(p: _Problem, cfg: AttnConfig) -> bool:
 
 
 # The GQA split's sum: rows (kv head x position) per program and warps. 32 x 8 keeps D=64 at split 8 near 100
-# registers (offline sm_90, Triton 3.6); on the H200 it runs the 1.1B Llama layer's sums and casts in 28.6
-# against 45.2 us for two torch sums + two copies (bench/results/attn_split_sum_2026-11-30-s7.txt).
+# registers; one launch for dk and dv replaces two torch sums and two casting copies.
 SPLIT_SUM_BLOCK_R = 32
 SPLIT_SUM_WARPS = 8
 
@@ -381,10 +379,8 @@ def _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_caus
                      precision, *, out_dtype: torch.dtype | None = None, record: list | None = None):
     """The forward with every decision made again (``forward`` keeps them in plans); ``record`` (a list)
     receives the launch as ``(kernel, grid, args, kwargs)``."""
-    from .attention import _fake_forward
-
     _check_device(q)
-    out, row_max, row_sum = _fake_forward(q, v, cu_q is not None)
+    out, row_max, row_sum = empty_outputs(q, v, cu_q is not None)
     if out_dtype is not None and out_dtype != out.dtype:
         out = torch.empty(out.shape, dtype=out_dtype, device=out.device)
     if out.numel() == 0 and row_max.numel() == 0:
