@@ -101,9 +101,9 @@ def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
 # ------------------------------------------------------------------------------------------------------
 
 def gluon(q, k, v, causal, **kw):
-    from safeops.ops import attention_gluon as G
+    from safeops.ops import attention_launch as L
 
-    return G.forward(q, k, v, causal, **kw)
+    return L.gluon_forward(q, k, v, causal, **kw)
 
 
 def triton_fwd(q, k, v, causal, scale=None):
@@ -175,14 +175,14 @@ def _triton_launches(quick):
     return list({json.dumps(x, sort_keys=True): x for x in launches}.values())
 
 
-def prewarm(quick, variants):
+def prewarm(quick, variants, triton_kernels=True):
     import threading
 
     from safeops.ops import attention_gluon as G
     from safeops.ops import attention_launch as L
 
     t0 = time.time()
-    result = {}
+    result = {} if triton_kernels else {"triton": "no Triton kernels (checks and timing skipped)"}
 
     def triton_side():
         try:
@@ -192,7 +192,7 @@ def prewarm(quick, variants):
         except Exception as e:  # noqa: BLE001 - the launches compile on first use instead
             result["triton"] = f"Triton prewarm failed ({type(e).__name__}: {str(e)[:200]})"
 
-    thread = threading.Thread(target=triton_side)
+    thread = threading.Thread(target=triton_side if triton_kernels else lambda: None)
     thread.start()
     jobs = [(dt, d, c, False, {}) for dt, d, c in CHECK_CONFIGS]
     jobs += [("bfloat16", d, c, False, {"pingpong": False}) for d, c in (SCHEDULE_CONFIGS[2:] if quick else
@@ -501,16 +501,16 @@ def main():
     start = time.time()
     deadline = start + args.budget_s
     say(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name(0)}")
-    from safeops.ops import attention_gluon as G
+    from safeops.ops import attention_launch as L
 
     q, k, v = inputs(1, 2, 2, 128, 128, 128, torch.bfloat16)
-    why = G.reason(q, k, v, None, None, False, None, -1, -1)
+    why = L.gluon_reason(q, k, v, None, None, False, None, -1, -1)
     say(f"Gluon path can run: {not why} {why}")
     if why:
         dump()
         return 1
     if not args.no_prewarm:
-        prewarm(args.quick, args.variants)
+        prewarm(args.quick, args.variants, triton_kernels=not (args.skip_checks and args.skip_bench))
     if not args.skip_checks:
         configs = [(getattr(torch, dt), d, c) for dt, d, c in CHECK_CONFIGS]
         if args.quick:

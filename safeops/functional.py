@@ -9,7 +9,6 @@ import torch
 
 from . import dtensor as _dtensor
 from .ops import attention as _ops_attention
-from .ops import attention_gluon as _ops_attention_path
 from .ops import cast_transpose as _ops_cast
 from .ops import merge as _ops_merge
 from .ops import softmax as _ops
@@ -410,7 +409,7 @@ def attention_backend(q, k, v, *, attn_mask=None, is_causal=False, scale=None, s
         mask = None
     _, softcap, left, right, _ = _attention_options(q, scale, softcap, window, is_causal, return_lse,
                                                     precision)
-    return _ops_attention_path.path(q, k, v, mask, cu_seqlens_q, is_causal, softcap, left, right)
+    return _ops_attention.path(q, k, v, mask, cu_seqlens_q, is_causal, softcap, left, right)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 
 from .. import _config, reference
-from . import attention_launch
+from . import attention_gluon, attention_launch
 from ._launch import _any_requires_grad, define_op
 from .softmax import eager_fast_path, no_double_backward
 
@@ -34,6 +34,22 @@ PRECISIONS = {"ieee": 0, "tf32": 1, "tf32x3": 2}
 
 def _runs_reference(q: torch.Tensor) -> bool:
     return q.dtype == torch.float64 or not _config.use_triton(q)
+
+
+def path(q, k, v, mask, cu_q, is_causal: bool, softcap, wl: int, wr: int) -> tuple[str, str]:
+    """(``"reference"`` / ``"triton"`` / ``"gluon"``, why): the forward's path as ``_forward_impl`` and
+    ``attention_launch.forward`` choose it, by the same two checks (``_runs_reference``, then
+    ``attention_launch.gluon_reason``); safeops.attention_backend reports it."""
+    if _runs_reference(q):
+        if q.dtype == torch.float64:
+            return "reference", "float64 inputs run the float64 reference"
+        if _config.backend_name() == "reference":
+            return "reference", "SAFEOPS_BACKEND=reference"
+        return "reference", f"{q.device.type} tensors run the pure-torch reference (SAFEOPS_BACKEND=auto)"
+    why = attention_launch.gluon_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr)
+    if why:
+        return "triton", why
+    return "gluon", attention_gluon.describe(q, is_causal, cu_q is not None)
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,14 @@
-"""Where an attention forward runs, and the launcher of the Gluon forward for Hopper
-(``safeops.kernels.attention_gluon``).
+"""The Gluon attention forward for Hopper (``safeops.kernels.attention_gluon``): what it takes, and its
+launcher.
 
-The path choice is one check, :func:`reason`: ``""`` when the Gluon kernel computes the forward, else why
-not, in words. ``safeops.ops.attention_launch.forward`` asks it once per plan (its CUDA forwards run the
-Gluon kernel where it says so, the Triton kernels elsewhere), and :func:`path` (behind
-``safeops.attention_backend``) puts the reference choice of ``safeops.ops.attention`` in front of it. The
-check reads the dtype, the head dims, the device, the options and the settings only: never the batch, the
-number of sequences, their lengths or the memory layout, so a row's kernel, and with it its bits, does not
-depend on what else is in the batch or where the tensor lies in memory (contract section 6). A layout TMA
-cannot read (an unaligned base or stride, a stride of 0, a head dim that is not innermost) is copied first.
+:func:`reason` is ``""`` when the Gluon kernel computes a forward, else why not, in words.
+``safeops.ops.attention_launch.gluon_reason`` (the path choice: this, after the launcher's own settings)
+decides for every CUDA forward, once per plan, and ``safeops.ops.attention.path`` (behind
+``safeops.attention_backend``) reports it after the reference choice. The check reads the dtype, the head
+dims, the device, the options and the settings only: never the batch, the number of sequences, their
+lengths or the memory layout, so a row's kernel, and with it its bits, does not depend on what else is in
+the batch or where the tensor lies in memory (contract section 6). A layout TMA cannot read (an unaligned
+base or stride, a stride of 0, a head dim that is not innermost) is copied first.
 
 :class:`Plan` is one problem signature's launch: configuration, grid, scalars, descriptor layouts and the
 compiled kernel, kept by ``attention_launch.forward``'s plan cache like the Triton path's plans; a call
@@ -85,14 +85,9 @@ def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_cau
     """``""`` if the Gluon forward computes this attention, else why not, in words. The arguments are the
     attention op's (``wl`` / ``wr``: window sides, < 0 unbounded; ``wr`` is 0 with ``is_causal``); what
     they are read for: q's dtype, q's and v's head dims, q's device, whether a mask / softcap / window
-    is given, and the settings (``SAFEOPS_GLUON``, a forced Triton forward configuration). Packed
-    sequences (``cu_q`` given) are taken like dense ones."""
+    is given, and ``SAFEOPS_GLUON``. Packed sequences (``cu_q`` given) are taken like dense ones."""
     if not _config.gluon_enabled():
         return "SAFEOPS_GLUON=0 turns the Gluon forward off"
-    from . import attention_launch
-
-    if "fwd" in attention_launch._override:
-        return "a Triton forward configuration is forced (attention_launch.config_override)"
     if out_dtype is not None and out_dtype != q.dtype:
         return f"the Gluon kernel writes the output in q's dtype, not {out_dtype} (fp32 partials)"
     if q.dtype not in (torch.bfloat16, torch.float16):
@@ -119,31 +114,10 @@ def describe(q: torch.Tensor, is_causal: bool, varlen: bool) -> str:
     return f"{what}{' packed (varlen)' if varlen else ''} on {_arch(q.device.index)}"
 
 
-def _reference_reason(q: torch.Tensor) -> str:
-    if q.dtype == torch.float64:
-        return "float64 inputs run the float64 reference"
-    if _config.backend_name() == "reference":
-        return "SAFEOPS_BACKEND=reference"
-    return f"{q.device.type} tensors run the pure-torch reference (SAFEOPS_BACKEND=auto)"
-
-
-def path(q, k, v, mask, cu_q, is_causal: bool, softcap, wl: int, wr: int) -> tuple[str, str]:
-    """(``"reference"`` / ``"triton"`` / ``"gluon"``, why): the forward's path as the op chooses it, by the
-    same two checks (``safeops.ops.attention._runs_reference``, then :func:`reason`)."""
-    from .attention import _runs_reference
-
-    if _runs_reference(q):
-        return "reference", _reference_reason(q)
-    why = reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr)
-    if why:
-        return "triton", why
-    return "gluon", describe(q, is_causal, cu_q is not None)
-
-
 def settings() -> tuple:
     """What the path choice and the Gluon plans depend on beyond ``attention_launch.forward``'s plan keys
     (its plans are dropped when any of it changes)."""
-    return _config.gluon_enabled(), PERSISTENT, L2_CHUNK_BYTES, reason, Plan
+    return _config.gluon_enabled(), PERSISTENT, L2_CHUNK_BYTES, reason, Plan, device_reason
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -189,10 +163,11 @@ class Plan:
     __slots__ = ("varlen", "copy", "o_scratch", "stat_shape", "empty", "block_shapes", "layouts", "args",
                  "launch", "templates")
 
-    def __init__(self, q, k, v, cu_q, max_q: int, max_k: int, causal: bool, scale: float | None, *,
+    def __init__(self, q, k, v, cu_q, max_q: int, max_k: int, causal: bool, c1: float, *,
                  persistent: bool | None = None, config=None):
+        """``c1``: fp32(scale * log2(e)), the Triton path's constant (``attention_launch.constants``), so
+        both paths multiply the scores by the same bits."""
         from ._launch import KernelLaunch
-        from .attention_launch import constants  # the Triton path's host constants: the same C1 bits
 
         K = kernels()
         varlen = self.varlen = cu_q is not None
@@ -229,7 +204,6 @@ class Plan:
         grid = (min(n_tiles, _num_sms(q.device.index)) if persistent else n_tiles,)
         kv_bytes = 2 * max(max_k, 1) * d * k.element_size()  # one kv head's K and V, shared by a query group
         head_group = max(1, min(batch * hq, L2_CHUNK_BYTES * (hq // hkv) // kv_bytes))
-        c1 = constants(d**-0.5 if scale is None else scale, None)[0]
         self.args = (c1, hq, hq // hkv, head_group, rows_q, rows_k, n_m_blocks, n_tiles)
         kwargs = dict(K.constexprs(cfg, causal, varlen), **K.LAUNCH_OPTIONS,
                       enable_fp_fusion=_config.fp_fusion)
@@ -277,33 +251,6 @@ class Plan:
         if o_ is not o:
             o.copy_(o_)
         return o, m, l
-
-
-_plans: dict = {}
-
-
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-            scale: float | None = None, *, persistent: bool | None = None,
-            config=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(o, m, l)`` of dense attention through the Gluon kernel: o ``(B, Hq, Sq, D)`` in q's dtype and
-    layout, m and l ``(B, Hq, Sq)`` fp32 (base 2). For benchmarks and tests (``safeops.attention`` gets
-    here through ``attention_launch.forward``).
-
-    ``scale`` defaults to 1 / sqrt(D); ``causal`` is top-left aligned (query i sees keys j <= i), as in the
-    Triton path. ``persistent`` / ``config`` (a ``GluonFwdConfig``) are benchmark knobs. Raises ValueError
-    with :func:`reason`'s answer for an input this path does not take."""
-    why = reason(q, k, v, None, None, causal, None, -1, 0 if causal else -1)
-    if why:
-        raise ValueError(why)
-    key = tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16, t.device) for t in (q, k, v)) + (
-        causal, scale, persistent, config, settings(), _config.fp_fusion)
-    plan = _plans.get(key)
-    if plan is None:
-        if len(_plans) >= 256:
-            _plans.clear()
-        plan = _plans[key] = Plan(q, k, v, None, q.shape[2], k.shape[2], causal, scale, persistent=persistent,
-                                  config=config)
-    return plan(q, k, v)
 
 
 # ------------------------------------------------------------------------------------------------------

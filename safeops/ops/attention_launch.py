@@ -489,7 +489,7 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
 # with the same arguments, so the kernels and their bits are the same (a plan with TMA loads sets Triton's
 # per-thread scratch allocator first, as the general path does). Layouts the plan does not cover (inputs
 # that need a copy to unit head-dim stride, empty tensors) run the general path on every call. A forward
-# the Gluon kernel takes (``attention_gluon.reason``) is kept as an ``attention_gluon.Plan`` instead. Editing
+# the Gluon kernel takes (``gluon_reason``) is kept as an ``attention_gluon.Plan`` instead. Editing
 # a config table in place is not seen: call ``clear_plans()`` after that.
 
 _GENERAL = "general"
@@ -510,7 +510,7 @@ def _settings() -> tuple:
     return (kernels, _kernels, _config.fp_fusion, tuple(_override.items()), DKDV_SPLIT_MAX_BYTES,
             SPLIT_SUM_BLOCK_R, SPLIT_SUM_WARPS, BACKWARD_HEAD_GROUP, INTERPRETER_CONFIG,
             config, dkdv_split, DKDV_HEADS_PER_PROGRAM, _gpu, _check_device, _use_tma, launch, FWD_CONFIGS,
-            DKDV_CONFIGS, DQ_CONFIGS, MASK_CONFIGS, FP32_FWD, FP32_BWD, _gluon.settings())
+            DKDV_CONFIGS, DQ_CONFIGS, MASK_CONFIGS, FP32_FWD, FP32_BWD, _gluon.settings(), gluon_reason)
 
 
 def _tables() -> tuple[dict, dict]:
@@ -589,6 +589,38 @@ def _forward_plan(q, k, v, mask, cu_q, out_dtype, result, record) -> _FwdPlan | 
     return plan
 
 
+def gluon_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, out_dtype=None) -> str:
+    """The path choice of ``forward``: ``""`` when the Gluon kernel runs it (``attention_gluon.reason``),
+    unless a Triton forward configuration is forced (``config_override``, for sweeps and tests)."""
+    if "fwd" in _override:
+        return "a Triton forward configuration is forced (attention_launch.config_override)"
+    return _gluon.reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, out_dtype)
+
+
+_gluon_plans: dict = {}
+
+
+def gluon_forward(q, k, v, causal: bool = False, scale: float | None = None, *,
+                  persistent: bool | None = None, config=None):
+    """``(o, m, l)`` of dense attention through the Gluon kernel, for benchmarks and tests (``forward``
+    takes this path where ``gluon_reason`` says so). ``persistent`` / ``config`` (a ``GluonFwdConfig``)
+    are benchmark knobs. Raises ValueError with ``gluon_reason``'s answer for an input it does not take."""
+    why = gluon_reason(q, k, v, None, None, causal, None, -1, 0 if causal else -1)
+    if why:
+        raise ValueError(why)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    key = tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16, t.device) for t in (q, k, v)) + (
+        causal, scale, persistent, config, _gluon.settings(), _config.fp_fusion)
+    plan = _gluon_plans.get(key)
+    if plan is None:
+        if len(_gluon_plans) >= 256:
+            _gluon_plans.clear()
+        c1 = constants(scale, None)[0]
+        plan = _gluon_plans[key] = _gluon.Plan(q, k, v, None, q.shape[2], k.shape[2], causal, c1,
+                                               persistent=persistent, config=config)
+    return plan(q, k, v)
+
+
 def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale, softcap, wl, wr, precision,
             *, out_dtype: torch.dtype | None = None):
     """``(out, row_max, row_sum)``. ``out_dtype`` (internal): the output's dtype when it is not q's, e.g.
@@ -601,10 +633,10 @@ def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale
     plan = plans.get(key)
     if plan is None:
         # The path choice (safeops.attention_backend reports it): the Gluon kernel where it takes the forward.
-        if not _gluon.reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, out_dtype):
+        if not gluon_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, out_dtype):
             if len(plans) >= _PLANS_MAX:
                 plans.clear()
-            plan = plans[key] = _gluon.Plan(q, k, v, cu_q, max_q, max_k, is_causal, scale)
+            plan = plans[key] = _gluon.Plan(q, k, v, cu_q, max_q, max_k, is_causal, constants(scale, None)[0])
             return plan(q, k, v, cu_q, cu_k)
         record: list = []
         result = _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale,
