@@ -88,6 +88,7 @@ def _compiled():
 def _shipped_settings(monkeypatch):
     monkeypatch.setenv("SAFEOPS_BACKEND", "auto")
     monkeypatch.delenv("SAFEOPS_GLUON", raising=False)
+    L.clear_plans()
     yield
     L.clear_plans()
 
