@@ -76,8 +76,11 @@ def test_sweep_rows_on_cpu(monkeypatch, tmp_path, seed):
     assert [r["status"][:5] for r in rows] == ["ok", "ok", "error", "ok", "ok", "ok"], text
     assert "does not divide" in rows[2]["status"]
     assert "(unexpected)" not in text
-    assert rows[0]["bits"] == rows[3]["bits"] == rows[5]["bits"] == "dq=same dk=same dv=same", text
+    assert rows[0]["bits"] == rows[3]["bits"] == "dq=same dk=same dv=same", text
     assert rows[4]["bits"].startswith("dq=diff"), text  # another key step in dq: other rounding
+    # Another dq query step: same bits on CUDA, but the interpreter's tl.dot (numpy's matmul) may round a
+    # 32-row product differently from a 16-row one, so dq may differ here (never dk / dv: other kernel).
+    assert rows[5]["bits"].endswith("dk=same dv=same"), text
     assert rows[1]["bits"].endswith("dk=diff dv=diff"), text  # split 1: no fp32 partials, other rounding
     assert (tmp_path / "attention_sweep_llama.csv").read_text().count("\n") == len(rows) + 1
 
