@@ -15,6 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import bench_module
+from hypothesis import given
+from strategies import seeds
 
 from safeops.ops import attention_launch as L
 
@@ -58,6 +60,7 @@ def test_knobs_reach_the_planned_launches_and_are_restored():
     assert L._backward_grid(32, 32, True) == (L.BACKWARD_HEAD_GROUP, 32, 4)
 
 
+@given(seed=seeds())
 def test_sweep_rows_on_cpu(monkeypatch, tmp_path, seed):
     """The GPU sweep's per-candidate code under the interpreter (fp32: the interpreter mishandles bf16, and
     fp32 results show any change of rounding), a one-call stand-in for the timer: rows pass the loose check,
@@ -85,6 +88,7 @@ def test_sweep_rows_on_cpu(monkeypatch, tmp_path, seed):
     assert (tmp_path / "attention_sweep_llama.csv").read_text().count("\n") == len(rows) + 1
 
 
+@given(seed=seeds())
 def test_loose_check_rejects_a_wrong_gradient(seed):
     A = _module()
     ref = tuple(seed.randn(2, 3, 8, 4) for _ in range(3))
@@ -137,6 +141,7 @@ def test_layer_shapes_and_split_candidates():
     assert [c.dkdv for c in A.split_candidates(shape, (2,), A._tiles(""))] == [None, None]
 
 
+@given(seed=seeds())
 def test_forward_sweep_on_cpu(monkeypatch, tmp_path, seed):
     """The forward sweep under the interpreter (fp32): every tile passes the loose check against fp32 SDPA,
     TMA loads give the pointer loads' bits, and the CSV is written; the tile list starts from the shipped
