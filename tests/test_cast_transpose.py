@@ -28,7 +28,7 @@ import pytest
 import sm90
 import torch
 from hypothesis import given
-from strategies import seeds
+from strategies import cast_cases, examples, seeds
 
 import safeops
 from safeops.ops import cast_transpose_launch as launch
@@ -197,6 +197,28 @@ def test_matches_oracle_and_eager(backend, seed, fp8, x_dtype, rowwise):
         scale = row_scales(seed, m) if rowwise else tensor_scale(seed)
         out = safeops.cast_transpose(x, scale, fp8, rowwise=rowwise)
         check(x, scale, fp8, rowwise, out, f"{backend} {seed}")
+
+
+@given(case=cast_cases())
+@examples(ci=25)
+def test_drawn_calls_match_oracle_and_eager(backend, case):
+    """Any (M, K) (empty sides included), x dtype, layout (transposed, sliced, broadcast views), fp8 dtype,
+    tensorwise or rowwise scale of any scale dtype (rowwise with 0, negative, inf, NaN, huge and tiny
+    rows), values across the fp8 range with the special values sprinkled in: the oracle's codes, the eager
+    expression's bits and amax."""
+    seed, m, k, fp8 = case.seed, case.m, case.k, case.fp8
+
+    def fill(a, b):
+        x = random_x(seed, a, b, case.x_dtype, fp8)
+        return sprinkle(seed, x, special_values(fp8)) if x.numel() else x
+
+    x = case.layout.build((m, k), fill)
+    if case.rowwise:
+        scale = (row_scales(seed, m) if m else torch.ones(0, 1)).to(case.scale_dtype)
+    else:
+        scale = tensor_scale(seed, case.scale_dtype)
+    out = safeops.cast_transpose(x, scale, fp8, rowwise=case.rowwise)
+    check(x, scale, fp8, case.rowwise, out, f"{backend} {case!r}")
 
 
 @pytest.mark.parametrize("fp8", FP8)

@@ -12,6 +12,7 @@ import math
 
 import oracle as O
 import pytest
+import strategies as S
 import torch
 from hypothesis import given
 from strategies import seeds
@@ -130,6 +131,21 @@ def test_layouts_match_oracle(backend, op, dtype, layout, seed):
     make, dim = LAYOUTS[layout]
     x = make(seed, dtype, input_std(backend, dtype, 4.0))
     check(op, x, dim, seed=seed, context=f"{backend} {layout}")
+
+
+@pytest.mark.parametrize("op", OPS)
+@given(case=S.row_cases())
+@S.examples(ci=25)
+def test_drawn_calls_match_oracle(backend, op, case):
+    """Any shape (0-d, size-0 and size-1 dims), dim, layout (permuted, sliced, broadcast views), x and
+    output dtypes, mask (broadcast, strided, fully masked rows), scale (python float or tensor of any
+    dtype, negative too) and -inf entries: output and gradients (d/dscale too) within the oracle's bounds."""
+    std = input_std(backend, case.out_dtype or case.dtype, input_std(backend, case.dtype, 3.0))
+    x = case.layout.make(case.seed, case.shape, case.dtype, std=std, neg_inf=case.neg_inf)
+    mask = case.mask.make(case.seed) if case.mask is not None else None
+    check(op, x, case.dim, seed=case.seed, scale=case.scale.make(), mask=mask,
+          dtype=None if op == "logsumexp" else case.out_dtype, keepdim=case.keepdim and op == "logsumexp",
+          context=f"{backend} {case!r}")
 
 
 SPLIT_CASES = {
