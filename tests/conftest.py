@@ -1,7 +1,23 @@
-"""Shared fixtures: backend switching, fresh random seeds, the gpu marker.
+"""Shared fixtures: backend switching, Hypothesis profiles, the gpu marker.
 
 ``import safeops`` comes first: on a machine without a GPU it turns on Triton's interpreter
 (TRITON_INTERPRET=1), which only works if it happens before anything imports triton or torch._dynamo.
+
+Random inputs come from Hypothesis (``@given``; strategies and a drawn seed for tensor contents in
+``tests/strategies.py``). Two settings profiles, chosen by ``SAFEOPS_HYPOTHESIS``:
+
+- ``ci`` (the default): derandomized, so every run tries the same examples; one example per test unless
+  the test asks for more (``@strategies.examples(n)``: the property tests); no deadline; no example
+  database and no shrinking (a failure is reported at once, with the ``@reproduce_failure`` blob).
+- ``deep``: fresh random examples, 200 per test (``SAFEOPS_HYPOTHESIS_EXAMPLES`` changes the count; a slow
+  test may ask for fewer), shrunk to a minimal failing example and kept in ``.hypothesis/`` to replay; for
+  local and GPU runs, e.g. ``SAFEOPS_HYPOTHESIS=deep pytest tests/test_softmax_numerics.py -k triton``.
+
+A failing example prints its arguments; a tensor's values are ``Seed(n)`` in it, so
+``@hypothesis.example(..., seed=Seed(n))`` on the test replays it.
+
+The ``seed`` fixture (a fresh seed per test, ``SAFEOPS_TEST_SEED=n`` to replay) is what tests not yet on
+Hypothesis use.
 """
 
 import safeops  # noqa: F401, I001  (must be first, see the module docstring)
@@ -11,6 +27,19 @@ import secrets
 
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, settings
+
+import strategies
+
+# Function-scoped fixtures (backend, monkeypatch, tmp_path) are shared by a test's examples: the fixtures
+# used with @given set state that every example wants (a backend) or that an example resets itself.
+_SUPPRESSED = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("ci", max_examples=1, derandomize=True, deadline=None, print_blob=True,
+                          database=None, phases=[Phase.explicit, Phase.generate],
+                          suppress_health_check=_SUPPRESSED)
+settings.register_profile("deep", max_examples=strategies.deep_examples(), deadline=None, print_blob=True,
+                          suppress_health_check=_SUPPRESSED)
+settings.load_profile(strategies.profile())
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 SEED_ENV = "SAFEOPS_TEST_SEED"
@@ -72,36 +101,10 @@ def reference_backend(monkeypatch) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# Fresh random inputs, reproducible from the seed printed in every failure
+# The seed fixture of the tests not on Hypothesis: a fresh seed per test, reproducible from the failure
 # --------------------------------------------------------------------------------------------------
 
-
-class Seed:
-    """A fresh seed per test (or SAFEOPS_TEST_SEED to replay one) and a torch.Generator on it."""
-
-    def __init__(self, value: int):
-        self.value = value
-        self.gen = torch.Generator().manual_seed(value)
-
-    def __str__(self) -> str:
-        return f"seed={self.value} (replay with {SEED_ENV}={self.value})"
-
-    __repr__ = __str__
-
-    def randn(self, *shape: int, dtype=torch.float32, std: float = 1.0) -> torch.Tensor:
-        return (torch.randn(shape, generator=self.gen, dtype=torch.float64) * std).to(dtype)
-
-    def rand(self, *shape: int) -> torch.Tensor:
-        return torch.rand(shape, generator=self.gen, dtype=torch.float64)
-
-    def mask(self, *shape, keep: float = 0.7) -> torch.Tensor:
-        return self.rand(*shape) < keep
-
-    def randint(self, low: int, high: int, *shape: int) -> torch.Tensor:
-        return torch.randint(low, high, shape, generator=self.gen)
-
-    def uniform(self, low: float, high: float) -> float:
-        return low + (high - low) * float(self.rand())
+Seed = strategies.Seed
 
 
 @pytest.fixture

@@ -11,7 +11,11 @@ import math
 
 import oracle
 import pytest
+import strategies as S
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import seeds
 
 import safeops
 
@@ -33,8 +37,9 @@ def _run(q, k, v, grad_out=None, **options):
     return out.detach(), lse.detach(), q_.grad, k_.grad, v_.grad
 
 
-def check_against_oracle(q, k, v, seed, *, grads=True, **options):
-    grad_out = seed.randn(*q.shape[:3], v.shape[-1], dtype=q.dtype) if grads else None
+def check_against_oracle(q, k, v, seed, *, grads=True, grad_out=None, **options):
+    if grads and grad_out is None:
+        grad_out = seed.randn(*q.shape[:3], v.shape[-1], dtype=q.dtype)
     out, lse, dq, dk, dv = _run(q, k, v, grad_out, **options)
     oracle_options = {name: options[name] for name in ("attn_mask", "is_causal", "scale", "softcap", "window",
                                                         "precision") if name in options}
@@ -92,6 +97,7 @@ def _mask(kind, seed, b, hq, sq, sk):
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@given(seed=seeds())
 def test_options_match_oracle(backend, seed, case):
     options = dict(CASES[case])
     q, k, v = qkv(seed, b=1, hq=2, hkv=1)
@@ -100,23 +106,39 @@ def test_options_match_oracle(backend, seed, case):
     check_against_oracle(q, k, v, seed, **options)
 
 
+@given(data=st.data())
+@S.examples(ci=8)
+def test_drawn_calls_match_oracle(backend, data):
+    """MHA / GQA / MQA, any Sq and Sk (none included), D != Dv, causal, windows, softcap, scale (negative
+    too), bool and additive masks of every broadcast shape, transposed and sliced q / k / v and incoming
+    gradients: out, lse, dq, dk, dv within the oracle's bounds. bf16 on the reference only: the interpreter's
+    bf16 ``tl.dot`` is not right."""
+    dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if backend == "reference" else ())
+    case = data.draw(S.attention_cases(dtypes=dtypes), label="case")
+    q, k, v, g, options = case.inputs()
+    check_against_oracle(q, k, v, case.seed, grad_out=g, **options)
+
+
 @pytest.mark.parametrize("shape", [
     dict(b=2, hq=4, hkv=4, sq=20, sk=20, d=16),  # MHA, equal lengths
     dict(b=1, hq=4, hkv=2, sq=33, sk=17, d=32),  # GQA, Sq > Sk
     dict(b=1, hq=3, hkv=1, sq=5, sk=50, d=8, dv=40),  # MQA, Dv != D, D not a multiple of 16
     dict(b=1, hq=2, hkv=1, sq=1, sk=35, d=24),  # decoding: one query
 ])
+@given(seed=seeds())
 def test_shapes_match_oracle(backend, seed, shape):
     q, k, v = qkv(seed, **shape)
     check_against_oracle(q, k, v, seed, is_causal=shape["sq"] > 1)
 
 
+@given(seed=seeds())
 def test_fp16_matches_oracle(backend, seed):
     q, k, v = qkv(seed, dtype=torch.float16, std=2.0)
     check_against_oracle(q, k, v, seed, is_causal=True)
 
 
 @pytest.mark.parametrize("precision", ["ieee", "tf32", "tf32x3"])
+@given(seed=seeds())
 def test_fp32_precisions(backend, seed, precision):
     q, k, v = qkv(seed, sq=21, sk=26, d=16)
     if backend == "reference":
@@ -126,6 +148,7 @@ def test_fp32_precisions(backend, seed, precision):
     check_against_oracle(q, k, v, seed, precision=precision, grads=precision != "tf32x3")
 
 
+@given(seed=seeds())
 def test_tf32_rounds_inputs(triton_backend, seed):
     """precision='tf32' is the attention of the TF32-rounded inputs, visibly different from 'ieee'."""
     q, k, v = qkv(seed, sq=17, sk=19, d=16)
@@ -138,6 +161,7 @@ def test_tf32_rounds_inputs(triton_backend, seed):
     assert (tf32 - rounded).abs().max() <= 2.0**-10 * v.abs().max(), f"{seed}"
 
 
+@given(seed=seeds())
 def test_float64_inputs_are_float64(backend, seed):
     q, k, v = qkv(seed, dtype=F64, sq=9, sk=11, d=8)
     out, lse, *_ = _run(q, k, v, is_causal=True)
@@ -151,6 +175,7 @@ def test_float64_inputs_are_float64(backend, seed):
 # ------------------------------------------------------------------------------------------------------
 
 
+@given(seed=seeds())
 def test_empty_rows_are_zero(backend, seed):
     """Fully masked queries: out 0, lse -inf, dq 0 exactly, and they add nothing to dk / dv."""
     q, k, v = qkv(seed, sq=20, sk=36)
@@ -171,6 +196,7 @@ def test_empty_rows_are_zero(backend, seed):
     check_against_oracle(q, k, v, seed, attn_mask=mask)
 
 
+@given(seed=seeds())
 def test_everything_masked(backend, seed):
     q, k, v = qkv(seed, sq=18, sk=20)
     mask = torch.zeros(1, 1, 18, 20, dtype=torch.bool)
@@ -180,6 +206,7 @@ def test_everything_masked(backend, seed):
     assert (lse == NEG_INF).all()
 
 
+@given(seed=seeds())
 def test_no_keys(backend, seed):
     q, k, v = qkv(seed, sq=5, sk=0)
     out, lse, dq, dk, dv = _run(q, k, v, seed.randn(1, 2, 5, 24))
@@ -187,6 +214,7 @@ def test_no_keys(backend, seed):
     assert torch.equal(dq, torch.zeros_like(dq)) and dk.shape == k.shape and dv.shape == v.shape
 
 
+@given(seed=seeds())
 def test_no_queries(backend, seed):
     q, k, v = qkv(seed, sq=0, sk=7)
     out, lse, dq, dk, dv = _run(q, k, v, torch.zeros(1, 2, 0, 24))
@@ -194,6 +222,7 @@ def test_no_queries(backend, seed):
     assert torch.equal(dk, torch.zeros_like(dk)) and torch.equal(dv, torch.zeros_like(dv))
 
 
+@given(seed=seeds())
 def test_window_with_no_visible_key(backend, seed):
     """window=(0, 0) with more queries than keys: queries past the last key see nothing."""
     q, k, v = qkv(seed, sq=30, sk=12)
@@ -203,6 +232,7 @@ def test_window_with_no_visible_key(backend, seed):
     check_against_oracle(q, k, v, seed, window=(0, 0))
 
 
+@given(seed=seeds())
 def test_first_block_masked(backend, seed):
     """Rows whose first key blocks are all excluded: the online rescale starts from -inf without NaN."""
     q, k, v = qkv(seed, sq=20, sk=50)
@@ -215,6 +245,7 @@ def test_first_block_masked(backend, seed):
     assert torch.equal(out, out2) or backend == "reference", f"bool and -inf masks differ; {seed}"
 
 
+@given(seed=seeds())
 def test_nan_at_excluded_keys_does_not_leak(backend, seed):
     q, k, v = qkv(seed, sq=20, sk=40)
     k[:, :, 30:] = float("nan")  # keys no query sees (causal, window) or masked out
@@ -230,6 +261,7 @@ def test_nan_at_excluded_keys_does_not_leak(backend, seed):
         assert torch.equal(out, ref) or backend == "reference", f"{options}; {seed}"
 
 
+@given(seed=seeds())
 def test_nan_score_poisons_its_row_only(backend, seed):
     q, k, v = qkv(seed, sq=20, sk=25)
     q[0, 0, 4, 0] = float("nan")
@@ -241,6 +273,7 @@ def test_nan_score_poisons_its_row_only(backend, seed):
 
 
 @pytest.mark.parametrize("magnitude", [1e5, 1e11])
+@given(seed=seeds())
 def test_huge_logits(backend, seed, magnitude):
     """Scores of ~1e5 and ~1e11: finite, the largest score gets p = 1, results match the oracle."""
     q, k, v = qkv(seed, sq=18, sk=33, d=16)
@@ -250,6 +283,7 @@ def test_huge_logits(backend, seed, magnitude):
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
 
 
+@given(seed=seeds())
 def test_equal_huge_logits_gradient(backend, seed):
     """Equal scores near 1e11: p = 1/N exactly, so the gradient is not N times too big (the fold-lse bug)."""
     sq, sk, d = 9, 40, 16
@@ -268,6 +302,7 @@ def test_equal_huge_logits_gradient(backend, seed):
     assert (lse.to(F64) - expected_lse).abs().max() <= 3.3e11 * 2**-23, f"lse; {seed}"
 
 
+@given(seed=seeds())
 def test_fp16_scores_beyond_fp16_range(backend, seed):
     """fp16 inputs whose q.k exceeds 65504 stay finite (scores are fp32)."""
     q, k, v = qkv(seed, sq=17, sk=20, d=16, dtype=torch.float16)
@@ -282,6 +317,7 @@ def test_fp16_scores_beyond_fp16_range(backend, seed):
 # ------------------------------------------------------------------------------------------------------
 
 
+@given(seed=seeds())
 def test_deterministic(backend, seed):
     q, k, v = qkv(seed, b=1, hq=4, hkv=2, sq=25, sk=30)
     g = seed.randn(1, 4, 25, 24)
@@ -304,6 +340,7 @@ def test_gqa_dkdv_split_rule():
 
 
 @pytest.mark.parametrize("cap_elements", [None, 2, 1], ids=["split4", "split2", "nosplit"])
+@given(seed=seeds())
 def test_gqa_dkdv_split(triton_backend, seed, monkeypatch, cap_elements):
     """The dk/dv kernel splits a kv head's query group over several programs (fp32 partials summed in a
     fixed order by one kernel); the memory cap shrinks the split down to the unsplit kernel. Every split
@@ -319,6 +356,7 @@ def test_gqa_dkdv_split(triton_backend, seed, monkeypatch, cap_elements):
     check_against_oracle(q, k, v, seed, is_causal=True, window=(15, None))
 
 
+@given(seed=seeds())
 def test_batch_invariant(triton_backend, seed):
     q, k, v = qkv(seed, b=3, hq=2, hkv=1, sq=20, sk=21)
     out, lse, *_ = _run(q, k, v, is_causal=True)
@@ -332,6 +370,7 @@ def _pack(t: torch.Tensor, lengths) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("options", [dict(), dict(is_causal=True), dict(window=(4, 2), softcap=2.0)])
+@given(seed=seeds())
 def test_varlen_matches_per_sequence(backend, seed, options):
     lq, lk = [5, 0, 19, 3], [7, 4, 19, 0]
     hq, hkv, d = 2, 1, 16
@@ -363,6 +402,7 @@ def test_varlen_matches_per_sequence(backend, seed, options):
                 assert close, f"sequence {b} output {i}; {seed}"
 
 
+@given(seed=seeds())
 def test_tma_loads_same_bits(triton_backend, seed):
     """The optional TMA-descriptor loads (a tuning knob) compute the same bits as pointer loads."""
     from safeops.ops import attention_launch as L
@@ -391,13 +431,23 @@ def test_tma_loads_same_bits(triton_backend, seed):
 # ------------------------------------------------------------------------------------------------------
 
 
+class _Seen(list):
+    def fresh(self) -> None:
+        """Each example starts with no launch seen and no plan kept (the fixture is shared by examples)."""
+        from safeops.ops import attention_launch as L
+
+        self.clear()
+        L.clear_plans()
+
+
 @pytest.fixture
 def fwd_even(triton_backend, monkeypatch):
     """The ``EVEN`` flag of every forward launch the launcher's general path makes (a spy on its launch);
-    plans are cleared before and after, so a forced ``_even`` is seen and does not outlive the test."""
+    plans are cleared before and after (and by ``fresh()`` before each example), so a forced ``_even`` is
+    seen and does not outlive the test."""
     from safeops.ops import attention_launch as L
 
-    seen: list[bool] = []
+    seen = _Seen()
     launch = L._launch
 
     def spy(kernel, grid, *args, **kwargs):
@@ -423,12 +473,14 @@ EVEN_CASES = {
 
 
 @pytest.mark.parametrize("case", list(EVEN_CASES))
+@given(seed=seeds())
 def test_forward_even_same_bits(fwd_even, seed, monkeypatch, case):
     """Whole blocks: the launcher compiles the forward EVEN (no bounds masks, no tail loop), and it gives
     the bits of the generic kernel (``_even`` forced False), on the general path and on a plan's launch;
     both agree with the float64 oracle."""
     from safeops.ops import attention_launch as L
 
+    fwd_even.fresh()
     options = dict(EVEN_CASES[case])
     dtype, group = options.pop("dtype", torch.float16), options.pop("group", 1)
     sk, d = options.pop("sk", 64), options.pop("d", 16)
@@ -438,9 +490,11 @@ def test_forward_even_same_bits(fwd_even, seed, monkeypatch, case):
     even = check_against_oracle(q, k, v, seed, grads=False, **options)[:2]
     planned = _run(q, k, v, **options)[:2]  # the same signature again: the plan's launch
     assert fwd_even == [True], f"EVEN not chosen for whole blocks: {fwd_even}"
-    monkeypatch.setattr(L, "_even", lambda p, cfg: False)
+    with monkeypatch.context() as m:
+        m.setattr(L, "_even", lambda p, cfg: False)
+        L.clear_plans()
+        generic = _run(q, k, v, **options)[:2]
     L.clear_plans()
-    generic = _run(q, k, v, **options)[:2]
     assert fwd_even == [True, False]
     for name, a, b, c in zip(("out", "lse"), even, planned, generic, strict=True):
         assert torch.equal(a, b), f"{name}: plan launch differs; {seed}"
@@ -448,16 +502,20 @@ def test_forward_even_same_bits(fwd_even, seed, monkeypatch, case):
 
 
 @pytest.mark.parametrize("sq,sk", [(40, 64), (48, 56)])
+@given(seed=seeds())
 def test_forward_ragged_is_not_even(fwd_even, seed, sq, sk):
     """A partial last query or key block: the generic kernel (EVEN False), still right."""
+    fwd_even.fresh()
     q, k, v = qkv(seed, b=1, hq=2, hkv=1, sq=sq, sk=sk, d=16, dtype=torch.float16)
     check_against_oracle(q, k, v, seed, grads=False, is_causal=True)
     assert fwd_even == [False]
 
 
+@given(seed=seeds())
 def test_forward_varlen_not_even_matches_dense_even(fwd_even, seed):
     """Packed sequences are never EVEN (each has its own length); a sequence of whole blocks run alone is:
     the two kernels give it the same bits."""
+    fwd_even.fresh()
     lq, lk = [32, 16], [48, 32]
     qs = [seed.randn(1, 2, n, 16, dtype=torch.float16) for n in lq]
     ks = [seed.randn(1, 1, n, 16, dtype=torch.float16) for n in lk]
@@ -475,6 +533,7 @@ def test_forward_varlen_not_even_matches_dense_even(fwd_even, seed):
     assert fwd_even == [False, True, True]
 
 
+@given(seed=seeds())
 def test_transposed_layout(backend, seed):
     """(B, S, H, D) memory transposed to (B, H, S, D), as Hugging Face passes it: read in place."""
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in qkv(seed, hq=2, hkv=2))
@@ -483,6 +542,7 @@ def test_transposed_layout(backend, seed):
 
 
 @pytest.mark.parametrize("layout", ["bshd", "expanded"])
+@given(seed=seeds())
 def test_strided_incoming_gradient_same_bits(backend, seed, layout):
     """The backward reads the incoming gradient in place (Hugging Face's (B, S, H, D) memory seen as
     (B, H, S, D)), or copies it when the head dim is not unit-stride (an expanded gradient): the same bits
@@ -505,6 +565,7 @@ def test_strided_incoming_gradient_same_bits(backend, seed, layout):
 # ------------------------------------------------------------------------------------------------------
 
 
+@given(seed=seeds())
 def test_gradcheck_reference(reference_backend, seed):
     q, k, v = (t.requires_grad_(True) for t in qkv(seed, b=1, hq=2, hkv=1, sq=6, sk=7, d=4, dtype=F64))
     mask = seed.randn(1, 1, 6, 7, dtype=F64)
@@ -516,6 +577,7 @@ def test_gradcheck_reference(reference_backend, seed):
     assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-7)
 
 
+@given(seed=seeds())
 def test_opcheck(reference_backend, seed):
     q, k, v = qkv(seed, b=1, hq=2, hkv=1, sq=6, sk=7, d=8)
     mask = seed.mask(1, 2, 6, 7)
@@ -523,6 +585,7 @@ def test_opcheck(reference_backend, seed):
     torch.library.opcheck(torch.ops.safeops.attention.default, args)
 
 
+@given(seed=seeds())
 def test_opcheck_backward(backend, seed):
     """The backward op on its own: schema, fake, and (it has no derivative) no autograd registration
     surprises; causal + softcap + a bool mask, with the forward's saved row statistics."""
@@ -535,6 +598,7 @@ def test_opcheck_backward(backend, seed):
     torch.library.opcheck(torch.ops.safeops.attention_backward.default, args)
 
 
+@given(seed=seeds())
 def test_compiled_matches_eager(reference_backend, seed):
     q, k, v = qkv(seed, b=1, hq=2, hkv=1, sq=6, sk=9, d=8)
 

@@ -15,18 +15,19 @@ no bf16 math and runs tiny blocks):
 - fp16 inputs with |q.k| > 65504 stay finite; NaN at excluded keys does not leak (section 5);
 - TF32: ``precision="tf32"`` errs like cuBLAS's TF32 matmul and less than truncation (section 7).
 
-``SAFEOPS_TEST_SEED=<int>`` replays the random inputs of a failure.
+Random inputs come from Hypothesis (a drawn seed, see tests/conftest.py for the profiles); a failure prints
+the ``Rng(n)`` that replays it.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import secrets
 
 import oracle
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import safeops
 from safeops import _config
@@ -39,20 +40,24 @@ F64 = torch.float64
 
 
 class Rng:
-    def __init__(self):
-        self.value = int(os.environ.get("SAFEOPS_TEST_SEED", secrets.randbits(31)))
-        self.gen = torch.Generator(device=DEV).manual_seed(self.value)
+    """A drawn seed and a CUDA generator on it (``rngs()``); ``Rng(n)`` in a falsifying example replays it."""
+
+    def __init__(self, value: int):
+        self.value = value
+        self.gen = torch.Generator(device=DEV).manual_seed(value)
 
     def __str__(self):
-        return f"seed={self.value} (replay with SAFEOPS_TEST_SEED={self.value})"
+        return f"seed={self.value}"
+
+    def __repr__(self):
+        return f"Rng({self.value})"
 
     def randn(self, *shape, dtype=torch.float32, std=1.0):
         return (torch.randn(shape, generator=self.gen, device=DEV) * std).to(dtype)
 
 
-@pytest.fixture
-def rng():
-    return Rng()
+def rngs():
+    return st.integers(0, 2**31 - 1).map(Rng)
 
 
 @pytest.fixture(autouse=True)
@@ -141,12 +146,14 @@ def _oracle_case(case, dtype, precision, d, rng):
 # Every distinct combination of options compiles its own kernels (seconds each on first use), so the
 # matrix is every option in bf16 at D=128, and every dtype / precision on two option sets at D=64.
 @pytest.mark.parametrize("case", list(OPTIONS))
+@given(rng=rngs())
 def test_options_match_oracle(case, rng):
     _oracle_case(case, torch.bfloat16, None, 128, rng)
 
 
 @pytest.mark.parametrize("dtype,precision", DTYPES)
 @pytest.mark.parametrize("case", ["plain", "everything"])
+@given(rng=rngs())
 def test_dtypes_match_oracle(case, dtype, precision, rng):
     _oracle_case(case, dtype, precision, 64, rng)
 
@@ -154,6 +161,7 @@ def test_dtypes_match_oracle(case, dtype, precision, rng):
 # (B, Hq, Sq, Sk, D, group): decoding, long GQA, Sq < Sk, D = 256 with Sq > Sk, D = 40.
 @pytest.mark.parametrize("shape", [(1, 8, 1, 5000, 128, 1), (1, 4, 2048, 2048, 64, 4),
                                    (3, 2, 77, 1500, 96, 2), (2, 2, 129, 65, 256, 1), (1, 4, 100, 100, 40, 4)])
+@given(rng=rngs())
 def test_shapes_match_oracle(shape, rng):
     b, hq, sq, sk, d, group = shape
     q = rng.randn(b, hq, sq, d, dtype=torch.bfloat16)
@@ -161,6 +169,7 @@ def test_shapes_match_oracle(shape, rng):
     check_oracle(q, k, v, rng, is_causal=sq > 1 and sq <= sk)
 
 
+@given(rng=rngs())
 def test_largest_score_gets_exactly_one(rng):
     """One key dominates every row by ~60 (natural units): the output is exactly that key's v (p == 1)."""
     b, h, s, d = 1, 2, 257, 64
@@ -177,6 +186,7 @@ def test_largest_score_gets_exactly_one(rng):
         assert torch.equal(out, expected), f"output is not exactly v of the dominating key ({options}); {rng}"
 
 
+@given(rng=rngs())
 def test_fully_masked_rows_exact(rng):
     b, h, s, d = 2, 4, 300, 64
     q, k, v = (rng.randn(b, h, s, d, dtype=torch.bfloat16) for _ in range(3))
@@ -239,6 +249,7 @@ def test_fp_fusion_regression():
                         "coming back (find inputs where fma(s, C1, -m) differs from s * C1 - m)")
 
 
+@given(rng=rngs())
 def test_deterministic_bits(rng):
     q = rng.randn(2, 8, 1000, 128, dtype=torch.bfloat16)
     k, v = (rng.randn(2, 2, 1000, 128, dtype=torch.bfloat16) for _ in range(2))
@@ -250,6 +261,7 @@ def test_deterministic_bits(rng):
             assert torch.equal(a, b)
 
 
+@given(rng=rngs())
 def test_batch_invariant_bits(rng):
     q, k, v = (rng.randn(5, 4, 700, 64, dtype=torch.bfloat16) for _ in range(3))
     g = rng.randn(5, 4, 700, 64, dtype=torch.bfloat16)
@@ -259,6 +271,7 @@ def test_batch_invariant_bits(rng):
         assert torch.equal(a[3:4], b)
 
 
+@given(rng=rngs())
 def test_varlen_equals_dense_bits(rng):
     lengths = [300, 1, 0, 1029, 64]
     h, d = 4, 128
@@ -272,6 +285,7 @@ def test_varlen_equals_dense_bits(rng):
         assert torch.equal(out[sl], o[0].transpose(0, 1)) and torch.equal(lse[:, sl], ls[0]), f"sequence {b}"
 
 
+@given(rng=rngs())
 def test_compiled_equals_eager_bits(rng):
     q, k, v = (rng.randn(2, 4, 500, 64, dtype=torch.bfloat16) for _ in range(3))
 
@@ -282,6 +296,7 @@ def test_compiled_equals_eager_bits(rng):
     assert torch.equal(compiled(q, k, v), f(q, k, v))
 
 
+@given(rng=rngs())
 def test_fp16_scores_beyond_fp16_range(rng):
     q = rng.randn(1, 2, 200, 64, dtype=torch.float16, std=40.0)
     k = rng.randn(1, 2, 200, 64, dtype=torch.float16, std=40.0)
@@ -295,6 +310,7 @@ def test_fp16_scores_beyond_fp16_range(rng):
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
 
 
+@given(rng=rngs())
 def test_nan_at_excluded_keys_does_not_leak(rng):
     q, k, v = (rng.randn(1, 2, 300, 64, dtype=torch.bfloat16) for _ in range(3))
     k[:, :, 200:] = float("nan")
@@ -304,6 +320,7 @@ def test_nan_at_excluded_keys_does_not_leak(rng):
         assert torch.isfinite(out).all() and torch.isfinite(lse).all(), f"{options}"
 
 
+@given(rng=rngs())
 def test_tf32_error_like_cublas_not_truncation(rng):
     """precision='tf32' rounds inputs to nearest: its score error (seen through the lse) is about cuBLAS
     TF32's, and below what truncating the inputs to TF32 (Triton's plain tf32) would give."""
@@ -332,6 +349,7 @@ def test_tf32_error_like_cublas_not_truncation(rng):
     assert err_ours < err_trunc, msg
 
 
+@given(rng=rngs())
 def test_long_sequence_causal_gqa(rng):
     """Real sizes: 8K keys, causal, GQA 4:1, a few query rows checked against a float64 computation."""
     b, hq, hkv, s, d = 1, 8, 2, 8192, 128
@@ -350,6 +368,7 @@ def test_long_sequence_causal_gqa(rng):
 
 
 @pytest.mark.parametrize("d", [64, 128])
+@given(rng=rngs())
 def test_tma_same_bits(d, rng):
     """The TMA-descriptor loads give the pointer path's bits, forward and backward, on the first call (the
     general path) and on a repeated one (the cached plan, whose launches set the scratch allocator)."""
@@ -384,6 +403,7 @@ EVEN_CASES = {
 
 
 @pytest.mark.parametrize("d,case", [(128, c) for c in EVEN_CASES] + [(64, "plain"), (64, "causal")])
+@given(rng=rngs())
 def test_even_same_bits(d, case, rng, monkeypatch):
     """Whole blocks (the shipped configs at S=1024): the launcher compiles the EVEN kernels (no bounds masks,
     no partial-last-block loop; forward, dk/dv, dq), and they give the bits of the generic kernels
@@ -426,6 +446,7 @@ def test_even_same_bits(d, case, rng, monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ["bshd", "expanded", "odd-row-stride"])
+@given(rng=rngs())
 def test_incoming_gradient_layout_same_bits(rng, layout):
     """Contract section 6: the backward reads the incoming gradient in place, so its memory layout reaches
     the kernels; the result must not depend on it. ``odd-row-stride``: rows of D + 1 elements (a slice of
@@ -450,6 +471,7 @@ def test_incoming_gradient_layout_same_bits(rng, layout):
 
 
 @pytest.mark.parametrize("group", [4, 8, 16])
+@given(rng=rngs())
 def test_gqa_split_backward_bits(group, rng):
     """GQA backward with the dk/dv split (two query heads per program, the partials summed by one launch):
     dq / dk / dv match the oracle, and their bits are the same for a sequence in a batch, alone, and
@@ -483,6 +505,7 @@ def test_gqa_split_backward_bits(group, rng):
 
 
 @pytest.mark.parametrize("d", [64, 128])
+@given(rng=rngs())
 def test_cuda_graph_capture_and_replay(d, rng):
     """Attention forward + backward as a training step runs it (GQA, causal, q / k / v / grad in a
     transformers model's (B, S, H, D) layout) captured in one CUDA graph: replays with new inputs give the

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from strategies import seeds
 
 from safeops.ops import attention_launch as L
 
@@ -56,11 +58,11 @@ def _roles(**tensors) -> dict:
     return {(t.data_ptr(), t.dtype): name for name, t in tensors.items() if t is not None and t.numel()}
 
 
-def _llama(s, hq, hkv, d, dtype):
+def _llama(s, hq, hkv, d, dtype, gen=None):
     """(B, H, S, D) views of (B, S, H, D) tensors, as a Llama layer passes them."""
-    q = torch.randn(2, s, hq, d).to(dtype).transpose(1, 2)
-    k = torch.randn(2, s, hkv, d).to(dtype).transpose(1, 2)
-    v = torch.randn(2, s, hkv, d).to(dtype).transpose(1, 2)
+    q = torch.randn(2, s, hq, d, generator=gen).to(dtype).transpose(1, 2)
+    k = torch.randn(2, s, hkv, d, generator=gen).to(dtype).transpose(1, 2)
+    v = torch.randn(2, s, hkv, d, generator=gen).to(dtype).transpose(1, 2)
     return q, k, v
 
 
@@ -190,11 +192,12 @@ def test_plan_errors_like_the_general_path(gpu_route, monkeypatch):
     assert not L._tables()[0]
 
 
+@given(seed=seeds())
 def test_plan_bits_on_the_interpreter(triton_backend, seed):
     """On Triton's interpreter the plan's launches give the general path's bits (GQA, causal, Llama strides,
     forward and backward, first and repeated call)."""
-    q, k, v = _llama(40, 4, 2, 16, BF16)
-    g = torch.randn(2, 40, 4, 16).to(BF16).transpose(1, 2)
+    q, k, v = _llama(40, 4, 2, 16, BF16, seed.gen)
+    g = seed.randn(2, 40, 4, 16, dtype=BF16).transpose(1, 2)
     options = (None, 0, None, None, 40, 40, True, 0.25, None, -1, 0, 0)
     L.clear_plans()
     ref = L._forward_general(q, k, v, *options)
@@ -287,12 +290,13 @@ def test_plan_keys_see_pointer_alignment(gpu_route, which):
     assert len(bwd_plans) == 2
 
 
+@given(seed=seeds())
 def test_plan_dtype_change_bits_on_the_interpreter(triton_backend, seed):
     """On the interpreter: the fp32-partials forward / backward (fp32 out, fp32 dq / dk / dv, as
     safeops.distributed runs them) and the default ones, alternated on the same shapes, each give the bits
     of the same call with no plans kept."""
-    q, k, v = _llama(32, 2, 1, 16, BF16)
-    g = torch.randn(2, 32, 2, 16).to(BF16).transpose(1, 2)
+    q, k, v = _llama(32, 2, 1, 16, BF16, seed.gen)
+    g = seed.randn(2, 32, 2, 16, dtype=BF16).transpose(1, 2)
     options = (None, 0, None, None, 32, 32, True, 0.25, None, -1, 0, 0)
 
     def run(fp32: bool):

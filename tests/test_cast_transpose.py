@@ -27,6 +27,8 @@ import textwrap
 import pytest
 import sm90
 import torch
+from hypothesis import given
+from strategies import cast_cases, examples, seeds
 
 import safeops
 from safeops.ops import cast_transpose_launch as launch
@@ -188,6 +190,7 @@ def row_scales(seed, m: int) -> torch.Tensor:
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
 @pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+@given(seed=seeds())
 def test_matches_oracle_and_eager(backend, seed, fp8, x_dtype, rowwise):
     for m, k in SHAPES:
         x = sprinkle(seed, random_x(seed, m, k, x_dtype, fp8), special_values(fp8))
@@ -196,9 +199,31 @@ def test_matches_oracle_and_eager(backend, seed, fp8, x_dtype, rowwise):
         check(x, scale, fp8, rowwise, out, f"{backend} {seed}")
 
 
+@given(case=cast_cases())
+@examples(ci=25)
+def test_drawn_calls_match_oracle_and_eager(backend, case):
+    """Any (M, K) (empty sides included), x dtype, layout (transposed, sliced, broadcast views), fp8 dtype,
+    tensorwise or rowwise scale of any scale dtype (rowwise with 0, negative, inf, NaN, huge and tiny
+    rows), values across the fp8 range with the special values sprinkled in: the oracle's codes, the eager
+    expression's bits and amax."""
+    seed, m, k, fp8 = case.seed, case.m, case.k, case.fp8
+
+    def fill(a, b):
+        x = random_x(seed, a, b, case.x_dtype, fp8)
+        return sprinkle(seed, x, special_values(fp8)) if x.numel() else x
+
+    x = case.layout.build((m, k), fill)
+    if case.rowwise:
+        scale = (row_scales(seed, m) if m else torch.ones(0, 1)).to(case.scale_dtype)
+    else:
+        scale = tensor_scale(seed, case.scale_dtype)
+    out = safeops.cast_transpose(x, scale, fp8, rowwise=case.rowwise)
+    check(x, scale, fp8, case.rowwise, out, f"{backend} {case!r}")
+
+
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
-def test_every_corner_at_power_of_two_scales(backend, seed, fp8, x_dtype):
+def test_every_corner_at_power_of_two_scales(backend, fp8, x_dtype):
     """Ties, carries, saturation, subnormals, NaN, inf, -0: z lands exactly on them (scale 2**j is exact)."""
     z = special_values(fp8)
     for j in (0, -3, 5):
@@ -209,6 +234,7 @@ def test_every_corner_at_power_of_two_scales(backend, seed, fp8, x_dtype):
 
 
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
+@given(seed=seeds())
 def test_every_bf16_fp16_bit_pattern(backend, seed, x_dtype):
     """All 65536 inputs of a 16-bit dtype (random fp32 patterns for fp32), both fp8 dtypes."""
     if x_dtype == torch.float32:
@@ -222,6 +248,7 @@ def test_every_bf16_fp16_bit_pattern(backend, seed, x_dtype):
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@given(seed=seeds())
 def test_half_precision_scale_is_exactly_upcast(backend, seed, scale_dtype):
     x = random_x(seed, 40, 24, torch.bfloat16, torch.float8_e4m3fn)
     scale = tensor_scale(seed, scale_dtype).reshape(1)
@@ -245,6 +272,7 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@given(seed=seeds())
 def test_layouts(backend, seed, layout):
     base = sprinkle(seed, random_x(seed, 90, 70, torch.bfloat16, torch.float8_e4m3fn),
                     special_values(torch.float8_e4m3fn))
@@ -258,6 +286,7 @@ def test_layouts(backend, seed, layout):
     check(x, rows, torch.float8_e4m3fn, True, safeops.cast_transpose(x, rows, rowwise=True), backend)
 
 
+@given(seed=seeds())
 def test_rowwise_scale_with_strides(backend, seed):
     x = random_x(seed, 50, 30, torch.float32, torch.float8_e5m2)
     rows = row_scales(seed, 100)[::2]  # (50, 1) with row stride 2
@@ -274,6 +303,7 @@ def test_empty(backend, shape):
     assert amax.dtype == torch.float32 and amax.item() == 0.0
 
 
+@given(seed=seeds())
 def test_outputs_never_require_grad(backend, seed):
     x = random_x(seed, 8, 16, torch.float32, torch.float8_e4m3fn).requires_grad_()
     scale = torch.tensor(2.0, requires_grad=True)
@@ -294,6 +324,7 @@ def test_outputs_never_require_grad(backend, seed):
     launch.TileConfig(32, 32, 4, num_stages=1, programs_per_sm=None, pack=False),
 ], ids=["persistent", "k_per_sm", "one_tile_each", "byte_transpose"])
 @pytest.mark.parametrize("wide", [False, True], ids=["offsets32", "offsets64"])
+@given(seed=seeds())
 def test_kernel_grids_and_offsets(triton_backend, seed, monkeypatch, config, wide):
     if wide:
         monkeypatch.setattr(launch, "_wide", lambda *args: True)
@@ -309,6 +340,7 @@ def test_kernel_grids_and_offsets(triton_backend, seed, monkeypatch, config, wid
 @pytest.mark.parametrize("candidate", launch.SWEEP_CANDIDATES[:len(launch.SWEEP_CANDIDATES) - 2],
                          ids=lambda c: f"{c[0].block_m}x{c[0].block_k}w{c[0].num_warps}s{c[0].num_stages}"
                                        f"-{c[0].programs_per_sm}-{'pack' if c[0].pack else 'bytes'}")
+@given(seed=seeds())
 def test_every_sweep_config_interpreted(triton_backend, seed, candidate):
     """The tiles the GPU sweep may choose, run by the interpreter (integer rounding; the GPU tests run the
     hardware one): packed y_t words (M % 4 == 0) with ragged edges, and the byte fallback (M % 4 != 0)."""
@@ -324,6 +356,7 @@ def test_every_sweep_config_interpreted(triton_backend, seed, candidate):
 
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
+@given(seed=seeds())
 def test_hardware_convert_on_values_that_need_no_rounding(triton_backend, seed, fp8, x_dtype):
     """The HW_CVT variant under the interpreter: only exact fp8 values, +-0 and NaN (module docstring)."""
     values = fp8_values(fp8)
@@ -335,6 +368,7 @@ def test_hardware_convert_on_values_that_need_no_rounding(triton_backend, seed, 
     check(x, scale, fp8, False, out, "hardware_convert")
 
 
+@given(seed=seeds())
 def test_amax_deterministic_and_workspace_reset(triton_backend, seed):
     x = random_x(seed, 130, 70, torch.float16, torch.float8_e4m3fn)
     scale = tensor_scale(seed)
@@ -404,6 +438,7 @@ def test_bad_input_raises_naming_the_argument(backend, case):
 
 
 @pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+@given(seed=seeds())
 def test_opcheck(reference_backend, seed, rowwise):
     x = random_x(seed, 12, 20, torch.bfloat16, torch.float8_e4m3fn)
     # Finite results only: opcheck compares outputs with assert_close, which treats NaN as unequal.
@@ -413,6 +448,7 @@ def test_opcheck(reference_backend, seed, rowwise):
                                                                      torch.float8_e4m3fn, False))
 
 
+@given(seed=seeds())
 def test_torch_compile_of_the_function_matches_eager(backend, seed):
     x = random_x(seed, 40, 72, torch.bfloat16, torch.float8_e4m3fn)
     scale = tensor_scale(seed)

@@ -13,8 +13,12 @@ python-float scale) are not rewritten and give the stock results.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from hypothesis import given
+from strategies import each_example, seeds
 from torch._inductor.utils import run_and_get_code
 
 import safeops
@@ -27,6 +31,14 @@ M4, M5 = torch.finfo(E4M3).max, torch.finfo(E5M2).max
 
 @pytest.fixture(autouse=True)
 def isolated():
+    """Unregistered, Dynamo reset, stats cleared and the caches off, for each test and (``@each_example``)
+    each Hypothesis example."""
+    with isolation():
+        yield
+
+
+@contextlib.contextmanager
+def isolation():
     import torch._functorch.config as fconfig
     import torch._inductor.config as config
 
@@ -116,6 +128,8 @@ def assert_one_fused_op(code: str) -> None:
 
 @pytest.mark.parametrize("mode", ["registered", "backend"])
 @pytest.mark.parametrize("form", list(FORMS))
+@given(seed=seeds())
+@each_example(isolation)
 def test_rewritten_to_one_op_with_eager_bits(seed, mode, form):
     x, s = inputs(seed, dtype=torch.float16 if form == "scale_first_e5m2" else torch.bfloat16)
     fn = FORMS[form]
@@ -126,6 +140,8 @@ def test_rewritten_to_one_op_with_eager_bits(seed, mode, form):
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@given(seed=seeds())
+@each_example(isolation)
 def test_rowwise_scale(seed, x_dtype):
     x, s = inputs(seed, dtype=x_dtype, rowwise=True)
 
@@ -139,6 +155,8 @@ def test_rowwise_scale(seed, x_dtype):
     assert_one_fused_op("\n".join(codes))
 
 
+@given(seed=seeds())
+@each_example(isolation)
 def test_delayed_scaling_keeps_its_own_amax(seed):
     """The scale comes from amax: the op cannot supply it (it would need itself). The cast is still fused."""
     x, _ = inputs(seed)
@@ -169,6 +187,8 @@ NEGATIVES = {
 
 
 @pytest.mark.parametrize("form", list(NEGATIVES))
+@given(seed=seeds())
+@each_example(isolation)
 def test_not_rewritten(seed, form):
     x, s = inputs(seed)
     fn = NEGATIVES[form]
@@ -178,6 +198,8 @@ def test_not_rewritten(seed, form):
     assert same(out, fn(x, s)), f"{form}: compiled != eager"
 
 
+@given(seed=seeds())
+@each_example(isolation)
 def test_x_requiring_grad_is_not_rewritten(seed):
     x, s = inputs(seed, dtype=torch.float32)
     x = x.nan_to_num(0.0, 1.0, -1.0).requires_grad_()
@@ -187,6 +209,8 @@ def test_x_requiring_grad_is_not_rewritten(seed):
     assert same([o.detach() for o in out], [o.detach() for o in fn(x, s)])
 
 
+@given(seed=seeds())
+@each_example(isolation)
 def test_rewrite_function_on_a_graph_module(seed):
     """``rewrite(gm)`` used directly on a traced GraphModule: one op, the same results."""
     from safeops.compile.cast_transpose import rewrite

@@ -12,6 +12,8 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from strategies import each_example, seeds
 
 import safeops
 import safeops.compile as safeops_compile
@@ -22,7 +24,14 @@ stats = safeops_compile.stats
 @pytest.fixture(autouse=True)
 def isolated():
     """Unregistered, Dynamo reset, stats cleared and Inductor's caches off (a cached graph is not rewritten
-    again, so it would not count in the stats), as in tests/test_compile_register.py."""
+    again, so it would not count in the stats), as in tests/test_compile_register.py; for each Hypothesis
+    example too (``@each_example``)."""
+    with isolation():
+        yield
+
+
+@contextlib.contextmanager
+def isolation():
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
@@ -85,6 +94,8 @@ CASES = {
 @pytest.mark.parametrize("mode", ["registered", "backend"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
+@given(seed=seeds())
+@each_example(isolation)
 def test_sdpa_is_rewritten_and_bit_identical_to_eager(reference_backend, case, dtype, mode, seed):
     make, hkv = CASES[case]
     q, k, v = inputs(seed, dtype, hkv=hkv)
@@ -111,6 +122,8 @@ def test_sdpa_is_rewritten_and_bit_identical_to_eager(reference_backend, case, d
         assert (out[:, :, 3] == 0).all() and (got_grads[0][:, :, 3] == 0).all(), seed
 
 
+@given(seed=seeds())
+@each_example(isolation)
 def test_sdpa_with_the_triton_kernels(triton_backend, seed):
     # The same rewrite with safeops' Triton kernels (interpreted here; compiled on the GPU machine).
     q, k, v = inputs(seed, torch.float32, hq=2, hkv=1, sq=5, sk=6, d=16)
@@ -133,6 +146,8 @@ NOT_REWRITTEN = {
 
 
 @pytest.mark.parametrize("name", list(NOT_REWRITTEN))
+@given(seed=seeds())
+@each_example(isolation)
 def test_sdpa_calls_safeops_cannot_serve_stay_stock(reference_backend, name, seed):
     q, k, v = inputs(seed, torch.float32)
     with safeops.registered():
@@ -141,6 +156,8 @@ def test_sdpa_calls_safeops_cannot_serve_stay_stock(reference_backend, name, see
     assert torch.isfinite(out).all()
 
 
+@given(seed=seeds())
+@each_example(isolation)
 def test_sdpa_is_not_rewritten_when_unregistered(reference_backend, seed):
     q, k, v = inputs(seed, torch.float32)
     out = compiled(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), "stock")(q, k, v)
@@ -148,6 +165,8 @@ def test_sdpa_is_not_rewritten_when_unregistered(reference_backend, seed):
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
 
 
+@given(seed=seeds())
+@each_example(isolation)
 def test_sdpa_with_a_mask_that_requires_grad_stays_stock(reference_backend, seed):
     # safeops gives an additive mask no gradient; a learned bias passed as attn_mask must keep training.
     q, k, v = inputs(seed, torch.float32)
@@ -165,6 +184,8 @@ def test_sdpa_with_a_mask_that_requires_grad_stays_stock(reference_backend, seed
     torch.testing.assert_close(db, db_eager)
 
 
+@given(seed=seeds())
+@each_example(isolation)
 def test_attention_refuses_a_float_mask_that_requires_grad(reference_backend, seed):
     q, k, v = inputs(seed, torch.float32)
     bias = seed.randn(q.shape[2], k.shape[2]).requires_grad_(True)
@@ -175,6 +196,8 @@ def test_attention_refuses_a_float_mask_that_requires_grad(reference_backend, se
     safeops.attention(q, k, v, attn_mask=bias.detach())
 
 
+@given(seed=seeds())
+@each_example(isolation)
 def test_attention_double_backward_raises(reference_backend, seed):
     q, k, v = inputs(seed, torch.float32)
     with pytest.raises(RuntimeError, match="double backward|autograd formula"):

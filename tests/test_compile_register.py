@@ -29,6 +29,8 @@ import oracle as O
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from strategies import each_example, seeds
 from torch import nn
 
 import safeops
@@ -70,8 +72,15 @@ def isolated():
 
     The teardown unregisters even when the test failed, and puts back the pre-grad pass slot if an
     ``unregister()`` bug left something there, so that one failure cannot leak into the other tests (the
-    unregister tests assert the restoration themselves).
+    unregister tests assert the restoration themselves). Hypothesis tests run each example inside
+    ``isolation()`` too (``@each_example``).
     """
+    with isolation():
+        yield
+
+
+@contextlib.contextmanager
+def isolation():
     config = _inductor_config()
     saved_pass = config.pre_grad_custom_pass
     if safeops.is_registered():
@@ -205,6 +214,8 @@ def forward_backward(fn, leaves, grads):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("form", list(CALL_FORMS))
+@given(seed=seeds())
+@each_example(isolation)
 def test_call_is_rewritten_and_bit_identical_to_eager(reference_backend, form, mode, seed):
     user, eager, kind = CALL_FORMS[form]
     cases = call_inputs(seed)
@@ -232,6 +243,8 @@ def test_call_is_rewritten_and_bit_identical_to_eager(reference_backend, form, m
 
 
 @pytest.mark.parametrize("form", ["torch.softmax", "F.log_softmax", "torch.logsumexp_keepdim"])
+@given(seed=seeds())
+@each_example(isolation)
 def test_call_is_bit_identical_to_eager_triton_kernels(triton_backend, form, seed):
     # The same check on the Triton kernels (interpreted on the CPU): compiled code calls the same launcher.
     user, eager, kind = CALL_FORMS[form]
@@ -248,6 +261,8 @@ def test_call_is_bit_identical_to_eager_triton_kernels(triton_backend, form, see
     assert_same_bits(dx, want_dx, "d/dx", f"{form} triton; {seed}")
 
 
+@given(seed=seeds())
+@each_example(isolation)
 def test_stock_call_gives_nan_on_all_inf_row(seed):
     # What the registered call fixes: stock Inductor's softmax of an all -inf row is NaN (0/0).
     x = fill_line(seed.randn(*SHAPE), -1, NEG_INF)
@@ -273,6 +288,8 @@ DECOMPOSED_FORMS = {
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
+@given(seed=seeds())
+@each_example(isolation)
 def test_decomposed_forward_ops_go_to_safeops(reference_backend, dtype, mode, seed):
     """aten._softmax / _log_softmax reached through decompositions run the safeops forward: the same bits as
     eager safeops, and an all -inf row gives 0 / -inf instead of NaN."""
@@ -294,6 +311,8 @@ def test_decomposed_forward_ops_go_to_safeops(reference_backend, dtype, mode, se
         assert not torch.isnan(o).any(), ctx
 
 
+@given(seed=seeds())
+@each_example(isolation)
 def test_stock_decomposed_forms_give_nan_on_all_inf_row(seed):
     x = fill_line(seed.randn(*SHAPE), -1, NEG_INF)
     for name, (user, *_) in DECOMPOSED_FORMS.items():
@@ -311,6 +330,8 @@ def _decomposed_backward_params():
 
 
 @pytest.mark.parametrize(("name", "dtype"), _decomposed_backward_params())
+@given(seed=seeds())
+@each_example(isolation)
 def test_decomposed_backward_matches_oracle(reference_backend, name, dtype, seed):
     """Training through a decomposed softmax under registration: d/dx against the float64 oracle (the
     tolerance of a backward that recomputes fp32 probabilities, contract section 3), with one all -inf row
@@ -332,6 +353,8 @@ def test_decomposed_backward_matches_oracle(reference_backend, name, dtype, seed
 
 
 @pytest.mark.parametrize("dtype", [FP32, BF16])
+@given(seed=seeds())
+@each_example(isolation)
 def test_cross_entropy_with_an_ignored_all_inf_row(reference_backend, dtype, seed):
     """F.cross_entropy decomposes into aten._log_softmax + nll_loss: with registration an ignored row of
     -inf logits (a padded position whose logits were all masked) has a zero gradient; stock gives NaN
@@ -463,6 +486,8 @@ def check_core_against_oracle(op, cast, pre, dim, x, keep, out, g, dx, ctx):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("form", list(CORES))
+@given(seed=seeds())
+@each_example(isolation)
 def test_hand_written_core_is_rewritten_and_matches_oracle(reference_backend, form, dtype, seed):
     core, op, kind = CORES[form]
     cases = pattern_cases(dtype, seed)
@@ -486,6 +511,8 @@ def test_hand_written_core_is_rewritten_and_matches_oracle(reference_backend, fo
 
 
 @pytest.mark.parametrize("form", list(CORES))
+@given(seed=seeds())
+@each_example(isolation)
 def test_hand_written_core_with_backend_name(reference_backend, form, seed):
     # backend="safeops" rewrites the same cores, without registration.
     core, op, kind = CORES[form]
@@ -501,6 +528,8 @@ def test_hand_written_core_with_backend_name(reference_backend, form, seed):
                               f"{form} backend=safeops; {seed}")
 
 
+@given(seed=seeds())
+@each_example(isolation)
 def test_stock_compile_gives_nan_on_fully_masked_rows(seed):
     """The same hand-written cores compiled stock: the fully masked row is NaN (the test above can fail)."""
     x = seed.randn(*SHAPE, dtype=torch.bfloat16, std=3.0).requires_grad_(True)
@@ -602,6 +631,8 @@ def assert_same_results(got, want, what):
 
 
 @pytest.mark.parametrize("name", list(NEGATIVES))
+@given(seed=seeds())
+@each_example(isolation)
 def test_not_a_softmax_is_not_rewritten(reference_backend, name, seed):
     fn, n_inputs, wrong_kind = NEGATIVES[name]
     inputs = [seed.randn(4, 6, 6, std=3.0) for _ in range(n_inputs)]
@@ -626,6 +657,8 @@ def test_case_1b_is_not_a_softmax(reference_backend):
 
 
 @pytest.mark.parametrize("dtype", [FP32, BF16])
+@given(seed=seeds())
+@each_example(isolation)
 def test_masked_fill_with_finfo_min_stays_a_real_logit(reference_backend, dtype, seed):
     """masked_fill(mask, finfo.min) is a finite logit (contract section 4): only the core may be rewritten,
     and a row filled entirely with finfo.min is uniform (1/N), not 0 as an all -inf row would be."""
@@ -679,6 +712,8 @@ def generated_kernels(fn, *args) -> str:
 
 @pytest.mark.parametrize("dtype", [FP32, BF16])
 @pytest.mark.parametrize("form", ["softmax_amax", "log_softmax_once", "F.softmax", "logsumexp"])
+@given(seed=seeds())
+@each_example(isolation)
 def test_scale_and_mask_fold_into_the_op(reference_backend, form, dtype, seed):
     """``(s * c).masked_fill(drop, -inf)`` before a softmax: the compiled code runs no separate kernel
     for the scale or the fill (the op gets ``scale=c, mask=~drop``), and the result is safeops' own
@@ -709,6 +744,8 @@ def test_scale_and_mask_fold_into_the_op(reference_backend, form, dtype, seed):
     assert torch.isfinite(ds).all() and (ds[2, 2] == 0).all(), seed
 
 
+@given(seed=seeds())
+@each_example(isolation)
 def test_negative_scale_after_the_mask_does_not_fold_the_mask(reference_backend, seed):
     # (s.masked_fill(drop, -inf)) * -1 puts +inf at the masked entries: those rows are NaN in eager
     # (contract section 5); folding the fill as a mask would hide that.
@@ -724,6 +761,8 @@ def test_negative_scale_after_the_mask_does_not_fold_the_mask(reference_backend,
     assert torch.isnan(got[1, 1]).all() and torch.isfinite(got[0, 0]).all()
 
 
+@given(seed=seeds())
+@each_example(isolation)
 def test_fp32_division_by_a_non_power_of_two_stays_a_division(reference_backend, seed):
     # s / 3 is not s * fp32(1/3) in fp32: the division stays in the graph, the op reads its result.
     s = seed.randn(4, 32, std=3.0)
@@ -734,6 +773,8 @@ def test_fp32_division_by_a_non_power_of_two_stays_a_division(reference_backend,
     assert_same_bits(got, safeops.softmax(s / 3.0, -1), "division by 3", seed)
 
 
+@given(seed=seeds())
+@each_example(isolation)
 def test_fill_used_elsewhere_is_not_folded(reference_backend, seed):
     s = seed.randn(3, 16, std=3.0)
     drop = ~seed.mask(3, 16, keep=0.7)
@@ -769,6 +810,8 @@ def mutate_after_upcast(x):
     pytest.param(mutate_inside_core, torch.float32, id="mutate_inside_core"),
     pytest.param(mutate_after_upcast, torch.bfloat16, id="mutate_after_upcast"),
 ])
+@given(seed=seeds())
+@each_example(isolation)
 def test_in_place_change_of_the_input_around_the_core(reference_backend, fn, dtype, seed):
     # Rewritten or not, the result must be the softmax of the values the core read.
     x = seed.randn(3, 8, dtype=dtype, std=3.0)
@@ -778,6 +821,8 @@ def test_in_place_change_of_the_input_around_the_core(reference_backend, fn, dty
     O.assert_close(got, r.out, O.output_bound("softmax", r, dtype), "softmax", f"{dict(stats)}; {seed}")
 
 
+@given(seed=seeds())
+@each_example(isolation)
 def test_detached_max_is_still_a_softmax_or_left_alone(reference_backend, seed):
     # ``m = amax(z).detach()`` is common in user code. Rewriting it or not are both correct; whichever
     # happens, the result must match the oracle.
@@ -870,6 +915,8 @@ def two_softmaxes(x):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic_dynamic"])
+@given(seed=seeds())
+@each_example(isolation)
 def test_shapes_change_without_recompiles(reference_backend, mode, dynamic, seed):
     counters = torch._dynamo.utils.counters
     counters.clear()
@@ -1156,6 +1203,8 @@ def attention_drop_mask(batch: int, seq: int, pad: list[int]) -> torch.Tensor:
     return causal[None, None] | padded[:, None, None, :]
 
 
+@given(seed=seeds())
+@each_example(isolation)
 def test_training_step_bf16_attention_matches_float64(reference_backend, seed):
     """Gradients of a compiled bf16 training step are finite and within bf16 accuracy of float64.
 
@@ -1257,6 +1306,8 @@ def log_softmax_detached_max(z, d):
     (softmax_detached_max, "softmax_pattern", safeops.softmax),
     (log_softmax_detached_max, "log_softmax_pattern", safeops.log_softmax),
 ], ids=["softmax", "log_softmax"])
+@given(seed=seeds())
+@each_example(isolation)
 def test_detached_row_max_is_rewritten(reference_backend, fn, kind, eager, dim, seed):
     torch._dynamo.reset()
     stats.clear()
@@ -1313,6 +1364,8 @@ def _sum_with_dtype(z):
 
 @pytest.mark.parametrize("fn", [_lse_out, _setitem_in_core, _relu_inplace_in_core, _downcast_call,
                                 _sum_with_dtype], ids=lambda f: f.__name__.strip("_"))
+@given(seed=seeds())
+@each_example(isolation)
 def test_left_to_torch(reference_backend, fn, seed):
     """out=, an in-place write inside a core, a lower dtype= (torch rounds the input first), a sum with
     dtype=: none is rewritten before autograd; the result is what torch's code computes (with aten-level
@@ -1336,6 +1389,8 @@ def test_left_to_torch(reference_backend, fn, seed):
     assert_same_bits(got, want, "output", seed)
 
 
+@given(seed=seeds())
+@each_example(isolation)
 def test_cross_entropy_fp64_gradient_stays_fp64(seed):
     # F.cross_entropy reaches log_softmax inside AOT (decomposition table); its backward must keep fp64.
     x = seed.randn(5, 9, dtype=torch.float64, std=2.0).requires_grad_(True)
@@ -1348,6 +1403,8 @@ def test_cross_entropy_fp64_gradient_stays_fp64(seed):
     assert (got - want).abs().max().item() < 1e-14
 
 
+@given(seed=seeds())
+@each_example(isolation)
 def test_division_by_a_tiny_power_of_two_is_not_folded(reference_backend, seed):
     # 1 / 2**-130 overflows fp32: the division must stay the user's (eager gives a finite softmax).
     s = seed.randn(3, 8, std=1e-37)
@@ -1358,6 +1415,8 @@ def test_division_by_a_tiny_power_of_two_is_not_folded(reference_backend, seed):
     assert_same_bits(got, safeops.softmax(s / 2.0**-130, -1), "tiny divisor", seed)
 
 
+@given(seed=seeds())
+@each_example(isolation)
 def test_cast_to_fp64_after_an_fp32_core_is_not_folded(reference_backend, seed):
     # softmax computed in fp32 then widened: the fold would compute it in fp64 instead.
     x = seed.randn(4, 9, std=3.0)

@@ -21,6 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hypothesis import given
+from strategies import seeds
 
 import safeops
 from safeops import distributed as cp
@@ -207,12 +209,14 @@ def test_ranks_that_disagree_raise_everywhere():
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
+@given(seed=seeds())
 def test_matches_single_process_reference(world, seed):
     """Reference backend: every case of ``_cases``, forward and backward, plus the huge-logit case."""
     _spawn(world, "reference", seed, list(range(len(_cases(world)))), huge=True)
 
 
 @pytest.mark.interpret
+@given(seed=seeds())
 def test_matches_single_process_triton_interpreted(seed, triton_backend):
     """The Triton attention kernels (interpreted) behind the ring and the all-gather, 2 ranks: causal GQA
     zigzag (sliced shards), both strategies. fp32 only: the interpreter has no meaningful bf16 attention."""
@@ -230,6 +234,7 @@ def test_matches_single_process_triton_interpreted(seed, triton_backend):
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
+@given(seed=seeds())
 def test_shard_roundtrip(layout, world, seed):
     x = seed.randn(2, 3, 4 * world, 5)
     shards = [cp.shard_sequence(x, r, world, layout) for r in range(world)]
@@ -277,6 +282,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@given(seed=seeds())
 def test_single_rank_group_is_plain_attention(seed, tmp_path):
     """A group of one: the call is safeops.attention itself (bit for bit)."""
     store = dist.TCPStore("127.0.0.1", _free_port(), 1, True)

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import itertools
 import os
-import secrets
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import examples
 
 from safeops import distributed as cp
 
@@ -78,8 +80,8 @@ def _worker(rank: int, init_file: str, seed: int) -> None:
         dist.destroy_process_group()
 
 
-def test_nccl_matches_single_gpu():
-    seed = int(os.environ.get("SAFEOPS_TEST_SEED", secrets.randbits(31)))
-    print(f"SAFEOPS_TEST_SEED={seed}")
+@given(seed=st.integers(0, 2**31 - 1))
+@examples(ci=1, deep=5)  # spawns the ranks and runs every case per example
+def test_nccl_matches_single_gpu(seed):
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(os.path.join(tmp, "rendezvous"), seed), nprocs=WORLD, join=True)

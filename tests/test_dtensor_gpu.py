@@ -9,7 +9,8 @@ split (long-row) softmax paths, attention at bf16 / fp16 / fp32 with GQA, causal
 merge_attention sharded on heads, batch or query rows (lists and stacks, with and without an lse gradient).
 
 The spawned processes inherit the environment (keep NCCL_NVLS_ENABLE=0 etc. set where the machine wants
-it). ``SAFEOPS_TEST_SEED=<int>`` replays a failure's inputs.
+it). The seed follows tests/test_dtensor.py (0 under the ci Hypothesis profile, fresh under deep);
+``SAFEOPS_TEST_SEED=<int>`` replays a failure's inputs.
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ import oracle
 import pytest
 import sm90
 import torch
+from hypothesis import given
 from oracle import eps
+from strategies import seeds
 
 import safeops
 
@@ -51,6 +53,7 @@ def _random_splits(seed, sk: int, parts: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("parts", [1, 3, 5])
+@given(seed=seeds())
 def test_matches_attention_over_the_union(backend, seed, dtype, parts):
     if backend == "triton" and dtype == torch.bfloat16:
         # The attention kernel, not the merge: Triton's interpreter has no bf16 dot (the GPU tests cover it;
@@ -86,6 +89,7 @@ def test_matches_attention_over_the_union(backend, seed, dtype, parts):
     oracle.assert_close(lse.double(), r.lse, lse_bound, "merged lse", seed)
 
 
+@given(seed=seeds())
 def test_empty_partials_contribute_nothing(backend, seed):
     outs = [seed.randn(3, 7, 20) for _ in range(3)]
     lses = [seed.randn(3, 7, std=4.0) for _ in range(3)]
@@ -109,6 +113,7 @@ def test_empty_partials_contribute_nothing(backend, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@given(seed=seeds())
 def test_all_empty_rows(backend, seed, dtype):
     outs = [seed.randn(2, 5, 16, dtype=dtype).requires_grad_(True) for _ in range(3)]
     lses = [seed.randn(2, 5).requires_grad_(True) for _ in range(3)]
@@ -127,6 +132,7 @@ def test_all_empty_rows(backend, seed, dtype):
         assert (g[:, 2] == 0).all()
 
 
+@given(seed=seeds())
 def test_single_partial_is_identity(backend, seed):
     o, lse = seed.randn(4, 3, 8), seed.randn(4, 3, std=10.0)
     lse[0, 1] = NEG_INF
@@ -135,6 +141,7 @@ def test_single_partial_is_identity(backend, seed):
     assert torch.equal(out, o) and torch.equal(lse_out, lse)
 
 
+@given(seed=seeds())
 def test_huge_lses(backend, seed):
     """lses near 1e11 (fp32 spacing 8192 there): the weights are exp of exact differences, no inf/NaN."""
     base = 1e11
@@ -159,6 +166,7 @@ def test_huge_lses(backend, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@given(seed=seeds())
 def test_gradients_match_float64(backend, seed, dtype):
     p, shape, d = 4, (3, 5), 24
     outs = [seed.randn(*shape, d, dtype=dtype).requires_grad_(True) for _ in range(p)]
@@ -186,6 +194,7 @@ def test_gradients_match_float64(backend, seed, dtype):
         oracle.assert_close(g.double(), r, bound, what, seed)
 
 
+@given(seed=seeds())
 def test_gradients_with_empty_partials(backend, seed):
     outs = [seed.randn(4, 6, 8).requires_grad_(True) for _ in range(3)]
     lses = [seed.randn(4, 6).requires_grad_(True) for _ in range(3)]
@@ -208,6 +217,7 @@ def test_gradients_with_empty_partials(backend, seed):
         torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
 
 
+@given(seed=seeds())
 def test_stacked_and_list_agree(backend, seed):
     outs = seed.randn(3, 2, 4, 5, 16)
     lses = seed.randn(3, 2, 4, 5)
@@ -221,6 +231,7 @@ def test_stacked_and_list_agree(backend, seed):
     assert torch.equal(a[0], c[0]) and torch.equal(a[1], c[1])
 
 
+@given(seed=seeds())
 def test_strided_incoming_gradient_same_bits(backend, seed):
     """The backward reads the incoming output gradient in place whatever its strides: the same bits as a
     contiguous gradient (a transposed layout, and one row broadcast with stride 0)."""
@@ -239,6 +250,7 @@ def test_strided_incoming_gradient_same_bits(backend, seed):
     assert torch.equal(grads[2][0], o.grad) and torch.equal(grads[2][1], l.grad)
 
 
+@given(seed=seeds())
 def test_row_alone_matches_row_in_batch(backend, seed):
     """Batch invariance (contract section 6): a row merged alone gets the same bits as inside a batch."""
     outs, lses = seed.randn(4, 3, 9, 40), seed.randn(4, 3, 9, std=3.0)
@@ -297,6 +309,7 @@ def test_wide_offsets_chosen_from_sizes_and_strides(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@given(seed=seeds())
 def test_wide_kernels_give_the_same_bits(triton_backend, seed, monkeypatch, dtype):
     """The 64-bit offset variants (forced on here: a real offset past 2**31 needs > 4 GB, see
     tests/test_merge_gpu.py) compute exactly what the 32-bit ones do, forward and backward, on in-place
@@ -346,6 +359,7 @@ def test_empty_tensors(backend):
     assert lse[0] == pytest.approx(math.log(2.0)) and lse[1] == NEG_INF
 
 
+@given(seed=seeds())
 def test_opcheck(backend, seed):
     outs = seed.randn(3, 2, 4, 16).requires_grad_(True)
     lses = seed.randn(3, 2, 4)
@@ -355,6 +369,7 @@ def test_opcheck(backend, seed):
 
 
 @pytest.mark.parametrize("with_grad_lse", [True, False])
+@given(seed=seeds())
 def test_opcheck_backward(backend, seed, with_grad_lse):
     outs = seed.randn(3, 2, 4, 16)
     lses = seed.randn(3, 2, 4)

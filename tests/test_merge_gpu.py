@@ -9,16 +9,18 @@
 - all-empty rows, NaN outputs of empty partials, lses near 1e11 (sections 4, 5).
 - element offsets past 2**31 (a strided stack read in place: the 64-bit offset kernels, section 8).
 
-``SAFEOPS_GPU_SMALL=1`` shrinks the shapes. ``SAFEOPS_TEST_SEED=<int>`` replays the random inputs.
+``SAFEOPS_GPU_SMALL=1`` shrinks the shapes. Random inputs come from a seed Hypothesis draws (profiles in
+tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import os
-import secrets
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import safeops
 
@@ -40,11 +42,12 @@ def _compiled_kernels_on_cuda(monkeypatch):
     monkeypatch.setenv("SAFEOPS_BACKEND", "auto")
 
 
-@pytest.fixture
-def gen():
-    value = int(os.environ.get("SAFEOPS_TEST_SEED", secrets.randbits(31)))
-    print(f"SAFEOPS_TEST_SEED={value}")
-    return torch.Generator(device=DEV).manual_seed(value)
+def _gen(seed: int) -> torch.Generator:
+    """The CUDA generator of a drawn seed (``@given(seed=SEEDS)``; the falsifying example prints it)."""
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+SEEDS = st.integers(0, 2**31 - 1)
 
 
 def _randn(gen, *shape, dtype=torch.float32, std=1.0):
@@ -124,7 +127,9 @@ def _partials(gen, p, d, dtype, empty_frac=0.1):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("p", [2, 8])
-def test_forward_matches_float64(gen, dtype, d, p):
+@given(seed=SEEDS)
+def test_forward_matches_float64(seed, dtype, d, p):
+    gen = _gen(seed)
     outs, lses = _partials(gen, p, d, dtype)
     out, lse = safeops.merge_attention(outs, lses)
     _assert_merge_close(out, lse, outs, lses)
@@ -132,7 +137,9 @@ def test_forward_matches_float64(gen, dtype, d, p):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128])
-def test_gradients_match_float64(gen, dtype, d):
+@given(seed=SEEDS)
+def test_gradients_match_float64(seed, dtype, d):
+    gen = _gen(seed)
     p = 4
     outs, lses = _partials(gen, p, d, dtype)
     outs.requires_grad_(True)
@@ -160,8 +167,10 @@ def test_gradients_match_float64(gen, dtype, d):
     assert ((d_lses.to(F64) - r_dl).abs() <= bound_l).all()
 
 
-def test_split_kv_attention_matches_full(gen):
+@given(seed=SEEDS)
+def test_split_kv_attention_matches_full(seed):
     """Attention over 4 key blocks (some fully masked for some queries), merged = attention over all keys."""
+    gen = _gen(seed)
     b, h, sq, sk, d = (1, 4, 256, 1024, 128) if SMALL else (2, 16, 2048, 8192, 128)
     q, k, v = (_randn(gen, b, h, s, d, dtype=torch.bfloat16) for s in (sq, sk, sk))
     mask = torch.rand((b, 1, sq, sk), generator=gen, device=DEV) < 0.9
@@ -179,7 +188,9 @@ def test_split_kv_attention_matches_full(gen):
     assert ((lse - full_lse).abs() <= 64 * U32 * (full_lse.abs() + 1)).all()
 
 
-def test_bits_deterministic_batch_invariant_and_layouts(gen):
+@given(seed=SEEDS)
+def test_bits_deterministic_batch_invariant_and_layouts(seed):
+    gen = _gen(seed)
     outs, lses = _partials(gen, 4, 128, torch.bfloat16)
     a = safeops.merge_attention(outs, lses)
     b = safeops.merge_attention(outs, lses)
@@ -197,7 +208,9 @@ def test_bits_deterministic_batch_invariant_and_layouts(gen):
     assert torch.equal(a[0], e[0]) and torch.equal(a[1], e[1])
 
 
-def test_empty_partials_change_no_bit(gen):
+@given(seed=SEEDS)
+def test_empty_partials_change_no_bit(seed):
+    gen = _gen(seed)
     outs, lses = _partials(gen, 3, 128, torch.float16, empty_frac=0.0)
     base = safeops.merge_attention(outs, lses)
     nan_out = torch.full_like(outs[:1], float("nan"))
@@ -207,7 +220,9 @@ def test_empty_partials_change_no_bit(gen):
     assert torch.equal(base[0], more[0]) and torch.equal(base[1], more[1])
 
 
-def test_huge_lses(gen):
+@given(seed=SEEDS)
+def test_huge_lses(seed):
+    gen = _gen(seed)
     outs = _randn(gen, 4, *ROWS, 128)
     steps = torch.randint(-3, 1, (4, *ROWS), generator=gen, device=DEV).to(torch.float32)
     lses = 1e11 + 8192.0 * steps
@@ -222,18 +237,22 @@ def test_huge_lses(gen):
     assert torch.equal(same[0], torch.full((8, 128), 1.5, device=DEV))
 
 
-def test_eager_equals_compiled(gen):
+@given(seed=SEEDS)
+def test_eager_equals_compiled(seed):
+    gen = _gen(seed)
     outs, lses = _partials(gen, 3, 128, torch.bfloat16)
     eager = safeops.merge_attention(outs, lses)
     compiled = torch.compile(lambda o, lse: safeops.merge_attention(o, lse), fullgraph=True)(outs, lses)
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
 
 
-def test_reference_agrees(gen, monkeypatch):
+@given(seed=SEEDS)
+def test_reference_agrees(seed, monkeypatch):
     """The kernel and the reference (torch ops on CUDA) both within the float64 merge's bounds, hence within
     twice those of each other. (Not a relative check between the two: near lse = M + log(s) = 0, absolute
     errors of a few U32, from ex2.approx against torch's expf and the roundings of log(s), are large relative
     ones.)"""
+    gen = _gen(seed)
     outs, lses = _partials(gen, 4, 96, torch.float32)
     kernel = safeops.merge_attention(outs, lses)
     monkeypatch.setenv("SAFEOPS_BACKEND", "reference")
@@ -248,7 +267,8 @@ def test_reference_agrees(gen, monkeypatch):
                  marks=pytest.mark.skipif(SMALL, reason="SAFEOPS_GPU_SMALL: a 4.3 GB buffer (too slow under "
                                                         "compute-sanitizer)")),
 ])
-def test_strided_stack_same_bits(gen, wide):
+@given(seed=SEEDS)
+def test_strided_stack_same_bits(seed, wide):
     """Contract sections 6 and 8: a stack and an incoming gradient whose head dim is their outermost
     dimension (head-dim stride ``stride``, rows contiguous) give, forward and backward, the same bits as
     their contiguous copies, and a slice of rows matches the float64 merge. ``offsets-past-2-31``: the
@@ -257,6 +277,7 @@ def test_strided_stack_same_bits(gen, wide):
     small stride, 32-bit kernels. Both layouts make Triton lay the tiles out along rows, where the
     contiguous copy is laid out along the head dim: the lse gradient's dot product must not depend on
     that (on the H200, ``tl.sum`` there gave 15-18% of rows a different last bit)."""
+    gen = _gen(seed)
     from safeops.ops import merge_launch
 
     p, d = 2, 64

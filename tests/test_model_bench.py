@@ -2,6 +2,8 @@
 
 import pytest
 from conftest import bench_module
+from hypothesis import given
+from strategies import seeds
 
 
 def _module():
@@ -66,6 +68,7 @@ def test_quantile_is_exact_on_ranks_and_linear_between():
     assert M.quantile([7.0], 0.8) == 7.0
 
 
+@given(seed=seeds())
 def test_grads_repeatable_tells_identical_from_changed_gradients(seed):
     """``grads_repeatable`` is True for a step that gives the same gradient bits twice, False when one
     parameter's gradient changes in its last bit between the steps, and checks parameters without one."""

@@ -11,6 +11,8 @@ import itertools
 
 import pytest
 import torch
+from hypothesis import given
+from strategies import seeds
 
 import safeops
 from safeops import nn as snn
@@ -24,6 +26,7 @@ F64 = torch.float64
 
 @pytest.mark.parametrize("kind", ["softmax", "log_softmax"])
 @pytest.mark.parametrize("dim", [0, 1, -1])
+@given(seed=seeds())
 def test_softmax_modules_match_torch(kind, dim, seed, backend):
     stock_cls, safe_cls = {"softmax": (torch.nn.Softmax, snn.Softmax),
                            "log_softmax": (torch.nn.LogSoftmax, snn.LogSoftmax)}[kind]
@@ -39,6 +42,7 @@ def test_softmax_modules_match_torch(kind, dim, seed, backend):
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-10, atol=1e-12)
 
 
+@given(seed=seeds())
 def test_softmax_module_legacy_dim_none(seed):
     x = seed.randn(2, 3, 4)
     with pytest.warns(UserWarning, match="Implicit dimension"):
@@ -179,6 +183,7 @@ MASKS = [(None, None), ("bool", None), ("float", None), (None, "bool2d"), (None,
                          ids=["weights_avg", "weights_per_head", "no_weights"])
 @pytest.mark.parametrize("masks", MASKS, ids=[f"kpm_{a}-am_{b}" for a, b in MASKS])
 @pytest.mark.parametrize("option", list(MODULE_OPTIONS))
+@given(seed=seeds())
 def test_mha_matches_torch(option, masks, need_weights, average, seed, reference_backend):
     kwargs = MODULE_OPTIONS[option]
     stock, safe = make_pair(**kwargs)
@@ -198,6 +203,7 @@ class _nothing:
 
 
 @pytest.mark.parametrize("need_weights", [True, False])
+@given(seed=seeds())
 def test_mha_kernel_path_matches_torch(need_weights, seed, backend):
     """Both safeops backends (reference, and the Triton kernels under the interpreter) behind the module."""
     kwargs = {"batch_first": True}
@@ -215,6 +221,7 @@ def test_mha_kernel_path_matches_torch(need_weights, seed, backend):
 
 @pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask")
 @pytest.mark.parametrize("self_attention", [True, False])
+@given(seed=seeds())
 def test_mha_self_attention_and_unbatched(self_attention, seed, reference_backend):
     stock, safe = make_pair()
     q, k, v = inputs(seed, {}, self_attention=self_attention)
@@ -227,6 +234,7 @@ def test_mha_self_attention_and_unbatched(self_attention, seed, reference_backen
 
 
 @pytest.mark.parametrize("need_weights", [True, False])
+@given(seed=seeds())
 def test_mha_is_causal_hint(need_weights, seed, reference_backend):
     """torch reads is_causal as "attn_mask is the causal mask"; the results must agree either way."""
     stock, safe = make_pair(batch_first=True)
@@ -238,6 +246,7 @@ def test_mha_is_causal_hint(need_weights, seed, reference_backend):
         safe(x, x, x, is_causal=True)
 
 
+@given(seed=seeds())
 def test_mha_weights_are_the_probabilities_of_the_output(seed, reference_backend):
     """need_weights=True: the returned per-head weights times the projected values give the output."""
     _, safe = make_pair(batch_first=True, bias=False)
@@ -256,6 +265,7 @@ def test_mha_weights_are_the_probabilities_of_the_output(seed, reference_backend
 
 @pytest.mark.parametrize("need_weights", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
+@given(seed=seeds())
 def test_mha_fully_padded_sample(need_weights, bias, seed, backend):
     stock, safe = make_pair(dtype=torch.float32, batch_first=True, bias=bias)
     q, k, v = inputs(seed, {"batch_first": True}, dtype=torch.float32)
@@ -282,6 +292,7 @@ def test_mha_fully_padded_sample(need_weights, bias, seed, backend):
 # Dropout
 # --------------------------------------------------------------------------------------------------
 
+@given(seed=seeds())
 def test_mha_dropout_matches_torch_with_the_same_rng(seed, reference_backend):
     """need_weights=True: torch drops out the weights it returns; so do we, with the same random draws."""
     stock, safe = make_pair(dropout=0.4)
@@ -295,6 +306,7 @@ def test_mha_dropout_matches_torch_with_the_same_rng(seed, reference_backend):
     torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)
 
 
+@given(seed=seeds())
 def test_mha_dropout_without_weights_and_eval(seed, reference_backend):
     stock, safe = make_pair(dropout=0.5, batch_first=True)
     q, k, v = inputs(seed, {"batch_first": True})
@@ -337,6 +349,7 @@ def test_mha_state_dict_round_trips(option):
     assert isinstance(safe, torch.nn.MultiheadAttention)
 
 
+@given(seed=seeds())
 def test_mha_errors(seed, reference_backend):
     safe = snn.MultiheadAttention(E, HEADS, batch_first=True)
     x = seed.randn(N, L, E)
@@ -361,6 +374,7 @@ def test_every_mask_combination_has_a_test():
 
 @pytest.mark.parametrize("need_weights", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@given(seed=seeds())
 def test_mha_low_precision_against_float64(dtype, need_weights, seed, reference_backend):
     """Low-precision inputs: the same bf16/fp16 weights and inputs, evaluated by torch in float64."""
     stock, safe = make_pair(dtype=dtype, batch_first=True)
@@ -378,6 +392,7 @@ def test_mha_low_precision_against_float64(dtype, need_weights, seed, reference_
         torch.testing.assert_close(w.double(), w_ref, rtol=tol, atol=tol)
 
 
+@given(seed=seeds())
 def test_mha_learned_float_mask_gets_its_gradient(seed, reference_backend):
     # A float attn_mask that requires grad (a learned bias) gets the same gradient as in torch, also with
     # need_weights=False (the fused kernel gives a mask no gradient, so that case takes the other path).

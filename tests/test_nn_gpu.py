@@ -19,6 +19,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from strategies import seeds
 
 import safeops
 from safeops import nn as snn
@@ -33,6 +35,7 @@ def _tol(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@given(seed=seeds())
 def test_mha_on_cuda_matches_torch_float64(dtype, seed):
     e, heads, n, length = 128, 4, 3, 200
     safe = snn.MultiheadAttention(e, heads, batch_first=True).to(CUDA, dtype)
@@ -56,6 +59,7 @@ def test_mha_on_cuda_matches_torch_float64(dtype, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["plain", "causal", "gqa"])
+@given(seed=seeds())
 def test_patched_sdpa_on_cuda(case, dtype, seed):
     hkv = 2 if case == "gqa" else 8
     q = seed.randn(2, 8, 256, 64).to(CUDA, dtype)
@@ -107,6 +111,7 @@ def _errors(logits, grads, ref_logits, ref_grads, keep):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
+@given(seed=seeds())
 def test_hf_tiny_model_on_cuda(family, dtype, seed):
     """safeops against the stock attention in the same dtype, both measured against fp32 eager.
 
@@ -139,6 +144,7 @@ def test_hf_tiny_model_on_cuda(family, dtype, seed):
         assert err <= 1.25 * stock_grad_err[name] + 1e-3, (name, err, stock_grad_err[name])
 
 
+@given(seed=seeds())
 def test_hf_training_step_long_sequence_bf16(seed):
     model = _tiny("llama", torch.bfloat16, seed)
     model.set_attn_implementation("safeops")
@@ -158,6 +164,7 @@ def test_hf_training_step_long_sequence_bf16(seed):
     assert all(p.isfinite().all() for p in model.parameters())
 
 
+@given(seed=seeds())
 def test_hf_training_step_in_a_cuda_graph(seed):
     """A tiny Llama's training step with attn_implementation="safeops", captured in one CUDA graph (torch's
     whole-network capture, as bench/model.py --cuda-graph times it): each replay gives the eager step's loss

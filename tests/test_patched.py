@@ -8,6 +8,8 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from strategies import seeds
 
 import safeops
 from safeops import patching
@@ -56,6 +58,7 @@ LOG_SOFTMAX_CALLS = {
 
 
 @pytest.mark.parametrize("call", list(SOFTMAX_CALLS))
+@given(seed=seeds())
 def test_softmax_calls_are_routed(call, seed, originals, backend):
     fn = SOFTMAX_CALLS[call]
     x = empty_rows(seed).requires_grad_()
@@ -70,6 +73,7 @@ def test_softmax_calls_are_routed(call, seed, originals, backend):
 
 
 @pytest.mark.parametrize("call", list(LOG_SOFTMAX_CALLS))
+@given(seed=seeds())
 def test_log_softmax_calls_are_routed(call, seed, originals, reference_backend):
     fn = LOG_SOFTMAX_CALLS[call]
     x = empty_rows(seed).requires_grad_()
@@ -80,6 +84,7 @@ def test_log_softmax_calls_are_routed(call, seed, originals, reference_backend):
     assert x.grad.isfinite().all()
 
 
+@given(seed=seeds())
 def test_dtype_argument_maps_to_output_dtype(seed, originals, reference_backend):
     x = seed.randn(3, 7, dtype=torch.bfloat16)
     with safeops.patched():
@@ -105,6 +110,7 @@ SDPA_CASES = ["plain", "bool_mask", "float_mask", "causal", "causal_rect", "gqa"
 
 
 @pytest.mark.parametrize("case", SDPA_CASES)
+@given(seed=seeds())
 def test_sdpa_is_routed(case, seed, originals, reference_backend):
     q, k, v = qkv(seed, hkv=2 if case == "gqa" else 4, sk=7 if case == "causal_rect" else 5)
     kwargs = {}
@@ -139,6 +145,7 @@ def test_sdpa_is_routed(case, seed, originals, reference_backend):
     torch.testing.assert_close(out.double(), stock, rtol=1e-5, atol=1e-6)
 
 
+@given(seed=seeds())
 def test_sdpa_empty_row_and_gradients(seed, originals, backend):
     q, k, v = (t.requires_grad_() for t in qkv(seed))
     mask = torch.ones(2, 1, 5, 5, dtype=torch.bool)
@@ -151,6 +158,7 @@ def test_sdpa_empty_row_and_gradients(seed, originals, backend):
     assert (q.grad[0, :, 2] == 0).all()
 
 
+@given(seed=seeds())
 def test_sdpa_dropout_uses_the_materialized_path(seed, originals, reference_backend):
     q, k, v = qkv(seed)
     torch.manual_seed(seed.value)
@@ -166,6 +174,7 @@ def test_sdpa_dropout_uses_the_materialized_path(seed, originals, reference_back
 # Fallbacks: the original function answers (or raises) as it would without patched()
 # --------------------------------------------------------------------------------------------------
 
+@given(seed=seeds())
 def test_fallbacks(seed, originals, reference_backend):
     ints = torch.arange(6).reshape(2, 3)
     with pytest.raises(RuntimeError) as stock_err:
@@ -190,6 +199,7 @@ def test_fallbacks(seed, originals, reference_backend):
             "rejected by safeops: ValueError"} <= reasons, reasons
 
 
+@given(seed=seeds())
 def test_backend_without_device_support_falls_back(seed, originals, monkeypatch):
     monkeypatch.setenv("SAFEOPS_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -210,6 +220,7 @@ def test_restored_after_exception(originals):
             raise KeyError("boom")
 
 
+@given(seed=seeds())
 def test_nesting_is_reentrant(seed, originals, reference_backend):
     x = empty_rows(seed)
     with safeops.patched():
@@ -220,6 +231,7 @@ def test_nesting_is_reentrant(seed, originals, reference_backend):
     assert F.softmax(x, -1)[1].isnan().all()
 
 
+@given(seed=seeds())
 def test_decorator_form(seed, originals, reference_backend):
     @safeops.patched()
     def f(x):
@@ -256,6 +268,7 @@ def test_threads_enter_and_exit_concurrently(originals, reference_backend):
     assert patching._depth == 0
 
 
+@given(seed=seeds())
 def test_stock_mha_inside_patched_is_finite(seed, originals, reference_backend):
     """F.multi_head_attention_forward looks softmax/SDPA up at call time, so stock MHA becomes safe."""
     mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)

@@ -21,6 +21,8 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from hypothesis import given
+from strategies import seeds
 
 import safeops
 from safeops.ops import _launch
@@ -77,6 +79,7 @@ def _check_oracle(op, x, g, out, dx, context, out_dtype=None, scale=None) -> Non
 
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("first", ["fp32 output", "default"])
+@given(seed=seeds())
 def test_softmax_gradient_dtype_gets_its_own_plan(triton_backend, seed, op, first):
     """``op(x, dtype=torch.float32)`` on bf16 ``x`` (an fp32 incoming gradient) and the default call (a bf16
     one) on the same shape: two backward (and forward) plans, each call's results those of the same call
@@ -101,6 +104,7 @@ def test_softmax_gradient_dtype_gets_its_own_plan(triton_backend, seed, op, firs
 
 
 @pytest.mark.parametrize("tensor", ["x", "grad"])
+@given(seed=seeds())
 def test_softmax_alignment_gets_its_own_plan(triton_backend, seed, tensor):
     """The same shape, strides and dtype with ``x`` (or the gradient) 16-byte aligned or not: two plans, with
     the alignment constexpr each needs; same results as with no plans kept."""
@@ -123,6 +127,7 @@ def test_softmax_alignment_gets_its_own_plan(triton_backend, seed, tensor):
     assert len(_plans(SL._FORWARD)) == (2 if tensor == "x" else 1)
 
 
+@given(seed=seeds())
 def test_softmax_scale_tensor_dtype_gets_its_own_plan(triton_backend, seed):
     """A tensor scale in fp32 and in bf16 (its pointer's type): two plans, each as with none kept."""
     x = seed.randn(4, 40, dtype=F32)
@@ -161,6 +166,7 @@ CAST_PAIRS = {
 
 
 @pytest.mark.parametrize("pair", list(CAST_PAIRS))
+@given(seed=seeds())
 def test_cast_transpose_route_keys(triton_backend, seed, pair):
     """Two calls that differ only in x's or scale's dtype or alignment: two routes, and each call's
     (y, y_t, amax) are the eager cast's, as with no routes kept."""

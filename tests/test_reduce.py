@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 from conftest import INTERPRETER
+from hypothesis import given
+from strategies import seeds
 
 from safeops.kernels.reduce import row_sum_tree
 
@@ -46,6 +48,7 @@ def _values(r: int, n: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("n", [1, 2, 16, 64, 256])
 @pytest.mark.parametrize("layout", ["rows", "transposed"])
+@given(seed=seeds())
 def test_row_sum_tree_order(dev, n, layout, seed):
     r = 32
     x = _values(r, n, seed.value)

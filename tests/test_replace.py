@@ -7,6 +7,8 @@ import logging
 
 import pytest
 import torch
+from hypothesis import given
+from strategies import seeds
 
 import safeops
 from safeops import nn as snn
@@ -37,6 +39,7 @@ def forward_and_grads(model, x, **kw):
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@given(seed=seeds())
 def test_replaces_shares_and_matches(seed, reference_backend):
     model = Net().double()
     params_before = {n: p for n, p in model.named_parameters()}
@@ -70,6 +73,7 @@ def test_replaces_shares_and_matches(seed, reference_backend):
     assert not hasattr(model, "safeops_report")
 
 
+@given(seed=seeds())
 def test_fully_padded_sample_after_replace(seed, reference_backend):
     model = Net()
     x = seed.randn(2, 4, 8)
@@ -82,6 +86,7 @@ def test_fully_padded_sample_after_replace(seed, reference_backend):
     assert out.isfinite().all() and all(p.grad.isfinite().all() for p in model.parameters())
 
 
+@given(seed=seeds())
 def test_hooks_training_mode_dtype_preserved(seed, reference_backend):
     model = Net().double().eval()
     seen = []
@@ -147,6 +152,7 @@ def test_shared_module_root_instance_forward_and_idempotence(caplog):
     assert "root module" in str(root.safeops_report) and type(root) is torch.nn.Softmax
 
 
+@given(seed=seeds())
 def test_deepcopy_and_state_dict_after_replace(seed, reference_backend):
     model = safeops.replace_modules(Net())
     clone = copy.deepcopy(model)
@@ -159,6 +165,7 @@ def test_deepcopy_and_state_dict_after_replace(seed, reference_backend):
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@given(seed=seeds())
 def test_transformer_encoder_fast_path_is_bypassed(seed, monkeypatch, reference_backend):
     layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True, dropout=0.0)
     encoder = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True).eval()

@@ -18,7 +18,8 @@ CONTRACT.md, because Triton's interpreter ignores ``enable_fp_fusion`` and round
 - a 4,194,304-column row and a tensor of more than 2**31 elements (sections 8 and the issue's row range).
 
 ``SAFEOPS_GPU_SMALL=1`` shrinks every shape and skips the huge tests (for compute-sanitizer runs).
-``SAFEOPS_TEST_SEED=<int>`` replays the random inputs of a failure (each failure message prints its seed).
+Random inputs come from Hypothesis (a drawn seed; profiles in tests/conftest.py): a failure prints the
+``CudaRng(n)`` that replays it.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ import contextlib
 import functools
 import math
 import os
-import secrets
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import examples
 
 import safeops
 from safeops import _config
@@ -41,7 +44,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 DEV = "cuda"
 SMALL = os.environ.get("SAFEOPS_GPU_SMALL", "0").strip() not in ("", "0")
-SEED_ENV = "SAFEOPS_TEST_SEED"
 
 OPS = ("softmax", "log_softmax", "logsumexp")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -101,7 +103,7 @@ def ulp(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------
-# Fresh random inputs on the GPU, reproducible from the seed that every failure prints
+# Random inputs on the GPU from a drawn seed (Hypothesis): a failure prints the CudaRng(n) that replays it
 # --------------------------------------------------------------------------------------------------
 
 
@@ -112,7 +114,10 @@ class CudaRng:
         self.gen.manual_seed(value)
 
     def __str__(self) -> str:
-        return f"seed={self.value} (replay with {SEED_ENV}={self.value})"
+        return f"seed={self.value}"
+
+    def __repr__(self) -> str:
+        return f"CudaRng({self.value})"
 
     def randn(self, shape, dtype=torch.float32, std: float = X_STD) -> torch.Tensor:
         if math.prod(shape) >= 2**26:  # huge: draw in the target dtype, no fp32 temporaries
@@ -123,12 +128,8 @@ class CudaRng:
         return torch.rand(shape, device=DEV, dtype=torch.float32, generator=self.gen)
 
 
-@pytest.fixture
-def rng(request) -> CudaRng:
-    value = int(os.environ[SEED_ENV]) if SEED_ENV in os.environ else secrets.randbits(31)
-    request.node.user_properties.append(("seed", value))
-    request.node._safeops_seed = value  # conftest adds the replay line to failure reports
-    return CudaRng(value)
+def rngs():
+    return st.integers(0, 2**31 - 1).map(CudaRng)
 
 
 @pytest.fixture(autouse=True)
@@ -356,6 +357,7 @@ def uniform(n: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("n", N_LIST)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", OPS)
+@given(rng=rngs())
 def test_matches_oracle(op, dtype, n, rng):
     rows = _rows_for(n)
     x = rng.randn((rows, n), dtype).requires_grad_()
@@ -368,6 +370,7 @@ def test_matches_oracle(op, dtype, n, rng):
 @pytest.mark.parametrize("n", SPLIT_N)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
 @pytest.mark.parametrize("op", OPS)
+@given(rng=rngs())
 def test_matches_oracle_two_launch_long_rows(op, dtype, n, rng):
     """The two-launch long-row path (what the interpreter and the fallback run) on the GPU."""
     x = rng.randn((3, n), dtype).requires_grad_()
@@ -472,6 +475,7 @@ LAYOUT_PARAMS = [
 
 
 @pytest.mark.parametrize("op,name,dtype,n", LAYOUT_PARAMS)
+@given(rng=rngs())
 def test_layouts_match_oracle(op, name, dtype, n, rng):
     leaf, view, dim, kw = build_layout(name, n, dtype, rng)
     x = view(leaf)
@@ -721,6 +725,7 @@ def special_rows(n: int, dtype: torch.dtype, rng: CudaRng):
 @pytest.mark.parametrize("n", SPECIAL_N)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
 @pytest.mark.parametrize("op", OPS)
+@given(rng=rngs())
 def test_empty_nan_inf_rows(op, dtype, n, rng):
     x, mask = special_rows(n, dtype, rng)
     x.requires_grad_()
@@ -766,6 +771,7 @@ def test_empty_nan_inf_rows(op, dtype, n, rng):
 
 @pytest.mark.parametrize("n", SPECIAL_N)
 @pytest.mark.parametrize("op", OPS)
+@given(rng=rngs())
 def test_masked_rows_sliced_away_have_zero_gradient(op, n, rng):
     x = rng.randn((5, n), torch.bfloat16)
     x[2] = NEG_INF
@@ -807,6 +813,7 @@ def test_empty_tensors(op):
 
 
 @pytest.mark.parametrize("n", (1000, 65536) if SMALL else (1000, 65536, 300000))
+@given(rng=rngs())
 def test_bf16_softmax_sum_backward_is_nearly_zero(n, rng):
     x = rng.randn((8, n), torch.bfloat16, std=3.0).requires_grad_()
     (dx,) = torch.autograd.grad(safeops.softmax(x).sum(), x)
@@ -850,6 +857,7 @@ BATCH_ROWS = 64 if SMALL else 4096
 @pytest.mark.parametrize("n", INVARIANCE_N)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
 @pytest.mark.parametrize("op", OPS)
+@given(rng=rngs())
 def test_deterministic_and_batch_invariant(op, dtype, n, rng):
     x = rng.randn((BATCH_ROWS, n), dtype)
     g = rng.randn((BATCH_ROWS, n) if op != "logsumexp" else (BATCH_ROWS,), dtype, std=1.0)
@@ -880,6 +888,7 @@ def test_deterministic_and_batch_invariant(op, dtype, n, rng):
 @pytest.mark.parametrize("n", SPLIT_N)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
 @pytest.mark.parametrize("op", ("softmax", "log_softmax"))
+@given(rng=rngs())
 def test_one_launch_matches_two_launch_bitwise(op, dtype, n, rng):
     if not hasattr(_config, "one_launch_long_rows"):
         pytest.skip("safeops._config has no one_launch_long_rows switch")
@@ -900,6 +909,7 @@ def test_one_launch_matches_two_launch_bitwise(op, dtype, n, rng):
 @pytest.mark.parametrize("variant", ["scale_float", "scale_tensor_mask"])
 @pytest.mark.parametrize("n", (1000, 65536))
 @pytest.mark.parametrize("op", OPS)
+@given(rng=rngs())
 def test_compiled_matches_eager_bitwise(op, n, variant, rng):
     torch._dynamo.reset()
     fn = getattr(safeops, op)
@@ -942,6 +952,8 @@ def need_free_gpu_memory(nbytes: int) -> None:
 
 
 @pytest.mark.skipif(SMALL, reason="huge shapes are off (SAFEOPS_GPU_SMALL=1)")
+@examples(ci=1, deep=3)  # minutes of GPU time and most of its memory per example
+@given(rng=rngs())
 def test_huge_row_4194304_columns(rng):
     n = 4 * 2**20
     need_free_gpu_memory(2 * 2**30)
@@ -954,6 +966,8 @@ def test_huge_row_4194304_columns(rng):
 
 @pytest.mark.skipif(SMALL, reason="huge shapes are off (SAFEOPS_GPU_SMALL=1)")
 @pytest.mark.parametrize("n", (16384, 65536), ids=("single_block", "split"))
+@examples(ci=1, deep=3)  # minutes of GPU time and most of its memory per example
+@given(rng=rngs())
 def test_huge_more_than_2_31_elements(n, rng):
     rows = 2**31 // n + 1  # the last row starts at element 2**31
     numel = rows * n
@@ -979,6 +993,7 @@ def test_huge_more_than_2_31_elements(n, rng):
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
 @pytest.mark.parametrize("x_dtype,out_dtype", [(torch.bfloat16, torch.float32),
                                                (torch.float32, torch.bfloat16)])
+@given(rng=rngs())
 def test_backward_plan_not_shared_across_gradient_dtypes(op, x_dtype, out_dtype, rng):
     """A cached backward launch plan must not serve a call whose incoming gradient has another dtype: the
     kernel is compiled for the gradient's pointer type. (Found on the H200: after an ``out_dtype`` call,
@@ -1021,6 +1036,7 @@ def batch_views(x: torch.Tensor, dims: int) -> torch.Tensor:
 @pytest.mark.parametrize("n", (256, 1000, 4096) if SMALL else (256, 1000, 4096, 16384))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
 @pytest.mark.parametrize("op", OPS)
+@given(rng=rngs())
 def test_bits_same_for_every_batch_decoding(op, dtype, n, rng):
     """The rows kernels decode a row index with no division when the rows lie one stride apart (one batch
     dim) and with one or two divisions otherwise (``ROW_DIMS``). The same rows through the three decodings
@@ -1052,6 +1068,7 @@ def test_bits_same_for_every_batch_decoding(op, dtype, n, rng):
 @pytest.mark.xfail(strict=False, reason="known limit (README): the order of a row's additions follows the "
                                         "tile layout Triton derives from the strides; measured 2026-11-30")
 @pytest.mark.parametrize("op", OPS)
+@given(rng=rngs())
 def test_bits_independent_of_memory_layout(op, rng):
     """Contract section 6 read strictly: the same values laid out transposed (the reduced dim not
     unit-stride) give the same bits, forward and backward. Recorded as an expected failure (fp32, where all

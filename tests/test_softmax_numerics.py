@@ -1,8 +1,9 @@
 """softmax, log_softmax and logsumexp against the float64 oracle, on both CPU backends.
 
-Every test checks a clause of CONTRACT.md (cited as "section N") with fresh random inputs; the seed is in
-every failure message. ``backend`` runs each test on the pure-torch reference and on the real Triton kernels
-under Triton's interpreter.
+Every test checks a clause of CONTRACT.md (cited as "section N") on inputs Hypothesis draws: a seed for the
+values and, in ``test_drawn_calls_match_oracle``, the shape, dim, layout, dtypes, mask and scale too
+(tests/strategies.py; the profiles are in tests/conftest.py). ``backend`` runs each test on the pure-torch
+reference and on the real Triton kernels under Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import math
 
 import oracle as O
 import pytest
+import strategies as S
 import torch
+from hypothesis import given
+from strategies import seeds
 
 import safeops
 from safeops import _seed
@@ -89,7 +93,7 @@ def check(op: str, x: torch.Tensor, dim=-1, *, seed, scale=None, mask=None, dtyp
     O.assert_close(dx, ex, bx, f"{op} d/dx", ctx)
     if isinstance(scale, torch.Tensor):
         assert dscale.dtype == scale.dtype and dscale.shape == scale.shape, f"d/dscale {dscale}; {ctx}"
-        O.assert_close(dscale, es, bs, f"{op} d/dscale", ctx)
+        O.assert_close(dscale.reshape(()), es, bs, f"{op} d/dscale", ctx)  # a (1,) scale: a (1,) gradient
     return y, dx
 
 
@@ -122,10 +126,26 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", OPS)
+@given(seed=seeds())
 def test_layouts_match_oracle(backend, op, dtype, layout, seed):
     make, dim = LAYOUTS[layout]
     x = make(seed, dtype, input_std(backend, dtype, 4.0))
     check(op, x, dim, seed=seed, context=f"{backend} {layout}")
+
+
+@pytest.mark.parametrize("op", OPS)
+@given(case=S.row_cases())
+@S.examples(ci=25)
+def test_drawn_calls_match_oracle(backend, op, case):
+    """Any shape (0-d, size-0 and size-1 dims), dim, layout (permuted, sliced, broadcast views), x and
+    output dtypes, mask (broadcast, strided, fully masked rows), scale (python float or tensor of any
+    dtype, negative too) and -inf entries: output and gradients (d/dscale too) within the oracle's bounds."""
+    std = input_std(backend, case.out_dtype or case.dtype, input_std(backend, case.dtype, 3.0))
+    x = case.layout.make(case.seed, case.shape, case.dtype, std=std, neg_inf=case.neg_inf)
+    mask = case.mask.make(case.seed) if case.mask is not None else None
+    check(op, x, case.dim, seed=case.seed, scale=case.scale.make(), mask=mask,
+          dtype=None if op == "logsumexp" else case.out_dtype, keepdim=case.keepdim and op == "logsumexp",
+          context=f"{backend} {case!r}")
 
 
 SPLIT_CASES = {
@@ -141,6 +161,7 @@ SPLIT_CASES = {
 
 @pytest.mark.parametrize("case", list(SPLIT_CASES), ids=list(SPLIT_CASES))
 @pytest.mark.parametrize("op", OPS)
+@given(seed=seeds())
 def test_long_rows_split_path_match_oracle(backend, op, case, seed):
     dtype, shape, dim = SPLIT_CASES[case]
     elem = torch.finfo(dtype).bits // 8
@@ -182,6 +203,7 @@ MASK_SHAPES = {  # x is (2, 5, 19), reduced over the last dim
 @pytest.mark.parametrize("mask_shape", list(MASK_SHAPES), ids=[f"mask_{k}" for k in MASK_SHAPES])
 @pytest.mark.parametrize("scale_kind", list(SCALES), ids=[f"scale_{k}" for k in SCALES])
 @pytest.mark.parametrize("op", OPS)
+@given(seed=seeds())
 def test_scale_and_mask_match_oracle(backend, op, scale_kind, mask_shape, seed):
     x = seed.randn(2, 5, 19, std=3.0)
     scale = SCALES[scale_kind](seed)
@@ -198,6 +220,7 @@ def test_scale_and_mask_match_oracle(backend, op, scale_kind, mask_shape, seed):
     check(op, x, -1, seed=seed, scale=scale, mask=mask, context=f"{backend} scale={scale!r}")
 
 
+@given(seed=seeds())
 def test_zero_d_mask_false_gives_an_empty_row(backend, seed):
     x = seed.randn(4, 7)
     mask = torch.tensor(False)
@@ -210,6 +233,7 @@ def test_zero_d_mask_false_gives_an_empty_row(backend, seed):
 
 @pytest.mark.parametrize("grad_layout", ["transposed", "expanded", "sliced"])
 @pytest.mark.parametrize("op", OPS)
+@given(seed=seeds())
 def test_strided_incoming_gradient(backend, op, grad_layout, seed):
     # Autograd hands the backward whatever layout the loss produced: stride 0 for y.sum(), transposed
     # for a loss computed on y.t(), a slice of a bigger tensor.
@@ -245,6 +269,7 @@ DTYPE_PAIRS = {  # (x dtype, output dtype)
 
 @pytest.mark.parametrize("pair", list(DTYPE_PAIRS), ids=list(DTYPE_PAIRS))
 @pytest.mark.parametrize("op", ROW_OPS)
+@given(seed=seeds())
 def test_dtype_argument(backend, op, pair, seed):
     x_dtype, out_dtype = DTYPE_PAIRS[pair]
     std = input_std(backend, out_dtype, input_std(backend, x_dtype, 3.0))
@@ -257,6 +282,7 @@ def test_dtype_argument(backend, op, pair, seed):
 
 @pytest.mark.parametrize("keepdim", [False, True], ids=["keepdim_false", "keepdim_true"])
 @pytest.mark.parametrize("dim", [0, 1, -1], ids=["dim0", "dim1", "dim_last"])
+@given(seed=seeds())
 def test_logsumexp_keepdim(backend, dim, keepdim, seed):
     x = seed.randn(4, 6, 5, std=3.0)
     mask = seed.mask(4, 6, 5)
@@ -282,6 +308,7 @@ SEED_ROW_CASES = [
 
 
 @pytest.mark.parametrize("dtype,scale_kind,n", SEED_ROW_CASES)
+@given(seed=seeds())
 def test_seed_scalar_row_is_exactly_one_over_n(backend, dtype, scale_kind, n, seed):
     rows = 1 if n > 1024 else 3
     x = torch.full((rows, n), _seed.FMA_X, dtype=dtype)
@@ -299,6 +326,7 @@ def test_seed_scalar_row_is_exactly_one_over_n(backend, dtype, scale_kind, n, se
 
 
 @pytest.mark.parametrize("dtype", [FP32, BF16])
+@given(seed=seeds())
 def test_dominating_logit_log_softmax_is_exactly_zero(backend, dtype, seed):
     # The seed value dominates rows of smaller values: exp(z_max - m) == 1 exactly and the others underflow
     # against it, so l == 1, log(l) == 0 and log_softmax at the max is 0.0, softmax 1.0 (section 1).
@@ -316,6 +344,7 @@ def test_dominating_logit_log_softmax_is_exactly_zero(backend, dtype, seed):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", ["softmax", "logsumexp"])
+@given(seed=seeds())
 def test_subnormal_results(backend, op, dtype, seed):
     # Rows spread over ~100 nats: probabilities and gradients far below the normal range of the dtype.
     if backend == "triton" and dtype == torch.bfloat16:
@@ -328,6 +357,7 @@ def test_subnormal_results(backend, op, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@given(seed=seeds())
 def test_log_softmax_is_never_positive(backend, dtype, seed):
     big = {torch.float32: 1e30, torch.float16: 1e4, torch.bfloat16: 1e30}[dtype]
     std = input_std(backend, dtype, 10.0)
@@ -342,6 +372,7 @@ def test_log_softmax_is_never_positive(backend, dtype, seed):
 
 @pytest.mark.parametrize("n", [1, 4, 256, 2048], ids=["n1", "n4", "n256", "n2048"])
 @pytest.mark.parametrize("dtype", DTYPES)
+@given(seed=seeds())
 def test_equal_rows_give_exactly_one_over_n(backend, dtype, n, seed):
     # Any value, any scale: every z of the row is the same bits, so every exp(z - m) is exactly 1.
     values = seed.randn(6, dtype=torch.float64, std=100.0)
@@ -365,6 +396,7 @@ def test_equal_rows_give_exactly_one_over_n(backend, dtype, n, seed):
 @pytest.mark.parametrize("n", [8, 65536], ids=["n8", "n65536_split"])
 @pytest.mark.parametrize("dtype", [FP32, BF16])
 @pytest.mark.parametrize("op", OPS)
+@given(seed=seeds())
 def test_equal_logits_near_1e11_folded_lse_case(backend, op, dtype, n, seed):
     # fp32(m + log N) == m for m near 1e11: a backward or log_softmax built on a folded lse gets
     # exp(z - lse) == 1 instead of 1/N (gradients N times too big) and log_softmax 0 instead of -log N.
@@ -381,6 +413,7 @@ def test_equal_logits_near_1e11_folded_lse_case(backend, op, dtype, n, seed):
 
 @pytest.mark.parametrize("scale_kind", ["none", "tensor"])
 @pytest.mark.parametrize("n", [16, 1000], ids=["n16", "n1000"])
+@given(seed=seeds())
 def test_bf16_softmax_sum_backward_is_nearly_zero(backend, n, scale_kind, seed):
     # sum(softmax(x)) == 1 for every x: the true gradient is 0. Recomputing fp32 probabilities keeps it
     # near 0; a backward from bf16-rounded outputs is off by ~eps(bf16) per element.
@@ -414,6 +447,7 @@ EMPTY_HOW = ["mask", "all_neg_inf", "mask_over_nan_and_inf"]
 @pytest.mark.parametrize("how", EMPTY_HOW)
 @pytest.mark.parametrize("dtype", [FP32, BF16])
 @pytest.mark.parametrize("op", OPS)
+@given(seed=seeds())
 def test_empty_rows(backend, op, dtype, how, loss, seed):
     x = seed.randn(4, 13, dtype=dtype, std=input_std(backend, dtype, 3.0))
     mask = seed.mask(4, 13, keep=0.8)
@@ -487,6 +521,7 @@ OFFSETS = {
 
 @pytest.mark.parametrize("offset", list(OFFSETS), ids=list(OFFSETS))
 @pytest.mark.parametrize("op", ROW_OPS)
+@given(seed=seeds())
 def test_shift_invariance_with_huge_negative_logits(backend, op, offset, seed):
     # x = c + k * ulp(c) with scale = 1 / ulp(c) (a power of two): z = c / ulp(c) + k exactly, and z - m
     # is the same exact integer as for x = k * ulp(c). So the results must be the same bits.
@@ -511,6 +546,7 @@ def test_shift_invariance_with_huge_negative_logits(backend, op, offset, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@given(seed=seeds())
 def test_finite_huge_negative_logits_are_real_logits(backend, dtype, seed):
     lo = torch.finfo(dtype).min
     x = torch.tensor([
@@ -536,6 +572,7 @@ def test_finite_huge_negative_logits_are_real_logits(backend, dtype, seed):
 @pytest.mark.parametrize("bad", ["nan", "pos_inf"])
 @pytest.mark.parametrize("dtype", [FP32, FP16])
 @pytest.mark.parametrize("op", OPS)
+@given(seed=seeds())
 def test_nan_or_inf_poisons_only_its_row(backend, op, dtype, bad, seed):
     clean = seed.randn(5, 17, dtype=dtype, std=3.0)
     clean[3, ::4] = -math.inf  # excluded entries in another row stay excluded
@@ -557,6 +594,7 @@ def test_nan_or_inf_poisons_only_its_row(backend, op, dtype, bad, seed):
 
 @pytest.mark.parametrize("poison", ["nan", "pos_inf", "neg_inf"])
 @pytest.mark.parametrize("op", OPS)
+@given(seed=seeds())
 def test_poison_at_masked_positions_does_not_leak(backend, op, poison, seed):
     # Masks select, they do not add (section 5): whatever sits at an excluded position, outputs and
     # gradients (d/dscale included) are those of any other value there.
@@ -591,6 +629,7 @@ def _fp64_fn(op, mask):
 
 @pytest.mark.parametrize("variant", ["plain", "tensor_scale_and_mask", "float_scale_and_mask"])
 @pytest.mark.parametrize("op", OPS)
+@given(seed=seeds())
 def test_fp64_gradcheck(backend, op, variant, seed):
     x = seed.randn(3, 7, dtype=torch.float64, std=2.0)
     mask, scale = None, None
@@ -657,6 +696,7 @@ SHAPES_BITS = {
 
 @pytest.mark.parametrize("case", list(SHAPES_BITS), ids=list(SHAPES_BITS))
 @pytest.mark.parametrize("op", OPS)
+@given(seed=seeds())
 def test_deterministic(backend, op, case, seed):
     dtype, m, n = SHAPES_BITS[case]
     x = seed.randn(m, n, dtype=dtype, std=input_std(backend, dtype, 3.0))
@@ -671,6 +711,7 @@ def test_deterministic(backend, op, case, seed):
 
 @pytest.mark.parametrize("case", list(SHAPES_BITS), ids=list(SHAPES_BITS))
 @pytest.mark.parametrize("op", OPS)
+@given(seed=seeds())
 def test_batch_invariant(triton_backend, op, case, seed):
     # A row's bits do not depend on how many rows are in the batch or where it sits (section 6).
     dtype, m, n = SHAPES_BITS[case]
@@ -697,6 +738,7 @@ def test_batch_invariant(triton_backend, op, case, seed):
 
 
 @pytest.mark.parametrize("op", OPS)
+@given(seed=seeds())
 def test_row_bits_do_not_depend_on_memory_layout(triton_backend, op, seed):
     # The reduction order depends only on the row length, dtype and op (section 6), not on strides.
     x = seed.randn(24, 300, std=3.0)

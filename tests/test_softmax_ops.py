@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from strategies import seeds
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -66,6 +68,7 @@ def _opcheck(op, args) -> None:
 
 @pytest.mark.parametrize("variant", ARG_VARIANTS)
 @pytest.mark.parametrize("name", OP_IDS)
+@given(seed=seeds())
 def test_opcheck_forward(reference_backend, name, variant, seed):
     _opcheck(FORWARD_OPS[name], forward_args(variant, seed))
 
@@ -73,6 +76,7 @@ def test_opcheck_forward(reference_backend, name, variant, seed):
 @pytest.mark.parametrize("variant", ["plain", "transposed_dim0_scale_float_and_mask",
                                      "scale_tensor_and_mask_fp16_to_fp32"])
 @pytest.mark.parametrize("name", OP_IDS)
+@given(seed=seeds())
 def test_opcheck_forward_triton(triton_backend, name, variant, seed):
     _opcheck(FORWARD_OPS[name], forward_args(variant, seed))
 
@@ -87,11 +91,13 @@ def backward_args(name: str, variant: str, seed):
 @pytest.mark.parametrize("variant", ["plain", "scale_float", "scale_tensor_and_mask_fp16_to_fp32",
                                      "transposed_dim0_scale_float_and_mask"])
 @pytest.mark.parametrize("name", OP_IDS)
+@given(seed=seeds())
 def test_opcheck_backward(reference_backend, name, variant, seed):
     _opcheck(torch.ops.safeops.softmax_backward.default, backward_args(name, variant, seed))
 
 
 @pytest.mark.parametrize("name", OP_IDS)
+@given(seed=seeds())
 def test_opcheck_backward_triton(triton_backend, name, seed):
     _opcheck(torch.ops.safeops.softmax_backward.default,
              backward_args(name, "scale_tensor_and_mask_fp16_to_fp32", seed))
@@ -114,6 +120,7 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", OP_IDS)
+@given(seed=seeds())
 def test_fake_outputs_match_real_outputs(backend, name, layout, seed):
     x, dim = LAYOUTS[layout](seed)
     scale_tensor = torch.tensor(0.5)
@@ -160,6 +167,7 @@ SHAPES = [(4, 6, 8), (5, 3, 9), (2, 7, 17), (6, 5, 33)]
 
 @pytest.mark.parametrize("dynamic", [pytest.param(None, id="automatic_dynamic"),
                                      pytest.param(True, id="dynamic_true")])
+@given(seed=seeds())
 def test_compile_fullgraph_matches_eager_bitwise(reference_backend, dynamic, seed):
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
@@ -178,6 +186,7 @@ def test_compile_fullgraph_matches_eager_bitwise(reference_backend, dynamic, see
     torch._dynamo.reset()
 
 
+@given(seed=seeds())
 def test_compile_fullgraph_matches_eager_bitwise_triton(triton_backend, seed):
     # The op body is the same launcher in eager and compiled code: same kernel, same bits (section 6).
     torch._dynamo.reset()
@@ -210,6 +219,7 @@ class Scorer(torch.nn.Module):
         return p, lp, lse
 
 
+@given(seed=seeds())
 def test_export(reference_backend, seed):
     module = Scorer()
     x = seed.randn(4, 9, std=3.0)
@@ -233,6 +243,7 @@ def test_export(reference_backend, seed):
 
 @pytest.mark.parametrize("fn", [safeops.softmax, safeops.log_softmax, safeops.logsumexp],
                          ids=["softmax", "log_softmax", "logsumexp"])
+@given(seed=seeds())
 def test_double_backward_raises_like_the_registered_op(reference_backend, fn, seed):
     # A gradient penalty through a safeops op must fail loudly, not lose its second-order term.
     x = seed.randn(3, 7).requires_grad_(True)
@@ -243,6 +254,7 @@ def test_double_backward_raises_like_the_registered_op(reference_backend, fn, se
         g2.sum().backward()
 
 
+@given(seed=seeds())
 def test_jit_trace_records_the_registered_op(reference_backend, tmp_path, seed):
     x = seed.randn(2, 5)
     traced = torch.jit.trace(lambda t: safeops.softmax(t, -1), (x,))
@@ -252,6 +264,7 @@ def test_jit_trace_records_the_registered_op(reference_backend, tmp_path, seed):
     assert torch.equal(torch.jit.load(str(path))(x), safeops.softmax(x, -1))
 
 
+@given(seed=seeds())
 def test_parameter_inputs_take_the_fast_path(reference_backend, seed):
     from safeops.ops import softmax as softmax_ops
 

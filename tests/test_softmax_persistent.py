@@ -12,6 +12,8 @@ from __future__ import annotations
 import oracle
 import pytest
 import torch
+from hypothesis import given
+from strategies import seeds
 
 import safeops
 from safeops.ops import softmax_launch as SL
@@ -33,6 +35,7 @@ def _backward(op, x, g, mask, scale):
 
 
 @pytest.mark.parametrize("op", OPS)
+@given(seed=seeds())
 def test_persistent_backward_matches_one_tile_per_program(op, seed, triton_backend, monkeypatch):
     rows, n = 37, 48  # fp32: ROWS_BWD gives 16-row tiles, so 3 tiles (the last ragged) over 2 programs
     x = seed.randn(rows, n, std=3.0)
@@ -78,6 +81,7 @@ def test_persistent_only_for_16k_unit_stride_half_rows(monkeypatch):
 
 @pytest.mark.parametrize("dims", (2, 3))
 @pytest.mark.parametrize("op", OPS)
+@given(seed=seeds())
 def test_row_decodings_match_contiguous_rows(op, dims, seed, triton_backend):
     """Rows that need one or two divisions to find (batch dims that do not merge) give the bits of the
     same rows laid out one stride apart, which need none (``ROW_DIMS`` 1)."""

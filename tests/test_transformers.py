@@ -13,6 +13,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given
+from strategies import seeds
 
 import safeops
 
@@ -92,6 +94,7 @@ FAMILIES = ["llama", "mistral", "gemma2", "gpt2", "bert"]
 
 @pytest.mark.parametrize("padding", ["none", "left"])
 @pytest.mark.parametrize("family", FAMILIES)
+@given(seed=seeds())
 def test_logits_and_gradients_match_eager(family, padding, hf, seed, reference_backend):
     if family == "bert" and int(hf.__version__.split(".")[0]) < 5:
         pytest.skip("BERT goes through AttentionInterface only from transformers 5")
@@ -111,6 +114,7 @@ def test_logits_and_gradients_match_eager(family, padding, hf, seed, reference_b
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gpt2"])
+@given(seed=seeds())
 def test_causal_masking_is_applied(family, hf, seed, reference_backend):
     """Changing the last token must not change any earlier position's logits (the mask is not dropped)."""
     model = build(hf, family, seed, attn_implementation="safeops").eval()
@@ -125,6 +129,7 @@ def test_causal_masking_is_applied(family, hf, seed, reference_backend):
     assert not torch.equal(a[:, -1], b[:, -1])
 
 
+@given(seed=seeds())
 def test_sliding_window_maps_to_window_left_minus_one(hf, seed, reference_backend, monkeypatch):
     """transformers: key j is visible from query i iff i - w < j <= i; safeops: window=(w - 1, 0)."""
     from transformers.masking_utils import sliding_window_causal_mask_function
@@ -147,6 +152,7 @@ def test_sliding_window_maps_to_window_left_minus_one(hf, seed, reference_backen
     torch.testing.assert_close(out, (p @ v).transpose(1, 2), rtol=1e-5, atol=1e-6)
 
 
+@given(seed=seeds())
 def test_entry_points(hf, seed, tmp_path, reference_backend):
     cls, cfg = config_for(hf, "llama")
     model = hf.AutoModelForCausalLM.from_config(cfg, attn_implementation="safeops")
@@ -162,6 +168,7 @@ def test_entry_points(hf, seed, tmp_path, reference_backend):
     torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
 
 
+@given(seed=seeds())
 def test_training_with_attention_dropout_matches_eager(hf, seed, reference_backend):
     """Dropout acts on the probabilities (materialized path); with the same RNG state, eager agrees."""
     model = build(hf, "llama", seed, attention_dropout=0.3).train()
@@ -178,6 +185,7 @@ def test_training_with_attention_dropout_matches_eager(hf, seed, reference_backe
         assert not torch.equal(model(input_ids=ids).logits, logits)  # dropout really acted in training
 
 
+@given(seed=seeds())
 def test_training_step_with_left_padding_stays_finite(hf, seed, reference_backend):
     model = build(hf, "gemma2", seed, attn_implementation="safeops").train()
     model.set_attn_implementation("safeops")
@@ -193,6 +201,7 @@ def test_training_step_with_left_padding_stays_finite(hf, seed, reference_backen
         opt.step()
 
 
+@given(seed=seeds())
 def test_replace_modules_switches_and_restores(hf, seed, reference_backend):
     model = build(hf, "llama", seed)
     model.set_attn_implementation("sdpa")
@@ -209,6 +218,7 @@ def test_replace_modules_switches_and_restores(hf, seed, reference_backend):
     assert model.config._attn_implementation == "sdpa"
 
 
+@given(seed=seeds())
 def test_unsupported_arguments_raise(hf, seed, reference_backend):
     import safeops.transformers as sht
 
@@ -220,6 +230,7 @@ def test_unsupported_arguments_raise(hf, seed, reference_backend):
     assert sht.is_registered()
 
 
+@given(seed=seeds())
 def test_kernel_path_under_the_interpreter(hf, seed, triton_backend):
     """The Triton kernels (interpreted on CPU) behind a GQA Llama with left padding."""
     model = build(hf, "llama", seed).eval()
@@ -235,6 +246,7 @@ def test_kernel_path_under_the_interpreter(hf, seed, triton_backend):
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+@given(seed=seeds())
 def test_decoding_with_kv_cache_matches_full_forward(family, hf, seed, reference_backend):
     """Prefill, then one token at a time through the KV cache (q_len 1, keys beyond the window, padding)."""
     model = build(hf, family, seed).eval()
