@@ -45,8 +45,11 @@ NEG_INF = float("-inf")
 
 
 @pytest.fixture
-def rng():
-    return Rng()
+def rng(request):
+    """Inputs from a fixed seed per test (the same every run; the oracle checks hold for any draw)."""
+    import zlib
+
+    return Rng(zlib.crc32(request.node.name.encode()))
 
 
 def _triton_launches() -> list[dict]:
