@@ -462,3 +462,73 @@ def test_no_fma_in_compiled_merge_kernels():
     off = {name: n for name, n in counts.items() if name.startswith("off/")}
     assert len(off) == 6 and not any(off.values()), f"fused multiply-adds (contract section 1): {off}"
     assert counts["on/merge_fwd_kernel/bf16"], "with fp fusion on nothing was contracted: the check is blind"
+
+
+# bf16 at the edges (contract sections 2 and 8), fixed bit patterns: under Triton's interpreter numpy has no
+# bf16, and its own conversions truncate and mangle subnormals; the kernels must not use them.
+BF16_SUBNORMALS = [1e-39, -1e-39, 3e-40, -2e-40, 9.2e-41, -9.2e-41, 5e-39, 1.1e-38, -7e-39]  # < 2**-126
+MERGE_LSES = [[0.0, 0.5, -1.0, 2.0, NEG_INF], [0.25, 0.0, 1.0, -3.0, 0.0], [-0.5, 1.5, 1.0, 0.0, 0.0]]
+
+
+def _pattern(values: list[float], shape: tuple[int, ...], dtype=torch.bfloat16) -> torch.Tensor:
+    """values repeated over shape in a fixed order that differs between neighbouring rows and partials."""
+    n = math.prod(shape)
+    idx = (torch.arange(n) * 5 + torch.arange(n) // shape[-1]) % len(values)
+    return torch.tensor(values, dtype=F64)[idx].reshape(shape).to(dtype)
+
+
+@pytest.mark.parametrize("grad", ["subnormal", "huge"])
+def test_bf16_subnormal_partials(backend, grad):
+    # Subnormal outputs merged (loads and stores of subnormals); their gradients from subnormal incoming
+    # gradients (stored subnormal), or from huge ones (d lse then depends on g . out_i of the subnormals).
+    p, r, d = len(MERGE_LSES), len(MERGE_LSES[0]), 24
+    outs = _pattern(BF16_SUBNORMALS, (p, r, d)).requires_grad_(True)
+    lses = torch.tensor(MERGE_LSES).requires_grad_(True)
+    huge = [1.0, -0.5, 2.0, 0.25, -1.0, 3.0, -0.75]
+    g_out = _pattern(BF16_SUBNORMALS[::-1] if grad == "subnormal" else [v * 1e38 for v in huge], (r, d))
+    g_lse = torch.tensor([0.5, -1.0, 0.25, 2.0, -0.75])
+    out, lse = safeops.merge_attention(outs, lses)
+    grads = torch.autograd.grad((out * g_out).sum() + (lse * g_lse).sum(), (outs, lses))
+
+    leaves = [outs.detach().double().requires_grad_(True), lses.detach().double().requires_grad_(True)]
+    ref_out, ref_lse = _naive64(list(leaves[0]), list(leaves[1]))
+    ref = torch.autograd.grad((ref_out * g_out.double()).sum() + (ref_lse * g_lse.double()).sum(), leaves)
+    tiny = 2 * oracle.subnormal_step(torch.bfloat16)
+    a_o = sum(torch.exp(leaves[1][i] - ref_lse).unsqueeze(-1).detach() * leaves[0][i].detach().abs()
+              for i in range(p))
+    bound = eps(torch.bfloat16) * ref_out.detach().abs() + 8 * eps(torch.float32) * a_o + tiny
+    oracle.assert_close(out.double(), ref_out, bound, "merged out of subnormal partials", backend)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=4 * eps(torch.float32), atol=0.0)
+    # d out_i = a_i g, rounded once; d lse_i = a_i (g_lse + g . out_i - g . out) from fp32 dots of length d.
+    bound = eps(torch.bfloat16) * ref[0].abs() + 8 * eps(torch.float32) * g_out.double().abs() + tiny
+    oracle.assert_close(grads[0].double(), ref[0], bound, f"grad of the outputs ({grad} g)", backend)
+    go = (g_out.double().abs() * outs.detach().double().abs()).sum(-1)
+    bound = 4 * d * eps(torch.float32) * (go + go.mean(0) + g_lse.double().abs()) + 1e-30
+    oracle.assert_close(grads[1].double(), ref[1], bound, f"grad of the lses ({grad} g)", backend)
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_bf16_merged_outputs_round_to_nearest_even(backend, parts):
+    # Equal lses: every weight is exactly 1 / parts, so the fp32 mean of bf16 outputs of one binade is exact
+    # and the one rounding to bf16 decides (section 2), ties included (to even); a truncating conversion is
+    # an ulp off in many of these. Likewise d out_i = g / parts for subnormal g: exact in fp32, rounded once.
+    r, d = 6, 24
+    values = [1.0, 1.0078125, 1.015625, 1.5, 1.9921875, 1.25, 1.7578125, 1.1328125, 1.0234375]
+    sign = torch.tensor([1.0, -1.0, 0.5, -2.0, 4.0, -0.25], dtype=F64)[:, None]
+    outs = torch.stack([_pattern(values[i:] + values[:i], (r, d), F64) * sign for i in range(parts)])
+    outs = outs.to(torch.bfloat16).requires_grad_(True)
+    lses = torch.tensor([0.0, 7.5, -3.0, 1e5, 0.5, -2.0])[None].expand(parts, r).contiguous()
+    g_out = (torch.arange(r * d, dtype=F64).reshape(r, d) % 127 + 1) * oracle.subnormal_step(torch.bfloat16)
+    g_out = g_out.to(torch.bfloat16)
+    out, _ = safeops.merge_attention(outs, lses)
+    (d_outs,) = torch.autograd.grad(out, outs, g_out)
+    ctx = f"{backend}, {parts} partials"
+    _assert_same_bits(out, (outs.detach().double().sum(0) / parts).to(torch.bfloat16), "merged outputs", ctx)
+    expected = (g_out.double() / parts).to(torch.bfloat16).expand(parts, r, d)
+    _assert_same_bits(d_outs, expected, "gradients of the outputs", ctx)
+
+
+def _assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str, ctx: str) -> None:
+    bad = actual.view(torch.int16) != expected.view(torch.int16)
+    assert not bad.any(), (f"{int(bad.sum())} of {actual.numel()} {what} are not the nearest bf16: "
+                           f"{actual[bad][:4].tolist()} vs {expected[bad][:4].tolist()}; {ctx}")

@@ -748,3 +748,130 @@ def test_row_bits_do_not_depend_on_memory_layout(triton_backend, op, seed):
     yc, _, dxc, _ = run(op, column_major, -1, seed=seed, grad=g)
     assert_same_bits(yc, y, "row-major vs column-major input", f"triton; {seed}")
     assert_same_bits(dxc, dx, "d/dx row-major vs column-major input", f"triton; {seed}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Section 2, bf16 at the edges: subnormal inputs and results, and round-to-nearest-even outputs. Fixed bit
+# patterns, no random draws. Under Triton's interpreter numpy has no bf16 (it holds the raw 16 bits): the
+# kernels' conversions must not go through its truncating, subnormal-mangling casts (section 8: no silent
+# wrong answer). Each row of values sits in a row of -inf (excluded) padding, short (the row-resident
+# kernels) or 40000 long (the split kernels, forward and backward).
+# --------------------------------------------------------------------------------------------------
+
+BF16_EDGE_LAYOUTS = {"rows": 24, "split": 40000}
+BF16_SUBNORMALS = [1e-39, -1e-39, 3e-40, -2e-40, 9.2e-41, -9.2e-41, 5e-39, 1.1e-38]  # all below 2**-126
+BF16_GRADS = [1.0, -2e-39, 0.5, 3e-39, -1.0, 1e-39, -0.75, 2.0]  # normal and subnormal incoming gradients
+
+
+def _bf16_edge_rows(values: list[list[float]], n: int, padding: float = -math.inf) -> torch.Tensor:
+    """(rows, n) bf16: row i holds values[i] spread over its length (in several split ranges), padding
+    elsewhere."""
+    k = len(values[0])
+    x = torch.full((len(values), n), padding, dtype=torch.float64)
+    x[:, torch.arange(k) * (n // k)] = torch.tensor(values, dtype=torch.float64)
+    return x.to(torch.bfloat16)
+
+
+def _bf16_edge_check(op: str, x: torch.Tensor, scale, g: torch.Tensor, ctx: str):
+    """Output, d/dx and (tensor scale) d/dscale against the oracle; returns (y, dx, oracle result)."""
+    y, _, dx, dscale = run(op, x, -1, seed=None, scale=scale, grad=g)
+    r = O.evaluate(op, x, -1, scale=scale)
+    O.assert_close(y, r.out, O.output_bound(op, r, x.dtype), f"{op} output", ctx)
+    ex, es = O.gradients(op, x, g, -1, scale=scale)
+    bx, bs = O.gradient_bounds(op, r, g, x, scale=scale)
+    O.assert_close(dx, ex, bx, f"{op} d/dx", ctx)
+    if isinstance(scale, torch.Tensor):
+        O.assert_close(dscale, es, bs, f"{op} d/dscale", ctx)
+    return y, dx, r
+
+
+def _incoming(op: str, x: torch.Tensor, values: list[float]) -> torch.Tensor:
+    """A bf16 gradient of op's output shape: the values at the positions _bf16_edge_rows filled, 0 elsewhere
+    (logsumexp: one value per row)."""
+    if op == "logsumexp":
+        return torch.tensor(values[:x.shape[0]], dtype=torch.bfloat16)
+    return _bf16_edge_rows([values] * x.shape[0], x.shape[1], padding=0.0)
+
+
+def _subnormal_case(case: str, op: str, n: int):
+    """(x, scale, incoming gradient) of a named case."""
+    if case == "subnormal_x":  # subnormal logits scaled into the normal range, subnormal incoming gradients
+        x = _bf16_edge_rows([BF16_SUBNORMALS, BF16_SUBNORMALS[::-1]], n)
+        return x, 1e38, _incoming(op, x, BF16_SUBNORMALS[2:] + BF16_SUBNORMALS[:2])
+    if case == "subnormal_scale_tensor":
+        x = _bf16_edge_rows([[1e38, 0.0, -5e37, 2e38, -1e38, 3e37, 0.0, 1e37]], n)
+        return x, torch.tensor(1e-39, dtype=torch.bfloat16), _incoming(op, x, BF16_GRADS)
+    if case == "subnormal_results":  # probabilities exp(-88) .. exp(-92) and gradients through them
+        x = _bf16_edge_rows([[0.0, -88.5, -89.0, -90.0, -91.0, -92.0, -88.0, -80.0],
+                             [-1.0, -89.5, 0.0, -90.5, -91.5, -88.25, -87.5, -2.0]], n)
+        return x, None, _incoming(op, x, BF16_GRADS)
+    # one subnormal logit per row (logsumexp stores it back)
+    x = _bf16_edge_rows([[v] for v in BF16_SUBNORMALS[::2]], n)
+    return x, None, _incoming(op, x, BF16_GRADS)
+
+
+# The scale tensor is read by the same code in every kernel: the short rows cover it.
+SUBNORMAL_CASES = [pytest.param(op, case, layout, id=f"{op}-{case}-{layout}") for op in O.OPS
+                   for case in ("subnormal_x", "subnormal_scale_tensor", "subnormal_results")
+                   for layout in BF16_EDGE_LAYOUTS if (case, layout) != ("subnormal_scale_tensor", "split")]
+SUBNORMAL_CASES += [pytest.param("logsumexp", "one_logit", layout, id=f"logsumexp-one_logit-{layout}")
+                    for layout in BF16_EDGE_LAYOUTS]
+
+
+@pytest.mark.parametrize("op,case,layout", SUBNORMAL_CASES)
+def test_bf16_subnormals_forward_and_backward(backend, op, case, layout):
+    x, scale, g = _subnormal_case(case, op, BF16_EDGE_LAYOUTS[layout])
+    ctx = f"{backend} {case} {layout}"
+    y, _, r = _bf16_edge_check(op, x, scale, g, ctx)
+    if case == "subnormal_results" and op == "softmax":
+        tiny = r.keep & (r.p < torch.finfo(torch.bfloat16).tiny)
+        assert tiny.sum() >= 10 and (y.double()[tiny] > 0).all(), f"subnormal probabilities: {y[tiny]}; {ctx}"
+    if case == "one_logit":  # the logsumexp of one logit is that logit, bit for bit
+        assert_same_bits(y, x.amax(-1), "logsumexp of one subnormal logit", ctx)
+
+
+# x * NEAREST_SCALE is exact in fp32 for these bf16 x, so the one rounding to bf16 decides: above, below
+# and exactly halfway (1.5 and 3.0: the even neighbour is the one above, truncation gives the odd one).
+NEAREST_SCALE = 1.0 + 2.0**-7
+NEAREST_X = [1.5, 1.25, 1.75, 1.0078125, 3.0, -1.5]
+
+
+@pytest.mark.parametrize("layout", list(BF16_EDGE_LAYOUTS))
+@pytest.mark.parametrize("op", OPS)
+def test_bf16_outputs_round_to_nearest_even(backend, op, layout):
+    # Where the fp32 result is exact, the bf16 output is its nearest-even rounding (section 2: rounded once,
+    # at the end), bit for bit; a truncating conversion is an ulp off in several of these.
+    n = BF16_EDGE_LAYOUTS[layout]
+    ctx = f"{backend} {layout}"
+    if op == "softmax":
+        # Rows of N equal logits: every exp(z - m) is 1, l = N, p = fp32(1 / N) (one correctly rounded
+        # division), none of them halfway between bf16 values.
+        sizes = [3, 7, 9, 13]
+        x = torch.full((len(sizes), n), -math.inf, dtype=torch.bfloat16)
+        for i, size in enumerate(sizes):
+            x[i, torch.arange(size) * (n // size)] = 0.0
+        y, _, _ = _bf16_edge_check(op, x, None, _incoming(op, x, BF16_GRADS), ctx)
+        expected = (1.0 / torch.tensor(sizes, dtype=torch.float64)).to(torch.float32).to(torch.bfloat16)
+        assert_same_bits(y.amax(-1), expected, "softmax of N equal logits", f"{ctx}; N = {sizes}")
+    elif op == "logsumexp":
+        # One logit per row: lse = z = x * scale exactly, d/dx = g * scale exactly.
+        x = _bf16_edge_rows([[v] for v in NEAREST_X], n)
+        g = torch.tensor(NEAREST_X[::-1], dtype=torch.bfloat16)
+        y, dx, _ = _bf16_edge_check(op, x, NEAREST_SCALE, g, ctx)
+        z = x.amax(-1).double() * NEAREST_SCALE
+        assert_same_bits(y, z.to(torch.bfloat16), "logsumexp of one logit times the scale", ctx)
+        assert_same_bits(dx.sum(-1), (g.double() * NEAREST_SCALE).to(torch.bfloat16),
+                         "d/dx of logsumexp of one logit", ctx)
+    else:
+        # log_softmax of [0, x_1, x_2, ...]: every z_j = x_j * scale <= -128 underflows exp to 0, so l = 1,
+        # log(l) = 0 and output j is z_j exactly; with incoming gradient [1, g_1, g_2, ...], d/dx is
+        # [-sum(g), g_1, g_2, ...] * scale exactly.
+        x = _bf16_edge_rows([[0.0] + [-128.0 * abs(v) for v in NEAREST_X]], n)
+        g = _incoming(op, x, [1.0] + NEAREST_X)
+        y, dx, _ = _bf16_edge_check(op, x, NEAREST_SCALE, g, ctx)
+        kept = torch.isfinite(x[0])
+        z = x[0, kept][1:].double() * NEAREST_SCALE
+        assert_same_bits(y[0, kept][1:], z.to(torch.bfloat16), "log_softmax of dominated logits", ctx)
+        d = g[0, kept].double() * NEAREST_SCALE
+        d[0] = -d[1:].sum()
+        assert_same_bits(dx[0, kept], d.to(torch.bfloat16), "d/dx of log_softmax", ctx)

@@ -31,17 +31,17 @@ flash kernel; the row sum ``l`` is accumulated from the fp32 probabilities.
 
 Under Triton's interpreter (``INTERPRETED``, CPU tensors) numpy has no bf16: the interpreter holds bf16 as
 its raw uint16 bits, so its ``tl.dot`` multiplies those integers (1.0 counts as 16256), its fp32 -> bf16
-cast truncates and its bf16 <-> fp32 casts mangle subnormals. There every bf16 conversion goes through
-exact integer operations (``_to_f32``, ``_cast``) and every dot gets fp32 operands (``_dot``): bf16 and fp16
-values are exact in fp32 and so are their products, so the dots compute what the tensor cores compute, P
-and dS still rounded to the input dtype first (nearest even, as on the GPU). On the GPU ``INTERPRETED`` is
-False, those branches are not compiled, and the kernels are the same code as without them.
+cast truncates and its bf16 <-> fp32 casts mangle subnormals. There every conversion goes through the exact
+ones of ``safeops.kernels.convert`` (``to_f32``, ``cast``) and every dot gets fp32 operands (``_dot``): bf16
+and fp16 values are exact in fp32 and so are their products, so the dots compute what the tensor cores
+compute, P and dS still rounded to the input dtype first (nearest even, as on the GPU). On the GPU
+``INTERPRETED`` is False, those branches are not compiled, and the kernels are the same code as without them.
 """
 
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
+from safeops.kernels.convert import INTERPRETED, cast, to_f32
 from safeops.kernels.reduce import row_sum_tree
 
 NEG_INF = tl.constexpr(float("-inf"))
@@ -65,37 +65,6 @@ def _round_tf32(x):
 
 
 @triton.jit
-def _to_f32(x):
-    """fp32 value of a bf16 / fp16 / fp32 tile, exactly (the interpreter: bf16 by moving its 16 bits into the
-    top half of the fp32 pattern, as the hardware conversion does)."""
-    if INTERPRETED:
-        if x.dtype == tl.bfloat16:
-            y = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        else:
-            y = x.to(tl.float32)
-    else:
-        y = x.to(tl.float32)
-    return y
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr):
-    """fp32 ``x`` rounded to ``dtype`` (nearest even). The interpreter rounds to bf16 with integer operations
-    (its own cast truncates); NaN stays NaN."""
-    if INTERPRETED:
-        if dtype == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            nan = (bits & 0x7FFFFFFF) > 0x7F800000
-            y = tl.where(nan, (bits >> 16) | 0x40, rounded).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            y = x.to(dtype)
-    else:
-        y = x.to(dtype)
-    return y
-
-
-@triton.jit
 def _prep(x, PRECISION: tl.constexpr):
     """A dot operand as the dot will see it (rounded to TF32 for precision 1)."""
     if PRECISION == 1:
@@ -109,7 +78,7 @@ def _dot(a, b, acc, PRECISION: tl.constexpr):
     """acc + a @ b. PRECISION: 0 ieee fp32, 1 TF32 on pre-rounded operands, 2 3xTF32, 3 fp16/bf16 inputs.
     The interpreter gets fp32 operands (exact; it ignores ``input_precision``): its bf16 dot is wrong."""
     if INTERPRETED:
-        return tl.dot(_to_f32(a), _to_f32(b), acc, input_precision="ieee")
+        return tl.dot(to_f32(a), to_f32(b), acc, input_precision="ieee")
     elif PRECISION == 0:
         return tl.dot(a, b, acc, input_precision="ieee")
     elif PRECISION == 1:
@@ -156,7 +125,7 @@ def _apply_masks(z, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_righ
             keep = tl.load(ptrs, mask=in_bounds, other=0) != 0
             z = tl.where(keep, z, NEG_INF)
         else:
-            add = _to_f32(tl.load(ptrs, mask=in_bounds, other=0.0))
+            add = to_f32(tl.load(ptrs, mask=in_bounds, other=0.0))
             # An additive -inf excludes the key (select): a NaN score there must not reach the row.
             z = tl.where(add == NEG_INF, NEG_INF, z + add * LOG2E)
     if MASKED:
@@ -244,7 +213,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, mask_ptr, offs_
         else:
             v = _load_step(v_ptrs + start_n * svs, kv_ok, offs_dv[None, :] < HEAD_DIM_V,
                            BLOCK_DV == HEAD_DIM_V, MASKED, EVEN)
-        acc = _dot(_prep(_cast(p, v.dtype), PRECISION), _prep(v, PRECISION), acc, PRECISION)
+        acc = _dot(_prep(cast(p, v.dtype), PRECISION), _prep(v, PRECISION), acc, PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -368,13 +337,13 @@ def attn_fwd_kernel(
     st = pid_b.to(tl.int64) * stb + pid_h.to(tl.int64) * sth + (q_start + offs_m).to(tl.int64) * sts
     if EVEN:  # every row of the block is in range
         if BLOCK_DV == HEAD_DIM_V:
-            tl.store(o_ptrs, _cast(out, o_ptr.dtype.element_ty))
+            tl.store(o_ptrs, cast(out, o_ptr.dtype.element_ty))
         else:
-            tl.store(o_ptrs, _cast(out, o_ptr.dtype.element_ty), mask=offs_dv[None, :] < HEAD_DIM_V)
+            tl.store(o_ptrs, cast(out, o_ptr.dtype.element_ty), mask=offs_dv[None, :] < HEAD_DIM_V)
         tl.store(m_ptr + st, m_i)
         tl.store(l_ptr + st, l_i)
     else:
-        tl.store(o_ptrs, _cast(out, o_ptr.dtype.element_ty),
+        tl.store(o_ptrs, cast(out, o_ptr.dtype.element_ty),
                  mask=q_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
         tl.store(m_ptr + st, m_i, mask=q_ok)
         tl.store(l_ptr + st, l_i, mask=q_ok)
@@ -384,7 +353,7 @@ def attn_fwd_kernel(
 def _delta_rows(o, do, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
     """delta = rowsum(dO * O) in fp32, per query row, from the tiles as loaded (before any TF32 rounding).
     A fixed addition order: tl.sum's would follow the memory layout of dO, which is read in place."""
-    return row_sum_tree(_to_f32(o) * _to_f32(do), BLOCK_M, BLOCK_DV)
+    return row_sum_tree(to_f32(o) * to_f32(do), BLOCK_M, BLOCK_DV)
 
 
 @triton.jit
@@ -482,11 +451,11 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, m_ptr, l_ptr, de
                                         q_ok, MASKED, EVEN)
         pT = _probs(zT, base[None, :], inv_l[None, :])
         do = _prep(do, PRECISION)
-        dv = _dot(_prep(_cast(pT, do.dtype), PRECISION), do, dv, PRECISION)
+        dv = _dot(_prep(cast(pT, do.dtype), PRECISION), do, dv, PRECISION)
         dpT = _dot(v, tl.trans(do), tl.zeros([k.shape[0], BLOCK_M], tl.float32), PRECISION)
         dsT = pT * (dpT - delta[None, :])
         dsT = _dsoftcap(dsT, sT, C1, SOFTCAP)
-        dk = _dot(_prep(_cast(dsT, q.dtype), PRECISION), q, dk, PRECISION)
+        dk = _dot(_prep(cast(dsT, q.dtype), PRECISION), q, dk, PRECISION)
     return dk, dv
 
 
@@ -579,9 +548,9 @@ def attn_bwd_dkdv_kernel(
     dk = dk * scale_ds
     dk_base = dk_ptr + pid_b.to(tl.int64) * sdkb + out_h.to(tl.int64) * sdkh + k_start.to(tl.int64) * sdks
     dv_base = dv_ptr + pid_b.to(tl.int64) * sdvb + out_h.to(tl.int64) * sdvh + k_start.to(tl.int64) * sdvs
-    tl.store(dk_base + offs_n[:, None] * sdks + offs_d[None, :], _cast(dk, dk_ptr.dtype.element_ty),
+    tl.store(dk_base + offs_n[:, None] * sdks + offs_d[None, :], cast(dk, dk_ptr.dtype.element_ty),
              mask=k_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-    tl.store(dv_base + offs_n[:, None] * sdvs + offs_dv[None, :], _cast(dv, dv_ptr.dtype.element_ty),
+    tl.store(dv_base + offs_n[:, None] * sdvs + offs_dv[None, :], cast(dv, dv_ptr.dtype.element_ty),
              mask=k_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
 
 
@@ -617,7 +586,7 @@ def _dq_inner(dq, q, do, base, inv_l, delta, k_ptrs, v_ptrs, k_desc, v_desc, mas
         dp = _dot(do, tl.trans(_prep(v, PRECISION)), tl.zeros([q.shape[0], BLOCK_N], tl.float32), PRECISION)
         ds = e * (dp - delta[:, None])
         ds = _dsoftcap(ds, s, C1, SOFTCAP)
-        dq = _dot(_prep(_cast(ds, k.dtype), PRECISION), k, dq, PRECISION)
+        dq = _dot(_prep(cast(ds, k.dtype), PRECISION), k, dq, PRECISION)
     return dq
 
 
@@ -705,7 +674,7 @@ def attn_bwd_dq_kernel(
                    BLOCK_D, BLOCK_DV, NUM_STAGES, USE_TMA, EVEN)
     dq = dq * (inv_l * scale_ds)[:, None]
     dq_base = dq_ptr + pid_b.to(tl.int64) * sdqb + pid_h.to(tl.int64) * sdqh + q_start.to(tl.int64) * sdqs
-    tl.store(dq_base + offs_m[:, None] * sdqs + offs_d[None, :], _cast(dq, dq_ptr.dtype.element_ty),
+    tl.store(dq_base + offs_m[:, None] * sdqs + offs_d[None, :], cast(dq, dq_ptr.dtype.element_ty),
              mask=q_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
@@ -727,7 +696,7 @@ def _split_sum_tile(part_ptr, out_ptr, r0, rows, n_heads, inner, spo, sph, spi, 
         p_rows = o.to(tl.int64) * spo + (h * SPLIT + j).to(tl.int64) * sph + i.to(tl.int64) * spi
         acc = acc + tl.load(part_ptr + p_rows[:, None] + offs_d[None, :], mask=ok, other=0.0)
     o_rows = o.to(tl.int64) * soo + h.to(tl.int64) * soh + i.to(tl.int64) * soi
-    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], _cast(acc, out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], cast(acc, out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["rows", "n_heads", "inner", "n_blocks_k"])
@@ -747,8 +716,3 @@ def attn_bwd_split_sum_kernel(
         _split_sum_tile(dvp_ptr, dv_ptr, (pid - n_blocks_k) * BLOCK_R, rows, n_heads, inner, svpo, svph, svpi,
                         svo, svh, svi, HEAD_DIM_V, SPLIT, BLOCK_R, BLOCK_DV)
 
-
-# Whether Triton's interpreter runs these kernels: triton.jit made them InterpretedFunctions
-# (TRITON_INTERPRET=1 when this module was imported). A module constant, not a kernel argument: the GPU
-# kernels' signatures, launch arguments and compiled code stay as they are.
-INTERPRETED = tl.constexpr(isinstance(attn_fwd_kernel, InterpretedFunction))

@@ -17,7 +17,9 @@ of the lses) and ``g``/``g_lse`` the incoming gradients:
 
 where ``g . out = sum_j a_j (g . out_j)`` is the fp32 output, recomputed here, not the rounded one.
 Rows are independent and the loop order over partials and head-dim tiles is fixed, so a row's bits do not
-depend on how many rows a launch has (contract section 6).
+depend on how many rows a launch has (contract section 6). Outputs and gradients become fp32 through
+``to_f32`` and are rounded back through ``cast`` (``safeops.kernels.convert``: exact under Triton's
+interpreter too).
 
 Offsets (contract section 8): row offsets are 64-bit and partials are reached by bumping 64-bit pointers;
 head-dim offsets ``col * stride`` are 32-bit unless ``WIDE``, which the launcher sets when ``(D - 1) *
@@ -28,6 +30,7 @@ changes only the addressing, never the arithmetic, so both variants give the sam
 import triton
 import triton.language as tl
 
+from safeops.kernels.convert import cast, to_f32
 from safeops.kernels.reduce import row_sum_tree
 
 NEG_INF = tl.constexpr(float("-inf"))
@@ -83,7 +86,7 @@ def merge_fwd_kernel(
         o_p = o_ptr + rows[:, None] * s_or + cols[None, :] * s_od
         for _ in range(P):
             lse = tl.load(lse_p, mask=row_ok, other=NEG_INF)
-            o = tl.load(o_p, mask=tile_ok, other=0.0).to(tl.float32)
+            o = to_f32(tl.load(o_p, mask=tile_ok, other=0.0))
             w = tl.where(lse == NEG_INF, 0.0, tl.exp(lse - m_safe))
             # An empty partial contributes exactly nothing, whatever its output holds.
             acc += tl.where((lse == NEG_INF)[:, None], 0.0, w[:, None] * o)
@@ -91,7 +94,7 @@ def merge_fwd_kernel(
             o_p += s_op
         out = acc * inv_s[:, None]
         tl.store(out_ptr + rows[:, None] * s_outr + cols[None, :] * s_outd,
-                 out.to(out_ptr.dtype.element_ty), mask=tile_ok)
+                 cast(out, out_ptr.dtype.element_ty), mask=tile_ok)
     # log in fp64, as the softmax kernels do: libdevice's fp32 logf is a polynomial written with fp32 fmas
     # (and Triton versions lower fp32 log differently); the fp64 one is accurate and the same everywhere.
     log_s = tl.log(tl.where(empty, 1.0, s).to(tl.float64)).to(tl.float32)
@@ -125,15 +128,13 @@ def merge_bwd_kernel(
         for d0 in range(0, D, BLOCK_D):
             cols = _cols(d0, BLOCK_D, WIDE)
             tile_ok = row_ok[:, None] & (cols < D)[None, :]
-            g = tl.load(g_ptr + rows[:, None] * s_gr + cols[None, :] * s_gd, mask=tile_ok,
-                        other=0.0).to(tl.float32)
-            o = tl.load(o_base + rows[:, None] * s_or + cols[None, :] * s_od, mask=tile_ok,
-                        other=0.0).to(tl.float32)
+            g = to_f32(tl.load(g_ptr + rows[:, None] * s_gr + cols[None, :] * s_gd, mask=tile_ok, other=0.0))
+            o = to_f32(tl.load(o_base + rows[:, None] * s_or + cols[None, :] * s_od, mask=tile_ok, other=0.0))
             # A fixed addition order: tl.sum's would follow the layout of o and g (contract section 6).
             dot += row_sum_tree(g * o, BLOCK_R, BLOCK_D)
             go = tl.where(excluded[:, None], 0.0, a[:, None] * g)
             tl.store(go_base + rows[:, None] * s_gor + cols[None, :] * s_god,
-                     go.to(go_ptr.dtype.element_ty), mask=tile_ok)
+                     cast(go, go_ptr.dtype.element_ty), mask=tile_ok)
         g_dot_out += tl.where(excluded, 0.0, a * dot)
         tl.store(gl_p, dot, mask=row_ok)
         lse_p += s_lp
@@ -141,7 +142,7 @@ def merge_bwd_kernel(
         o_base += s_op
         go_base += s_gop
     if HAS_GLSE:
-        glse = tl.load(glse_ptr + rows * s_glr, mask=row_ok, other=0.0).to(tl.float32)
+        glse = to_f32(tl.load(glse_ptr + rows * s_glr, mask=row_ok, other=0.0))
     else:
         glse = tl.zeros((BLOCK_R,), tl.float32)
     lse_p = lse_ptr + rows * s_lr

@@ -12,11 +12,17 @@ Numerics (docs/contract.md): each logit becomes ONE fp32 value ``z = fp32(x) * s
 row sum ``l = sum(exp(z - m))`` are written as separate fp32 values, and the backward recomputes
 ``p = exp(z - m) / l`` from the input with the same instruction sequence.
 
+Loaded values become fp32 through ``to_f32`` and results are rounded to their dtype through ``cast``
+(``safeops.kernels.convert``): plain casts on the GPU, exact ones for bf16 under Triton's interpreter, whose
+own bf16 casts truncate and get subnormals wrong.
+
 Kinds: 0 softmax, 1 log-softmax, 2 logsumexp.
 """
 
 import triton
 import triton.language as tl
+
+from safeops.kernels.convert import cast, to_f32
 
 NEG_INF = tl.constexpr(float("-inf"))
 # Nothing that changes with the number of rows is specialised by value (the row count, batch sizes, batch
@@ -75,7 +81,7 @@ def _tile_ptrs(ptr, rows, cols, B1, B2, s0, s1, s2, sn, WIDE: tl.constexpr, ALIG
 @triton.jit
 def _scale_of(scale_ptr, scale_value, SCALE_MODE: tl.constexpr):
     if SCALE_MODE == 2:
-        scale = tl.load(scale_ptr).to(tl.float32)
+        scale = to_f32(tl.load(scale_ptr))
     else:
         scale = scale_value
     return scale
@@ -98,7 +104,7 @@ def _materialize(x, keep, scale, SCALE_MODE: tl.constexpr):
 @triton.jit
 def _logits(x_ptrs, mask_ptrs, valid, scale, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr):
     """Loads x and returns (fp32 x, z)."""
-    x = tl.load(x_ptrs, mask=valid, other=0.0).to(tl.float32)
+    x = to_f32(tl.load(x_ptrs, mask=valid, other=0.0))
     keep = valid
     if HAS_MASK:
         keep = keep & (tl.load(mask_ptrs, mask=valid, other=0) != 0)
@@ -209,7 +215,7 @@ def softmax_fwd_rows_kernel(
     tl.store(row_sum_ptr + rows, l, mask=row_ok)
 
     if KIND == 2:
-        tl.store(out_ptr + rows, (m + _log_sum(l)).to(out_ptr.dtype.element_ty), mask=row_ok)
+        tl.store(out_ptr + rows, cast(m + _log_sum(l), out_ptr.dtype.element_ty), mask=row_ok)
     else:
         o_ptrs = _tile_ptrs(out_ptr, rows, cols, B1, B2, so0, so1, so2, son, WIDE, OA, ROW_DIMS)
         if KIND == 0:
@@ -217,7 +223,7 @@ def softmax_fwd_rows_kernel(
         else:
             out = (z - m_safe[:, None]) - _log_sum(l)[:, None]
             out = tl.where(l[:, None] == 0.0, NEG_INF, out)
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid)
+        tl.store(o_ptrs, cast(out, out_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -252,7 +258,7 @@ def _bwd_rows_tile(
     m = tl.load(row_max_ptr + rows, mask=row_ok, other=0.0)
     l = tl.load(row_sum_ptr + rows, mask=row_ok, other=0.0)
 
-    x = x_raw.to(tl.float32)
+    x = to_f32(x_raw)
     keep = valid
     if HAS_MASK:
         keep = keep & (kept != 0)
@@ -260,7 +266,7 @@ def _bwd_rows_tile(
     keep = z != NEG_INF
     p = _probabilities(z, _safe_max(m)[:, None], _inv_sum(l)[:, None])
 
-    g = g_raw.to(tl.float32)
+    g = to_f32(g_raw)
     if KIND == 2:
         dz = g[:, None] * p
     else:
@@ -277,7 +283,7 @@ def _bwd_rows_tile(
     else:
         dx = dz
     d_ptrs = _tile_ptrs(dx_ptr, rows, cols, B1, B2, sd0, sd1, sd2, sdn, WIDE, DA, ROW_DIMS)
-    tl.store(d_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=valid)
+    tl.store(d_ptrs, cast(dx, dx_ptr.dtype.element_ty), mask=valid)
     if NEED_DSCALE:
         tl.store(dscale_ptr + rows, tl.sum(tl.where(keep, dz * x, 0.0), 1), mask=row_ok)
 
@@ -383,7 +389,7 @@ def softmax_fwd_finish_kernel(
         tl.store(row_max_ptr + row, m)
         tl.store(row_sum_ptr + row, l)
         if KIND == 2:
-            tl.store(out_ptr + row, (m + _log_sum(l)).to(out_ptr.dtype.element_ty))
+            tl.store(out_ptr + row, cast(m + _log_sum(l), out_ptr.dtype.element_ty))
     if KIND != 2:
         scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
         m_safe = _safe_max(m)
@@ -404,7 +410,7 @@ def softmax_fwd_finish_kernel(
                 out = _probabilities(z, m_safe, inv_l)
             else:
                 out = tl.where(l == 0.0, NEG_INF, (z - m_safe) - log_l)
-            tl.store(o_base + _col_offsets(cols, son, WIDE), out.to(out_ptr.dtype.element_ty), mask=valid)
+            tl.store(o_base + _col_offsets(cols, son, WIDE), cast(out, out_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit(do_not_specialize=ROW_STRIDES)
@@ -438,7 +444,7 @@ def softmax_bwd_partial_kernel(
         x, z = _logits(x_base + _col_offsets(cols, sxn, WIDE), m_base + _col_offsets(cols, smn, WIDE),
                        valid, scale, SCALE_MODE, HAS_MASK)
         keep = z != NEG_INF
-        g = tl.load(g_base + _col_offsets(cols, sgn, WIDE), mask=valid, other=0.0).to(tl.float32)
+        g = to_f32(tl.load(g_base + _col_offsets(cols, sgn, WIDE), mask=valid, other=0.0))
         if KIND == 0:
             acc += tl.where(keep, g * _probabilities(z, m_safe, inv_l), 0.0)
         else:
@@ -467,7 +473,7 @@ def softmax_bwd_finish_kernel(
     m_safe = _safe_max(tl.load(row_max_ptr + row))
     inv_l = _inv_sum(tl.load(row_sum_ptr + row))
     if KIND == 2:
-        g_row_value = tl.load(grad_ptr + row).to(tl.float32)
+        g_row_value = to_f32(tl.load(grad_ptr + row))
         s = 0.0
     else:
         idx = tl.arange(0, SPLITS)
@@ -490,7 +496,7 @@ def softmax_bwd_finish_kernel(
         if KIND == 2:
             dz = g_row_value * p
         else:
-            g = tl.load(g_base + _col_offsets(cols, sgn, WIDE), mask=valid, other=0.0).to(tl.float32)
+            g = to_f32(tl.load(g_base + _col_offsets(cols, sgn, WIDE), mask=valid, other=0.0))
             if KIND == 0:
                 dz = p * (g - s)
             else:
@@ -500,7 +506,7 @@ def softmax_bwd_finish_kernel(
             dx = dz * scale
         else:
             dx = dz
-        tl.store(d_base + _col_offsets(cols, sdn, WIDE), dx.to(dx_ptr.dtype.element_ty), mask=valid)
+        tl.store(d_base + _col_offsets(cols, sdn, WIDE), cast(dx, dx_ptr.dtype.element_ty), mask=valid)
         if NEED_DSCALE:
             dscale_acc += tl.where(keep, dz * x, 0.0)
     if NEED_DSCALE:
@@ -551,7 +557,7 @@ def softmax_fwd_fused_kernel(
             keep = valid & (keep_raw != 0)
         else:
             keep = valid
-        x = x_raw.to(tl.float32)
+        x = to_f32(x_raw)
         z = _materialize(x, keep, scale, SCALE_MODE)
         m_part, l_part = _online_step(tl.full((), NEG_INF, tl.float32), tl.zeros((), tl.float32), z)
         ws = row.to(tl.int64) * n_splits
@@ -579,7 +585,7 @@ def softmax_fwd_fused_kernel(
             out = tl.where(l == 0.0, NEG_INF, (z - _safe_max(m)) - _log_sum(l))
         o_ptrs = _range_base(out_ptr, row, B1, B2, so0, so1, so2, first, son, OA)
         o_ptrs += _col_offsets(cols, son, WIDE)
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid)
+        tl.store(o_ptrs, cast(out, out_ptr.dtype.element_ty), mask=valid)
         row = next_row
         valid = next_valid
 
@@ -625,10 +631,10 @@ def softmax_bwd_fused_kernel(
             keep = valid & (keep_raw != 0)
         else:
             keep = valid
-        x = x_raw.to(tl.float32)
+        x = to_f32(x_raw)
         z = _materialize(x, keep, scale, SCALE_MODE)
         keep = z != NEG_INF
-        g = g_raw.to(tl.float32)
+        g = to_f32(g_raw)
         m_safe = _safe_max(tl.load(row_max_ptr + row))
         inv_l = _inv_sum(tl.load(row_sum_ptr + row))
         p = _probabilities(z, m_safe, inv_l)
@@ -665,7 +671,7 @@ def softmax_bwd_fused_kernel(
             dx = dz
         d_ptrs = _range_base(dx_ptr, row, B1, B2, sd0, sd1, sd2, first, sdn, DA)
         d_ptrs += _col_offsets(cols, sdn, WIDE)
-        tl.store(d_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=valid)
+        tl.store(d_ptrs, cast(dx, dx_ptr.dtype.element_ty), mask=valid)
         if NEED_DSCALE:
             dscale_acc += tl.where(keep, dz * x, 0.0)
         row = next_row
