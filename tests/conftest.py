@@ -24,6 +24,7 @@ import safeops  # noqa: F401, I001  (must be first, see the module docstring)
 
 import os
 import secrets
+import sys
 
 import pytest
 import torch
@@ -42,6 +43,27 @@ settings.register_profile("deep", max_examples=strategies.deep_examples(), deadl
 settings.load_profile(strategies.profile())
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# CPython 3.11 keeps Python frames in 16 KiB chunks and unmaps a chunk as soon as the frame at its base
+# returns, so a hot loop whose calls cross a chunk boundary maps and unmaps memory on every call. Which
+# tests hit a boundary depends on the stack depth: under @given's extra frames, Triton's interpreter spent
+# more system time than compute in some files (tests/test_attention.py: 123 s of system time against 2 s).
+# Each test therefore runs inside one frame of 32768 locals, whose 512 KiB chunk leaves room for all the
+# test's own frames. CPython 3.12 does not unmap the chunk this way.
+if sys.version_info[:2] == (3, 11):
+    from _pytest.python import pytest_pyfunc_call as _call_test_function
+
+    # `call` is never None: the assigned names are there only to size the frame.
+    _roomy_source = ("def _roomy(call):\n    if call is None:\n        "
+                     + " = ".join(f"_{i}" for i in range(32768)) + " = None\n    return call()\n")
+    _namespace: dict = {}
+    exec(_roomy_source, _namespace)
+    _roomy = _namespace["_roomy"]
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_pyfunc_call(pyfuncitem):
+        return _roomy(lambda: _call_test_function(pyfuncitem))
 SEED_ENV = "SAFEOPS_TEST_SEED"
 
 
