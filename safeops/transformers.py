@@ -120,11 +120,18 @@ def capture_safe_sdpa_mask(*args, **kwargs):
     """
     from transformers.masking_utils import sdpa_mask
 
-    if torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling():
+    if _stream_capturing() and not torch.compiler.is_compiling():
         skip = _causal_skip_without_padding(sdpa_mask, args, kwargs)
         if skip:
             return None
     return sdpa_mask(*args, **kwargs)
+
+
+def _stream_capturing() -> bool:
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:  # a CPU-only build of torch
+        return False
 
 
 def _causal_skip_without_padding(sdpa_mask, args, kwargs) -> bool:
