@@ -32,6 +32,11 @@ from hypothesis import HealthCheck, Phase, settings
 
 import strategies
 
+# torch's test helpers (tests/test_opinfo.py imports them) register their own hypothesis profiles and load
+# one when first imported: 10 random examples with the function-scoped-fixture health check on, for every
+# test collected after them. Importing them here first lets the profile below be the one that stays.
+import torch.testing._internal.common_utils  # noqa: E402,F401  isort: skip
+
 # Function-scoped fixtures (backend, monkeypatch, tmp_path) are shared by a test's examples: the fixtures
 # used with @given set state that every example wants (a backend) or that an example resets itself.
 _SUPPRESSED = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]
@@ -77,6 +82,12 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # Every test module is imported by now; one that loaded another hypothesis profile would have changed
+    # the example counts and health checks of the modules imported after it.
+    if settings.get_current_profile_name() != strategies.profile():
+        raise pytest.UsageError(f"a test module loaded the hypothesis profile "
+                                f"{settings.get_current_profile_name()!r}; safeops' tests run under "
+                                f"{strategies.profile()!r} (tests/conftest.py)")
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
