@@ -35,8 +35,7 @@ class Tolerance:
 
 
 # Keyed by the output dtype (the compute dtype is fp64 for fp64 outputs/inputs, fp32 otherwise).
-# "About one ulp" of the output dtype: correct rounding is half an ulp; the interpreter's fp32 -> bf16
-# store truncates, which is still under one ulp.
+# "About one ulp" of the output dtype (contract section 2); the kernels round to nearest, half an ulp.
 TOLERANCE: dict[torch.dtype, Tolerance] = {
     torch.float64: Tolerance(out_ulps=1.0, internal_ulps=2.0, reduction_terms=4.0),
     torch.float32: Tolerance(out_ulps=1.0, internal_ulps=2.0, reduction_terms=4.0),
