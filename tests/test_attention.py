@@ -350,10 +350,11 @@ def test_gqa_dkdv_split(triton_backend, seed, monkeypatch, cap_elements):
     q, k, v = qkv(seed, b=2, hq=16, hkv=2, sq=23, sk=37, d=16)
     kv = k.numel() + v.numel()
     assert attention_launch.dkdv_split(8, kv) == 4
-    if cap_elements is not None:  # room for fp32 partials of `cap_elements` x the k/v elements
-        monkeypatch.setattr(attention_launch, "DKDV_SPLIT_MAX_BYTES", kv * cap_elements * 4)
-        assert attention_launch.dkdv_split(8, kv) == cap_elements
-    check_against_oracle(q, k, v, seed, is_causal=True, window=(15, None))
+    with monkeypatch.context() as m:  # undone after each example
+        if cap_elements is not None:  # room for fp32 partials of `cap_elements` x the k/v elements
+            m.setattr(attention_launch, "DKDV_SPLIT_MAX_BYTES", kv * cap_elements * 4)
+            assert attention_launch.dkdv_split(8, kv) == cap_elements
+        check_against_oracle(q, k, v, seed, is_causal=True, window=(15, None))
 
 
 @given(seed=seeds())

@@ -200,7 +200,7 @@ def test_matches_oracle_and_eager(backend, seed, fp8, x_dtype, rowwise):
 
 
 @given(case=cast_cases())
-@examples(ci=25)
+@examples(ci=50)
 def test_drawn_calls_match_oracle_and_eager(backend, case):
     """Any (M, K) (empty sides included), x dtype, layout (transposed, sliced, broadcast views), fp8 dtype,
     tensorwise or rowwise scale of any scale dtype (rowwise with 0, negative, inf, NaN, huge and tiny

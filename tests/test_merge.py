@@ -325,10 +325,11 @@ def test_wide_kernels_give_the_same_bits(triton_backend, seed, monkeypatch, dtyp
         out, lse = safeops.merge_attention(outs, lses)
         return (out, lse, *bwd(g_out, g_lse, outs, lses), *bwd(g_out, None, outs, lses))
 
-    seen = _recording_launch(monkeypatch, run=True)
-    narrow = run()
-    monkeypatch.setattr(merge_launch, "_wide", lambda *args: True)
-    wide = run()
+    with monkeypatch.context() as m:  # undone after each example
+        seen = _recording_launch(m, run=True)
+        narrow = run()
+        m.setattr(merge_launch, "_wide", lambda *args: True)
+        wide = run()
     assert [w for _, w in seen] == [False] * 3 + [True] * 3, seen
     for a, w, what in zip(narrow, wide, ("out", "lse", "d outs", "d lses", "d outs (no g_lse)",
                                          "d lses (no g_lse)"), strict=True):

@@ -176,12 +176,13 @@ def test_transformer_encoder_fast_path_is_bypassed(seed, monkeypatch, reference_
         expected = encoder(x, src_key_padding_mask=kpm)
     calls = []
     forward = snn.MultiheadAttention.forward
-    monkeypatch.setattr(snn.MultiheadAttention, "forward",
-                        lambda self, *a, **kw: calls.append(1) or forward(self, *a, **kw))
-    safeops.replace_modules(encoder)
-    assert encoder.use_nested_tensor is False and "fused inference path" in str(encoder.safeops_report)
-    with torch.no_grad():
-        out = encoder(x, src_key_padding_mask=kpm)
+    with monkeypatch.context() as m:  # undone after each example
+        m.setattr(snn.MultiheadAttention, "forward",
+                  lambda self, *a, **kw: calls.append(1) or forward(self, *a, **kw))
+        safeops.replace_modules(encoder)
+        assert encoder.use_nested_tensor is False and "fused inference path" in str(encoder.safeops_report)
+        with torch.no_grad():
+            out = encoder(x, src_key_padding_mask=kpm)
     assert len(calls) == 2  # each layer ran the safeops attention, not torch's fused kernel
     keep = ~kpm
     torch.testing.assert_close(out[keep], expected[keep], rtol=1e-4, atol=1e-5)

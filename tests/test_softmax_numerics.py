@@ -135,7 +135,7 @@ def test_layouts_match_oracle(backend, op, dtype, layout, seed):
 
 @pytest.mark.parametrize("op", OPS)
 @given(case=S.row_cases())
-@S.examples(ci=25)
+@S.examples(ci=50)
 def test_drawn_calls_match_oracle(backend, op, case):
     """Any shape (0-d, size-0 and size-1 dims), dim, layout (permuted, sliced, broadcast views), x and
     output dtypes, mask (broadcast, strided, fully masked rows), scale (python float or tensor of any

@@ -48,10 +48,11 @@ def test_persistent_backward_matches_one_tile_per_program(op, seed, triton_backe
     assert cfg.stages == 0, "fp32 rows are not persistent by default"
     ref = _backward(op, x, g, mask, scale)
 
-    monkeypatch.setattr(SL, "ROWS_BWD_PERSIST", {**SL.ROWS_BWD_PERSIST, 4: (64,)})
-    cfg = SL.rows_config(n, 4, True, backward=True)
-    assert cfg.stages >= 2 and cfg.grid(rows, x.device)[0] < triton_cdiv(rows, cfg.block_m)
-    got = _backward(op, x, g, mask, scale)
+    with monkeypatch.context() as m:  # undone after each example
+        m.setattr(SL, "ROWS_BWD_PERSIST", {**SL.ROWS_BWD_PERSIST, 4: (64,)})
+        cfg = SL.rows_config(n, 4, True, backward=True)
+        assert cfg.stages >= 2 and cfg.grid(rows, x.device)[0] < triton_cdiv(rows, cfg.block_m)
+        got = _backward(op, x, g, mask, scale)
 
     what = f"{op}: persistent vs one tile per program; {seed}"
     assert torch.equal(bits(got[0]), bits(ref[0])), f"{what}: dx bits differ"

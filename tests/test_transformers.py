@@ -142,8 +142,9 @@ def test_sliding_window_maps_to_window_left_minus_one(hf, seed, reference_backen
     module.is_causal = True
     calls = []
     real = safeops.attention
-    monkeypatch.setattr(safeops, "attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
-    out, weights = sht.attention_forward(module, q, k, v, None, sliding_window=w, scaling=0.5)
+    with monkeypatch.context() as m:  # undone after each example
+        m.setattr(safeops, "attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+        out, weights = sht.attention_forward(module, q, k, v, None, sliding_window=w, scaling=0.5)
     assert weights is None and calls[-1]["window"] == (w - 1, 0)
     i, j = torch.arange(7).unsqueeze(1), torch.arange(7).unsqueeze(0)
     mask = sliding_window_causal_mask_function(w)(0, 0, i, j)  # transformers' own definition
