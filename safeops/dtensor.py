@@ -10,6 +10,9 @@ Each rank runs the op on its own shard, with no communication, when the sharding
   ``Shard(1)`` (heads). Sharding the heads of grouped-query attention keeps each group of q heads with its
   kv head, which needs ``Hkv`` divisible by the number of head shards (then ``Hq`` is too). ``attn_mask``
   (bool or additive) is placed like ``q`` after broadcasting to ``(B, Hq, Sq, Sk)``, or replicated.
+  ``sinks`` (``(Hq,)``) is replicated (a plain tensor counts as replicated); where ``q`` shards its heads each
+  rank uses its heads' part (a local slice, no communication), and the sinks' gradient comes back ``Partial``
+  where ``q`` shards its batch (each rank holds the sum over its own rows).
 - ``merge_attention``: every partial output and lse placed alike, each mesh dimension ``Replicate`` or
   ``Shard(d)`` on a batch, head or query-row dim (any dim of ``(..., Sq)``; the merge is per row), so the
   DTensors ``attention(..., return_lse=True)`` returns merge as they are. Neither the head dim ``D`` of
@@ -26,9 +29,9 @@ to a shard.)
 
 The sharding strategies are registered with ``torch.distributed.tensor.experimental.register_sharding``
 for ``torch.ops.safeops.{softmax, log_softmax, logsumexp, softmax_backward, attention,
-attention_backward, merge_attention, merge_attention_backward}``: at the end of ``import safeops`` when
-``torch.distributed.tensor`` is already imported (with torch 2.13, importing safeops has loaded it through
-torch._dynamo), else by the first DTensor a public function sees.
+attention_backward, attention_sinks_backward, merge_attention, merge_attention_backward}``: at the end of
+``import safeops`` when ``torch.distributed.tensor`` is already imported (with torch 2.13, importing safeops
+has loaded it through torch._dynamo), else by the first DTensor a public function sees.
 ``import safeops`` never imports ``torch.distributed.tensor`` itself and never fails over it. Code calling
 the ``torch.ops.safeops`` ops directly on DTensors may call :func:`register` first to be sure; there an
 unsupported placement raises DTensor's ``RuntimeError`` carrying the same message.
@@ -297,8 +300,8 @@ def prepare_rows(x, dim: int, scale_tensor, mask):
     return scale_tensor, mask
 
 
-def prepare_attention(q, k, v, mask):
-    """Checks an attention call with DTensor arguments; returns the mask ready for the op."""
+def prepare_attention(q, k, v, mask, sinks=None):
+    """Checks an attention call with DTensor arguments; returns ``(mask, sinks)`` ready for the op."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not is_dtensor(t):
             raise _plain_error(name, "q" if name != "q" else "attn_mask")
@@ -314,7 +317,14 @@ def prepare_attention(q, k, v, mask):
         if message:
             raise ValueError(message)
         mask = _like(mask, q)
-    return mask
+    if sinks is not None and isinstance(sinks, torch.Tensor):  # not a tensor: attention's own TypeError
+        if not is_dtensor(sinks):
+            sinks = _replicated_scalar(sinks, q)
+        elif sinks.device_mesh != q.device_mesh or not _replicated(sinks.placements):
+            raise ValueError(f"sinks must be a replicated DTensor on q's mesh (or a plain tensor), got "
+                             f"placements {_describe(sinks.placements)}; redistribute it to Replicate() "
+                             "first")
+    return mask, sinks
 
 
 def prepare_merge(outs: list, lses: list, stacked: bool) -> None:
@@ -424,13 +434,23 @@ def _check_dense(q, k, v, cu_seqlens_q):
         raise ValueError(message)
 
 
+def _sinks_placement(d):
+    """The (Hq,) sinks' placement for a mesh dimension on which q is replicated (None) or sharded on d."""
+    replicate, shard = _kinds()
+    return shard(0) if d == 1 else replicate()
+
+
 def _attention_forward(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, *options):
     _check_dense(q, k, v, cu_seqlens_q)
     replicate, shard = _kinds()
+    has_sinks = len(options) > 8 and options[8] is not None  # max_seqlen_q .. precision, then sinks
     pairs = []
     for d in [None] + _used_shard_dims(q.placements):
         p = replicate() if d is None else shard(d)  # batch or heads: the same dim of every operand
-        pairs.append(([p, p, p], [p, p, p, None if mask is None else p] + [None] * (3 + len(options))))
+        inputs = [p, p, p, None if mask is None else p] + [None] * (3 + len(options))
+        if has_sinks:
+            inputs[-1] = _sinks_placement(d)
+        pairs.append(([p, p, p], inputs))
     return pairs
 
 
@@ -442,6 +462,22 @@ def _attention_backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, c
     for d in [None] + _used_shard_dims(q.placements):
         p = replicate() if d is None else shard(d)
         pairs.append(([p, p, p], [p] * 7 + [None if mask is None else p] + [None] * (3 + len(options))))
+    return pairs
+
+
+def _attention_sinks_backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seqlens_q,
+                              cu_seqlens_k, *options):
+    _check_dense(q, k, v, cu_seqlens_q)
+    replicate, shard = _kinds()
+    from torch.distributed.tensor import Partial
+
+    pairs = []
+    for d in [None] + _used_shard_dims(q.placements):
+        p = replicate() if d is None else shard(d)
+        # Each batch shard's dsinks sums over its own rows only: the partial sums add up to the whole.
+        dsinks = Partial() if d == 0 else _sinks_placement(d)
+        pairs.append(([p, p, p, dsinks], [p] * 7 + [None if mask is None else p] + [None] * (len(options) + 2)
+                      + [_sinks_placement(d)]))
     return pairs
 
 
@@ -513,6 +549,7 @@ def register() -> None:
     register_sharding(ops.softmax_backward.default)(_rows_backward)
     register_sharding(ops.attention.default)(_attention_forward)
     register_sharding(ops.attention_backward.default)(_attention_backward)
+    register_sharding(ops.attention_sinks_backward.default)(_attention_sinks_backward)
     register_sharding(ops.merge_attention.default)(_merge_forward)
     register_sharding(ops.merge_attention_backward.default)(_merge_backward)
     _registered = True

@@ -149,6 +149,12 @@ def backward(
 # the user-visible lse is ln(2) * (m2 + log2(l)). This reference computes s in float64 and rounds it once
 # (more accurate than any kernel's fp32 accumulation), then follows the same formulas; everything after
 # z2 is float64. It ignores ``precision`` (CPU tensors are always computed at full precision).
+#
+# Attention sinks (contract section 9): one logit s[h] per query head, in the units of the scaled scores,
+# that carries no value. Its base-2 score is zs2 = fp32(s[h]) * fp32(log2e), one multiply (fp64 for fp64
+# inputs); it is not softcapped or masked. It enters every row of head h like a key's score: m2 = max(max
+# z2, zs2) and l = sum exp2(z2 - m2) + exp2(zs2 - m2). A row that sees no key then has m2 = zs2, l = 1,
+# output 0 and lse = fp32(ln2 * fp64(zs2)): s[h] up to one ulp (the base-2 round trip rounds twice).
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -213,6 +219,11 @@ def attention_scores(q, k, mask, mask_kind, is_causal, scale, softcap, window_le
     return z
 
 
+def sink_scores(sinks: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """zs2 = acc(sinks) * acc(log2e) per head: the sinks' one materialized base-2 score, (Hq,)."""
+    return sinks.to(acc) * torch.tensor(LOG2E, dtype=acc)
+
+
 def _attention_probs(z: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
     """float64 p = exp2(z - m) / l, exactly 0 in empty rows (m = -inf, l = 0)."""
     m = m.to(torch.float64).unsqueeze(-1)
@@ -222,18 +233,25 @@ def _attention_probs(z: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch
     return torch.where(l == 0, torch.zeros_like(p), p)
 
 
-def attention_forward(q, k, v, mask, mask_kind, is_causal, scale, softcap, window_left, window_right
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Dense attention, ``(B, H, S, D)`` layout. Returns ``(out, m2, l)``; the stats are (B, Hq, Sq)."""
+def attention_forward(q, k, v, mask, mask_kind, is_causal, scale, softcap, window_left, window_right,
+                      sinks=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense attention, ``(B, H, S, D)`` layout. Returns ``(out, m2, l)``; the stats are (B, Hq, Sq).
+    ``sinks``: None or (Hq,) logits (see "Attention sinks" above)."""
     acc = compute_dtype(q.dtype)
     B, Hq, Sq, _ = q.shape
-    if k.shape[2] == 0:
+    if k.shape[2] == 0 and sinks is None:
         out = q.new_zeros((B, Hq, Sq, v.shape[3]))
         return out, q.new_full((B, Hq, Sq), NEG_INF, dtype=acc), q.new_zeros((B, Hq, Sq), dtype=acc)
     z = attention_scores(q, k, mask, mask_kind, is_causal, scale, softcap, window_left, window_right)
-    m = torch.amax(z, -1)
-    e = torch.exp2(z.to(torch.float64) - _safe_max(m.to(torch.float64)).unsqueeze(-1))
+    m = torch.amax(z, -1) if k.shape[2] else z.new_full((B, Hq, Sq), NEG_INF)
+    if sinks is not None:
+        zs = sink_scores(sinks, acc).view(1, Hq, 1)
+        m = torch.maximum(m, zs)  # NaN propagates: a NaN sink makes its head's rows NaN
+    base = _safe_max(m.to(torch.float64))
+    e = torch.exp2(z.to(torch.float64) - base.unsqueeze(-1))
     l64 = e.sum(-1)
+    if sinks is not None:
+        l64 = l64 + torch.exp2(zs.to(torch.float64) - base)
     l = l64.to(acc)
     o = e @ _expand_kv(v, Hq).to(torch.float64)
     o = o / torch.where(l64 == 0, torch.ones_like(l64), l64).unsqueeze(-1)
@@ -245,6 +263,20 @@ def attention_lse(m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
     """Natural-log logsumexp from the base-2 stats; -inf for empty rows."""
     lse = (m.to(torch.float64) + torch.log2(l.to(torch.float64))) * LN2
     return torch.where(l == 0, torch.full_like(lse, NEG_INF), lse).to(m.dtype)
+
+
+def attention_sinks_backward(delta: torch.Tensor, m: torch.Tensor, l: torch.Tensor,
+                             sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks = -sum over rows of p_sink * delta, ``p_sink = exp2(zs2 - m2) / l`` from the saved
+    stats, ``delta = rowsum(dO * O)``. ``delta``, ``m``, ``l``: the stats' layout, heads second to last
+    ((B, Hq, Sq) dense, (Hq, Tq) packed); summed in float64, returned in the stats' dtype, (Hq,)."""
+    f64 = torch.float64
+    zs = sink_scores(sinks, m.dtype).to(f64).unsqueeze(-1)
+    m64, l64 = m.to(f64), l.to(f64)
+    p = torch.exp2(zs - _safe_max(m64)) / torch.where(l64 == 0, torch.ones_like(l64), l64)
+    term = torch.where(l64 == 0, torch.zeros_like(p), p * delta.to(f64))
+    dims = [d for d in range(term.dim()) if d != term.dim() - 2]
+    return (-term.sum(dims)).to(m.dtype)
 
 
 def _reduce_heads(t: torch.Tensor, hkv: int) -> torch.Tensor:
