@@ -29,7 +29,8 @@ to a shard.)
 
 The sharding strategies are registered with ``torch.distributed.tensor.experimental.register_sharding``
 for ``torch.ops.safeops.{softmax, log_softmax, logsumexp, softmax_backward, attention,
-attention_backward, attention_sinks_backward, merge_attention, merge_attention_backward}``: at the end of
+attention_backward, attention_sinks_backward, merge_attention, merge_attention_backward,
+merge_attention_sinks_backward}``: at the end of
 ``import safeops`` when ``torch.distributed.tensor`` is already imported (with torch 2.13, importing safeops
 has loaded it through torch._dynamo), else by the first DTensor a public function sees.
 ``import safeops`` never imports ``torch.distributed.tensor`` itself and never fails over it. Code calling
@@ -317,29 +318,37 @@ def prepare_attention(q, k, v, mask, sinks=None):
         if message:
             raise ValueError(message)
         mask = _like(mask, q)
-    if sinks is not None and isinstance(sinks, torch.Tensor):  # not a tensor: attention's own TypeError
-        if not is_dtensor(sinks):
-            sinks = _replicated_scalar(sinks, q)
-        elif sinks.device_mesh != q.device_mesh or not _replicated(sinks.placements):
-            raise ValueError(f"sinks must be a replicated DTensor on q's mesh (or a plain tensor), got "
-                             f"placements {_describe(sinks.placements)}; redistribute it to Replicate() "
-                             "first")
-    return mask, sinks
+    return mask, _replicated_sinks(sinks, q, "q")
 
 
-def prepare_merge(outs: list, lses: list, stacked: bool) -> None:
+def _replicated_sinks(sinks, lead, lead_name: str):
+    """``sinks`` as a replicated DTensor on ``lead``'s mesh (a plain tensor counts as replicated)."""
+    if sinks is None or not isinstance(sinks, torch.Tensor):
+        return sinks  # not a tensor: the public function's own TypeError
+    if not is_dtensor(sinks):
+        return _replicated_scalar(sinks, lead)
+    if sinks.device_mesh != lead.device_mesh or not _replicated(sinks.placements):
+        raise ValueError(f"sinks must be a replicated DTensor on {lead_name}'s mesh (or a plain tensor), got "
+                         f"placements {_describe(sinks.placements)}; redistribute it to Replicate() first")
+    return sinks
+
+
+def prepare_merge(outs: list, lses: list, stacked: bool, sinks=None):
     """Checks a merge_attention call with DTensor arguments: ``outs`` / ``lses`` are the lists of partials
     (``stacked``: the one stacked tensor each). The partials are checked before they are stacked: stacking
-    differently placed DTensors would redistribute them."""
+    differently placed DTensors would redistribute them. Returns ``sinks`` ready for the op."""
     named = []
     for what, parts in (("outs", outs), ("lses", lses)):
         named += [(what if stacked else f"{what}[{i}]", t) for i, t in enumerate(parts)]
-    lead = next(n for n, t in named if is_dtensor(t))
+    lead = next((n for n, t in named if is_dtensor(t)), None)
+    if lead is None:
+        raise ValueError("sinks is a DTensor but the partials are plain tensors: pass them as DTensors too, "
+                         "or sinks as a plain tensor")
     for n, t in named:
         if isinstance(t, torch.Tensor) and not is_dtensor(t):
             raise _plain_error(n, lead)
     if not outs or not lses or not all(is_dtensor(t) for _, t in named):
-        return  # some argument is no tensor: merge_attention's own checks raise the TypeError
+        return sinks  # some argument is no tensor: merge_attention's own checks raise the TypeError
     _ensure_registered()
     for what, parts in (("outs", outs), ("lses", lses)):
         first = parts[0]
@@ -355,12 +364,13 @@ def prepare_merge(outs: list, lses: list, stacked: bool) -> None:
                     + _redistribute_hint(f"{what}[{i}]", t.placements, f"{what}[0]'s placements"))
     o, lse = outs[0], lses[0]
     if o.dim() < 1 + stacked:
-        return  # merge_attention's shape checks raise
+        return sinks  # merge_attention's shape checks raise
     names = ("outs", "lses") if stacked else ("outs[0]", "lses[0]")
     message = merge_error(names, (o.placements, lse.placements), (o.device_mesh, lse.device_mesh), o.shape,
                           stacked)
     if message:
         raise ValueError(message)
+    return _replicated_sinks(sinks, o, names[0])
 
 
 def reject_varlen(names_and_tensors) -> None:
@@ -488,14 +498,22 @@ def _check_merge(outs, lses) -> None:
         raise ValueError(message)
 
 
-def _merge_forward(outs, lses):
+def _merge_sinks_placement(outs, d):
+    """The (H,) sinks' placement where the stacked outs (P, ..., H, Sq, D) are replicated (None) or sharded
+    on d: Shard(0) on the head dim, else replicated."""
+    replicate, shard = _kinds()
+    return shard(0) if d == len(outs.shape) - 3 else replicate()
+
+
+def _merge_forward(outs, lses, sinks=None):
     _check_merge(outs, lses)
     replicate, shard = _kinds()
     pairs = []
     for d in [None] + _used_shard_dims(outs.placements):
         stack = replicate() if d is None else shard(d)  # a batch / head / row dim of every partial
         merged = replicate() if d is None else shard(d - 1)  # the same dim, the partials dim gone
-        pairs.append(([merged, merged], [stack, stack]))
+        sink = None if sinks is None else _merge_sinks_placement(outs, d)
+        pairs.append(([merged, merged], [stack, stack, sink]))
     return pairs
 
 
@@ -507,6 +525,23 @@ def _merge_backward(grad_out, grad_lse, outs, lses):
         stack = replicate() if d is None else shard(d)
         merged = replicate() if d is None else shard(d - 1)
         pairs.append(([stack, stack], [merged, None if grad_lse is None else merged, stack, stack]))
+    return pairs
+
+
+def _merge_sinks_backward(grad_out, grad_lse, outs, lses, sinks):
+    _check_merge(outs, lses)
+    replicate, shard = _kinds()
+    from torch.distributed.tensor import Partial
+
+    pairs = []
+    for d in [None] + _used_shard_dims(outs.placements):
+        stack = replicate() if d is None else shard(d)
+        merged = replicate() if d is None else shard(d - 1)
+        sink = _merge_sinks_placement(outs, d)
+        # Sharded on a batch or row dim, each rank's dsinks sums its own rows: partial sums of the whole.
+        dsinks = sink if d is None or d == len(outs.shape) - 3 else Partial()
+        inputs = [merged, None if grad_lse is None else merged, stack, stack, sink]
+        pairs.append(([stack, stack, dsinks], inputs))
     return pairs
 
 
@@ -552,4 +587,5 @@ def register() -> None:
     register_sharding(ops.attention_sinks_backward.default)(_attention_sinks_backward)
     register_sharding(ops.merge_attention.default)(_merge_forward)
     register_sharding(ops.merge_attention_backward.default)(_merge_backward)
+    register_sharding(ops.merge_attention_sinks_backward.default)(_merge_sinks_backward)
     _registered = True

@@ -260,8 +260,9 @@ def _attention_mask(attn_mask, q: torch.Tensor, sk: int):
 
 
 def _attention_sinks(sinks, q: torch.Tensor, heads: int):
-    """``sinks`` checked and converted once to the compute dtype (fp32; fp64 for fp64 inputs), contiguous:
-    a differentiable cast, so the gradient comes back in the sinks' own dtype (rounded once)."""
+    """``sinks`` checked and converted once to the compute dtype of ``q`` (fp32; fp64 for fp64), contiguous:
+    a differentiable cast, so the gradient comes back in the sinks' own dtype (rounded once). ``q``: any
+    tensor whose dtype and device the sinks follow."""
     if sinks is None:
         return None
     if not isinstance(sinks, torch.Tensor):
@@ -274,7 +275,7 @@ def _attention_sinks(sinks, q: torch.Tensor, heads: int):
         raise ValueError(f"sinks must have shape (Hq,) = ({heads},), one logit per query head, got shape "
                          f"{tuple(sinks.shape)}")
     if sinks.device != q.device:
-        raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+        raise ValueError(f"sinks is on {sinks.device} but the inputs are on {q.device}")
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return sinks.to(acc).contiguous()
 
@@ -476,7 +477,7 @@ def _stack_partials(name: str, parts, min_dim: int) -> torch.Tensor:
     return torch.stack(list(parts)) if len(parts) > 1 else parts[0].unsqueeze(0)
 
 
-def merge_attention(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_attention(outs, lses, *, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Merges attention results computed over disjoint key sets into attention over their union.
 
     For each query row, with ``lse = logsumexp_i(lse_i)``: ``out = sum_i exp(lse_i - lse) * out_i``, computed
@@ -484,13 +485,20 @@ def merge_attention(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
     dtype (contract section 2). A partial with ``lse_i = -inf`` (it saw no key) contributes exactly nothing,
     whatever its output holds; a row where every partial is empty gives out 0 and lse -inf, with zero
     gradients (section 4); no NaN comes out of finite or -inf inputs, however large the lses.
-    Differentiable with respect to every partial's output and lse.
+    Differentiable with respect to every partial's output and lse (and ``sinks``).
+
+    Attention sinks (contract section 9) are counted once, here: compute the partials without ``sinks`` and
+    pass them to the merge, which adds each head's sink as one more partial with output 0 and lse
+    ``sinks[h]`` (partials computed with the sinks would count them once per partial).
 
     Args:
         outs: a list/tuple of P tensors ``(..., Sq, D)`` of one shape, dtype (float16, bfloat16, float32 or
             float64) and device, or one stacked tensor ``(P, ..., Sq, D)`` (read without a copy).
         lses: the matching natural-log logsumexps ``(..., Sq)``, float32 (float64 with float64 outputs),
             as ``safeops.attention(..., return_lse=True)`` returns them; a list or a stacked tensor.
+        sinks: None or ``(H,)`` sink logits for partials ``(..., H, Sq, D)`` (the head dim just before the
+            query rows, as attention's ``(B, H, Sq, D)``), any floating dtype, converted once to the lses'
+            dtype; their gradient comes back in their own dtype.
 
     Returns:
         ``(out, lse)``: ``(..., Sq, D)`` in the outputs' dtype and ``(..., Sq)`` in the lses' dtype.
@@ -504,8 +512,9 @@ def merge_attention(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"outs has {len(outs)} partials but lses has {len(lses)}: one lse per output")
     if stacked or isinstance(outs, (list, tuple)) and isinstance(lses, (list, tuple)):
         parts_o, parts_l = ([outs], [lses]) if stacked else (outs, lses)
-        if _dtensor.any_dtensor(*parts_o, *parts_l):  # run locally on each shard, or a clear error
-            _dtensor.prepare_merge(list(parts_o), list(parts_l), stacked)  # partials checked before stacking
+        if _dtensor.any_dtensor(*parts_o, *parts_l, sinks):  # run locally on each shard, or a clear error
+            # partials checked before stacking
+            sinks = _dtensor.prepare_merge(list(parts_o), list(parts_l), stacked, sinks)
     o = _stack_partials("outs", outs, 1)
     lse = _stack_partials("lses", lses, 0)
     if o.dtype not in _FLOATING:
@@ -519,7 +528,12 @@ def merge_attention(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
                          f"(partials first), got {tuple(lse.shape)}")
     if lse.device != o.device:
         raise ValueError(f"lses are on {lse.device} but outs are on {o.device}")
-    return _ops_merge.forward(o, lse)
+    if sinks is not None:
+        if lse.dim() < 3:
+            raise ValueError(f"sinks need partials with a head dim, (..., H, Sq, D), got outputs of shape "
+                             f"{tuple(o.shape[1:])}")
+        sinks = _attention_sinks(sinks, lse, lse.shape[-2]).to(lse.dtype)
+    return _ops_merge.forward(o, lse, sinks)
 
 
 # --------------------------------------------------------------------------------------------------

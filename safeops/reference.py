@@ -317,10 +317,15 @@ def attention_backward(grad, q, k, v, out, m, l, mask, mask_kind, is_causal, sca
 # --------------------------------------------------------------------------------------------------
 
 
-def merge_weights(lses: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def merge_weights(lses: torch.Tensor, acc: torch.dtype, sink: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(a, m, s): softmax weights ``a_i = exp(lse_i - m) / s`` of the partials (0 for an empty partial and in
-    rows where every partial is empty), the max lse ``m`` and ``s = sum_i exp(lse_i - m)``."""
+    rows where every partial is empty), the max lse ``m`` and ``s = sum_i exp(lse_i - m)``. ``sink`` (None, or
+    a per-row logit broadcastable to a row of ``lses``) is one more partial with output 0: it enters ``m``
+    and ``s``; append ``a_sink = exp(sink - m) / s`` as the last of ``a``."""
     lses = lses.to(acc)
+    if sink is not None:
+        lses = torch.cat([lses, sink.to(acc).expand(lses.shape[1:]).unsqueeze(0)])
     m = torch.amax(lses, 0)
     excluded = lses == NEG_INF
     w = torch.where(excluded, torch.zeros_like(lses), torch.exp(lses - _safe_max(m)))
@@ -329,11 +334,14 @@ def merge_weights(lses: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, t
     return a, m, s
 
 
-def merge_attention_forward(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_attention_forward(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of attention over the union of the partials' key sets, computed in fp32 (fp64 for
-    fp64 outputs); an empty partial (lse -inf) is selected away, an all-empty row gives 0 and -inf."""
+    fp64 outputs); an empty partial (lse -inf) is selected away, an all-empty row gives 0 and -inf. ``sink``:
+    see ``merge_weights`` (counted once, whatever the number of partials)."""
     acc = compute_dtype(outs.dtype)
-    a, m, s = merge_weights(lses, acc)
+    a, m, s = merge_weights(lses, acc, sink)
+    a = a[: lses.shape[0]]
     excluded = (lses == NEG_INF).unsqueeze(-1)
     out = torch.where(excluded, torch.zeros((), dtype=acc), a.unsqueeze(-1) * outs.to(acc)).sum(0)
     log_s = torch.log(torch.where(s == 0, torch.ones_like(s), s))
@@ -342,10 +350,13 @@ def merge_attention_forward(outs: torch.Tensor, lses: torch.Tensor) -> tuple[tor
 
 
 def merge_attention_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor | None, outs: torch.Tensor,
-                             lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``d out_i = a_i g`` and ``d lse_i = a_i (g_lse + g . (out_i - out))``, ``out`` the unrounded merge."""
+                             lses: torch.Tensor, sink: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, ...]:
+    """``d out_i = a_i g`` and ``d lse_i = a_i (g_lse + g . (out_i - out))``, ``out`` the unrounded merge;
+    with ``sink`` also ``d sink = a_sink (g_lse - g . out)`` per row (the sink's output is 0), fp32 (fp64)."""
     acc = compute_dtype(outs.dtype)
-    a, _, _ = merge_weights(lses, acc)
+    a, _, _ = merge_weights(lses, acc, sink)
+    a, a_sink = a[: lses.shape[0]], a[lses.shape[0]:]
     excluded = lses == NEG_INF
     g = grad_out.to(acc)
     dots = (g.unsqueeze(0) * outs.to(acc)).sum(-1)
@@ -353,7 +364,9 @@ def merge_attention_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor | No
     glse = torch.zeros_like(g_dot_out) if grad_lse is None else grad_lse.to(acc)
     d_lse = torch.where(excluded, torch.zeros_like(dots), a * (glse + (dots - g_dot_out)))
     d_outs = torch.where(excluded.unsqueeze(-1), torch.zeros((), dtype=acc), a.unsqueeze(-1) * g)
-    return d_outs.to(outs.dtype), d_lse.to(lses.dtype)
+    if sink is None:
+        return d_outs.to(outs.dtype), d_lse.to(lses.dtype)
+    return d_outs.to(outs.dtype), d_lse.to(lses.dtype), a_sink[0] * (glse - g_dot_out)
 
 
 # --------------------------------------------------------------------------------------------------
