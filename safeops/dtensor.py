@@ -10,9 +10,10 @@ Each rank runs the op on its own shard, with no communication, when the sharding
   ``Shard(1)`` (heads). Sharding the heads of grouped-query attention keeps each group of q heads with its
   kv head, which needs ``Hkv`` divisible by the number of head shards (then ``Hq`` is too). ``attn_mask``
   (bool or additive) is placed like ``q`` after broadcasting to ``(B, Hq, Sq, Sk)``, or replicated.
-  ``sinks`` (``(Hq,)``) is replicated (a plain tensor counts as replicated); where ``q`` shards its heads each
-  rank uses its heads' part (a local slice, no communication), and the sinks' gradient comes back ``Partial``
-  where ``q`` shards its batch (each rank holds the sum over its own rows).
+  ``sinks`` (``(Hq,)``) is replicated (a plain tensor counts as replicated) or ``Shard(0)`` where ``q`` shards
+  its heads; a replicated one is sliced to each rank's heads there (locally; its gradient is then gathered
+  back). The sinks' gradient comes back ``Partial`` where ``q`` shards its batch (each rank holds the sum over
+  its own rows), and for ``merge_attention``'s sinks where the partials shard a batch or row dim.
 - ``merge_attention``: every partial output and lse placed alike, each mesh dimension ``Replicate`` or
   ``Shard(d)`` on a batch, head or query-row dim (any dim of ``(..., Sq)``; the merge is per row), so the
   DTensors ``attention(..., return_lse=True)`` returns merge as they are. Neither the head dim ``D`` of
@@ -318,18 +319,26 @@ def prepare_attention(q, k, v, mask, sinks=None):
         if message:
             raise ValueError(message)
         mask = _like(mask, q)
-    return mask, _replicated_sinks(sinks, q, "q")
+    return mask, _prepare_sinks(sinks, q, "q", 1)
 
 
-def _replicated_sinks(sinks, lead, lead_name: str):
-    """``sinks`` as a replicated DTensor on ``lead``'s mesh (a plain tensor counts as replicated)."""
+def _prepare_sinks(sinks, lead, lead_name: str, head_dim: int):
+    """``sinks`` as a DTensor on ``lead``'s mesh: a plain tensor counts as replicated; a DTensor is
+    replicated, or ``Shard(0)`` on the mesh dimensions where ``lead`` shards its heads (``head_dim``)."""
+    replicate, shard = _kinds()
     if sinks is None or not isinstance(sinks, torch.Tensor):
         return sinks  # not a tensor: the public function's own TypeError
     if not is_dtensor(sinks):
         return _replicated_scalar(sinks, lead)
-    if sinks.device_mesh != lead.device_mesh or not _replicated(sinks.placements):
-        raise ValueError(f"sinks must be a replicated DTensor on {lead_name}'s mesh (or a plain tensor), got "
-                         f"placements {_describe(sinks.placements)}; redistribute it to Replicate() first")
+    ok = sinks.device_mesh == lead.device_mesh
+    for p, lp in zip(sinks.placements, lead.placements, strict=True) if ok else ():
+        if not (type(p) is replicate or (type(p) is shard and p.dim == 0 and type(lp) is shard
+                                          and lp.dim == head_dim)):
+            ok = False
+    if not ok:
+        raise ValueError(f"sinks is placed {_describe(sinks.placements)} on {sinks.device_mesh}, but it must "
+                         f"be on {lead_name}'s mesh, replicated or Shard(0) where {lead_name} shards its "
+                         f"heads (dim {head_dim}; {lead_name} is placed {_describe(lead.placements)})")
     return sinks
 
 
@@ -370,7 +379,7 @@ def prepare_merge(outs: list, lses: list, stacked: bool, sinks=None):
                           stacked)
     if message:
         raise ValueError(message)
-    return _replicated_sinks(sinks, o, names[0])
+    return _prepare_sinks(sinks, o, names[0], o.dim() - 3)
 
 
 def reject_varlen(names_and_tensors) -> None:

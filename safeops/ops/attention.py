@@ -194,8 +194,12 @@ def _attention_function(below):
     class Recorded_attention(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, mask, *rest):
-            *options, sinks, keyset = rest
-            out, row_max, row_sum = below(keyset, (q, k, v, mask, *options, sinks))
+            # The dispatcher leaves out a trailing argument that has its default (sinks=None).
+            *args, keyset = rest
+            options = args[:len(_OPTION_NAMES) - 1]
+            sinks = args[len(options)] if len(args) > len(options) else None
+            ctx.n_args = len(args)
+            out, row_max, row_sum = below(keyset, (q, k, v, mask, *args))
             ctx.options = options  # mask_kind .. precision (non-tensor except the cu_seqlens)
             ctx.save_for_backward(q, k, v, out, row_max, row_sum, mask, options[1], options[2], sinks)
             return out, row_max, row_sum
@@ -207,7 +211,8 @@ def _attention_function(below):
             dq, dk, dv, dsinks = _backward(ctx, attention_backward_op, attention_sinks_backward_op, grad_out)
             # No gradient for the mask (an additive float mask is treated as a constant), the cu_seqlens or
             # the keyset.
-            return (dq, dk, dv) + (None,) * len(_OPTION_NAMES) + (dsinks, None)
+            grads = (dq, dk, dv) + (None,) * len(_OPTION_NAMES) + (dsinks,)
+            return grads[:4 + ctx.n_args] + (None,)
 
     return Recorded_attention
 

@@ -113,8 +113,12 @@ def _merge_function(below):
 
     class Recorded_merge_attention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, outs, lses, sinks, keyset):
-            out, lse = below(keyset, (outs, lses, sinks))
+        def forward(ctx, outs, lses, *rest):
+            # The dispatcher leaves out a trailing argument that has its default (sinks=None).
+            *args, keyset = rest
+            sinks = args[0] if args else None
+            ctx.n_args = len(args)
+            out, lse = below(keyset, (outs, lses, *args))
             ctx.save_for_backward(outs, lses, sinks)
             # An unused output's gradient stays None: autograd would materialize it as a plain tensor even
             # for DTensor outputs, which the DTensor backward op cannot take (and zeros cost a pass).
@@ -126,7 +130,7 @@ def _merge_function(below):
             outs, lses, sinks = ctx.saved_tensors
             grads = _merge_backward(grad_out, grad_lse, outs, lses, sinks, merge_attention_backward_op,
                                     merge_attention_sinks_backward_op)
-            return (*grads, None)
+            return (*grads[:2 + ctx.n_args], None)
 
     return Recorded_merge_attention
 
