@@ -506,6 +506,36 @@ def test_merge_kernels_match_reference(seed, monkeypatch):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@given(seed=seeds())
+def test_merge_opcheck(backend, seed):
+    outs = seed.randn(3, 2, 4, 5, 8).requires_grad_(True)
+    lses = (seed.randn(3, 2, 4, 5) * 3).requires_grad_(True)
+    sinks = _sinks(seed, 4).requires_grad_(True)
+    torch.library.opcheck(torch.ops.safeops.merge_attention.default, (outs, lses, sinks))
+    g, glse = seed.randn(2, 4, 5, 8), seed.randn(2, 4, 5)
+    op = torch.ops.safeops.merge_attention_sinks_backward.default
+    torch.library.opcheck(op, (g, glse, outs.detach(), lses.detach(), sinks.detach()))
+
+
+@given(seed=seeds())
+def test_merge_compiled_matches_eager(reference_backend, seed):
+    outs, lses, sinks = seed.randn(2, 1, 4, 5, 8), seed.randn(2, 1, 4, 5), _sinks(seed, 4)
+    g = seed.randn(1, 4, 5, 8)
+
+    def f(o, l, s):
+        return safeops.merge_attention(o, l, sinks=s)[0]
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (f, compiled):
+        leaves = _leaves(outs, lses, sinks)
+        out = fn(*leaves)
+        out.backward(g)
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b), f"{seed}"
+
+
 def test_merge_bad_sinks():
     outs, lses = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5)
     with pytest.raises(ValueError, match=r"sinks must have shape \(Hq,\) = \(3,\)"):
