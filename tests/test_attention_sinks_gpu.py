@@ -201,7 +201,7 @@ def test_merge_counts_the_sink_once(rng):
 
 
 def test_sinks_run_the_triton_forward():
-    """Where the Gluon forward takes a call, the same call with sinks runs the Triton forward, and says why."""
+    """Where the Gluon forward takes a call, the call with sinks runs the Triton forward and says why."""
     q = torch.empty(1, 4, 128, 128, dtype=torch.bfloat16, device=DEV)
     if safeops.attention_backend(q, q, q, is_causal=True)[0] != "gluon":
         pytest.skip("the Gluon forward does not run on this device")
