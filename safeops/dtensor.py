@@ -306,7 +306,7 @@ def prepare_attention(q, k, v, mask, sinks=None):
     """Checks an attention call with DTensor arguments; returns ``(mask, sinks)`` ready for the op."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not is_dtensor(t):
-            raise _plain_error(name, "q" if name != "q" else "attn_mask")
+            raise _plain_error(name, "q" if name != "q" else "attn_mask" if is_dtensor(mask) else "sinks")
     _ensure_registered()
     message = attention_error(("q", "k", "v"), (q.placements, k.placements, v.placements),
                               (q.device_mesh, k.device_mesh, v.device_mesh), (q.shape, k.shape, v.shape))
