@@ -32,8 +32,10 @@ _SCRIPT = textwrap.dedent(
 
     def signature(fn, constexprs):
         sig, attrs = {}, {}
+        if "HAS_SINKS" in fn.arg_names:  # else a runtime i32 below: both of its branches compiled
+            constexprs.setdefault("HAS_SINKS", False)
         for i, name in enumerate(fn.arg_names):
-            if name in ("sinks_ptr", "dsink_ptr") and not constexprs.get("HAS_SINKS"):
+            if name in ("sinks_ptr", "dsink_ptr") and not constexprs["HAS_SINKS"]:
                 constexprs[name] = None  # as the launcher passes them without sinks
             if name in constexprs:
                 sig[name] = "constexpr"
