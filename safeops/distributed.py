@@ -29,6 +29,13 @@ Strategies:
   attention it hides behind), else ``"ring"``. The threshold is provisional until measured
   (``bench/context_parallel.py`` times both).
 
+Attention sinks (``sinks=``, contract section 9) are counted once per query row: the ring computes its
+partials without them and merges each head's sink into the running stats once, at the end, as one more
+partial with output 0 (``m = zs2``, ``l = 1``); the all-gather strategy sees each row's keys in one call and
+passes the sinks to it. The backward needs nothing new for dq, dk, dv (the global stats include the sink);
+each rank sums ``-p_sink * rowsum(dO * O)`` over its own rows in float64, and the ranks' sums are
+all-gathered and added in rank order, so every rank holds the same bits of the sinks' gradient.
+
 Every rank must call with the same shapes, options and layout; all ranks of the group must run the backward.
 """
 
@@ -141,9 +148,10 @@ def _window(cfg: _Config, causal: bool, offset: int = -1) -> tuple[bool, int, in
 # section 2: one rounding, at the end).
 
 
-def _attn(cfg: _Config, q, k, v, causal: bool, offset: int = -1):
+def _attn(cfg: _Config, q, k, v, causal: bool, offset: int = -1, sinks=None):
     is_causal, wl, wr = _window(cfg, causal, offset)
-    return _ops_attention.partial_forward(q, k, v, is_causal, cfg.scale, cfg.softcap, wl, wr, cfg.precision)
+    return _ops_attention.partial_forward(q, k, v, is_causal, cfg.scale, cfg.softcap, wl, wr, cfg.precision,
+                                          sinks)
 
 
 def _attn_backward(cfg: _Config, grad, q, k, v, out, m, l, causal: bool, offset: int = -1):
@@ -176,6 +184,16 @@ class _Merged:
         l_old.mul_(keep).add_(w)
         m_old.copy_(m_new)
 
+    def add_sinks(self, sinks: torch.Tensor) -> None:
+        """Each head's sink, once per row: one more partial with output 0, ``m = zs2``, ``l = 1``."""
+        zs = reference.sink_scores(sinks, self.m.dtype).view(1, -1, 1).expand_as(self.m)
+        m_new = torch.maximum(self.m, zs)
+        ref = torch.where(m_new == NEG_INF, torch.zeros_like(m_new), m_new)
+        keep = torch.exp2(self.m - ref)
+        self.acc.mul_(keep.unsqueeze(-1))
+        self.l.mul_(keep).add_(torch.exp2(zs - ref))
+        self.m.copy_(m_new)
+
     def finish(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         empty = (self.l == 0).unsqueeze(-1)
         out = self.acc / torch.where(empty, torch.ones_like(self.acc), self.l.unsqueeze(-1))
@@ -207,7 +225,7 @@ def _wait(works: list) -> None:
         work.wait()
 
 
-def _ring_forward(cfg: _Config, q, k, v):
+def _ring_forward(cfg: _Config, q, k, v, sinks):
     merged = _Merged(q, v.shape[-1])
     kv = (k.contiguous(), v.contiguous())
     for step in range(cfg.world):
@@ -222,6 +240,8 @@ def _ring_forward(cfg: _Config, q, k, v):
         _wait(works)
         if incoming is not None:
             kv = incoming
+    if sinks is not None:
+        merged.add_sinks(sinks)
     return merged.finish(q.dtype)
 
 
@@ -301,9 +321,10 @@ def _gather_pieces(cfg: _Config, s_local: int, s_total: int) -> list[tuple[slice
     return [(rows, offset + (rows.stop - rows.start), offset) for rows, offset in _query_chunks(cfg, s_local)]
 
 
-def _gather_forward(cfg: _Config, q, k, v):
+def _gather_forward(cfg: _Config, q, k, v, sinks):
     kg, vg = _all_gather_sequence(cfg, k), _all_gather_sequence(cfg, v)
-    pieces = [_attn(cfg, q[:, :, rows], kg[:, :, :n], vg[:, :, :n], False, offset)
+    # Each row's visible keys are all in its one call: the sinks go there, once.
+    pieces = [_attn(cfg, q[:, :, rows], kg[:, :, :n], vg[:, :, :n], False, offset, sinks)
               for rows, n, offset in _gather_pieces(cfg, q.shape[2], kg.shape[2])]
     out, m, l = (torch.cat(parts, 2) for parts in zip(*pieces, strict=True))
     return out.to(q.dtype), m, l
@@ -326,6 +347,24 @@ def _gather_backward(cfg: _Config, grad, q, k, v, out, m, l):
     return torch.cat(dq, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _sinks_backward(cfg: _Config, grad, out, m, l, sinks) -> torch.Tensor:
+    """d loss / d sinks over the whole sequence: each rank's float64 sum of ``-p_sink * rowsum(dO * O)`` over
+    its rows (from the global stats), all-gathered and added in rank order, rounded once."""
+    f64 = torch.float64
+    zs = reference.sink_scores(sinks, m.dtype).to(f64).view(1, -1, 1)
+    m64, l64 = m.to(f64), l.to(f64)
+    p = torch.exp2(zs - torch.where(m64 == NEG_INF, torch.zeros_like(m64), m64))
+    p = torch.where(l64 == 0, torch.zeros_like(p), p / torch.where(l64 == 0, torch.ones_like(l64), l64))
+    delta = (grad.to(f64) * out.to(f64)).sum(-1)
+    mine = -(torch.where(l64 == 0, torch.zeros_like(p), p * delta)).sum((0, 2))
+    table = [torch.empty_like(mine) for _ in range(cfg.world)]
+    dist.all_gather(table, mine.contiguous(), group=cfg.group)
+    total = table[0]
+    for part in table[1:]:
+        total = total + part
+    return total.to(sinks.dtype)
+
+
 # --------------------------------------------------------------------------------------------------
 # Autograd and the public function
 # --------------------------------------------------------------------------------------------------
@@ -333,40 +372,45 @@ def _gather_backward(cfg: _Config, grad, q, k, v, out, m, l):
 
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cfg: _Config):
+    def forward(ctx, q, k, v, sinks, cfg: _Config):
         if cfg.strategy == "ring":
-            out, m, l = _ring_forward(cfg, q, k, v)
+            out, m, l = _ring_forward(cfg, q, k, v, sinks)
         else:
-            out, m, l = _gather_forward(cfg, q, k, v)
+            out, m, l = _gather_forward(cfg, q, k, v, sinks)
         ctx.cfg = cfg
-        ctx.save_for_backward(q, k, v, out, m, l)
+        ctx.save_for_backward(q, k, v, out, m, l, sinks)
         lse = reference.attention_lse(m, l)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, m, l = ctx.saved_tensors
+        q, k, v, out, m, l, sinks = ctx.saved_tensors
         cfg = ctx.cfg
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, grad_out)):
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks,
+                                                                                        grad_out)):
             raise RuntimeError("context_parallel_attention is differentiable once: double backward "
                                "(create_graph=True) is not supported")
         if cfg.strategy == "ring":
             dq, dk, dv = _ring_backward(cfg, grad_out, q, k, v, out, m, l)
         else:
             dq, dk, dv = _gather_backward(cfg, grad_out, q, k, v, out, m, l)
-        return dq, dk, dv, None
+        # Every rank computes it (a collective), whether or not its own sinks want a gradient.
+        dsinks = None if sinks is None else _sinks_backward(cfg, grad_out, out, m, l, sinks)
+        return dq, dk, dv, dsinks, None
 
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
-def _check_ranks_agree(group, world: int, q, k, v, is_causal, scale, softcap, code, layout, strategy) -> None:
+def _check_ranks_agree(group, world: int, q, k, v, is_causal, scale, softcap, code, layout, strategy,
+                       has_sinks: bool = False) -> None:
     """Every rank must pass the same shapes and options, or the ring's transfers mismatch (a gloo error, an
     NCCL hang). One small all-gather compares them; every rank sees the same table and raises the same
     ValueError."""
     fields = [*q.shape, *k.shape, *v.shape, _DTYPE_CODES.get(q.dtype, 0), int(bool(is_causal)),
               LAYOUTS.index(layout), STRATEGIES.index(strategy), int(code), int(softcap is not None),
+              int(has_sinks),
               struct.unpack("<q", struct.pack("<d", float(scale)))[0],
               struct.unpack("<q", struct.pack("<d", float(softcap or 0.0)))[0]]
     mine = torch.tensor(fields, dtype=torch.int64, device=q.device)
@@ -377,7 +421,8 @@ def _check_ranks_agree(group, world: int, q, k, v, is_causal, scale, softcap, co
         shapes = "; ".join(f"rank {r}: q {tuple(row[0:4])}, k {tuple(row[4:8])}, v {tuple(row[8:12])}"
                            for r, row in enumerate(rows))
         raise ValueError("q, k, v: every rank of the group must pass the same shard shapes, dtype and "
-                         f"options (is_causal, scale, softcap, precision, layout, strategy); got {shapes}")
+                         f"options (is_causal, scale, softcap, precision, layout, strategy, sinks or none); "
+                         f"got {shapes}")
 
 
 def choose_strategy(k: torch.Tensor, v: torch.Tensor, world_size: int) -> str:
@@ -388,7 +433,7 @@ def choose_strategy(k: torch.Tensor, v: torch.Tensor, world_size: int) -> str:
 
 def context_parallel_attention(q, k, v, *, group=None, is_causal: bool = False, scale=None, softcap=None,
                                layout: str = "contiguous", strategy: str = "auto", return_lse: bool = False,
-                               precision=None):
+                               precision=None, sinks=None):
     """Attention over a sequence sharded across the ranks of ``group``: this rank's rows of
     ``safeops.attention`` on the gathered sequence (same numerics contract, within fp32 reduction order).
 
@@ -402,6 +447,8 @@ def context_parallel_attention(q, k, v, *, group=None, is_causal: bool = False, 
             ``S_local``). :func:`shard_sequence` makes the shards.
         strategy: ``"auto"``, ``"ring"`` or ``"allgather"`` (see the module docstring).
         return_lse: also return the natural-log lse ``(B, Hq, S_local)`` (fp32, no gradient).
+        sinks: attention sinks ``(Hq,)``, as in :func:`safeops.attention` (the same on every rank), counted
+            once per row (see the module docstring); their gradient is the whole sequence's, on every rank.
     """
     _functional._check_qkv(q, k, v, 4, "(B, H, S_local, D)")
     if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
@@ -412,6 +459,7 @@ def context_parallel_attention(q, k, v, *, group=None, is_causal: bool = False, 
                          "one sequence, so every rank holds as many queries as keys")
     scale, softcap, _, _, code = _functional._attention_options(q, scale, softcap, None, is_causal,
                                                                 return_lse, precision)
+    sinks = _functional._attention_sinks(sinks, q, q.shape[1])
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout == "zigzag" and q.shape[2] % 2:
@@ -430,10 +478,11 @@ def context_parallel_attention(q, k, v, *, group=None, is_causal: bool = False, 
         strategy = choose_strategy(k, v, world)
     if world == 1:
         out = _functional.attention(q, k, v, is_causal=is_causal, scale=scale, softcap=softcap,
-                                    return_lse=return_lse, precision=precision)
+                                    return_lse=return_lse, precision=precision, sinks=sinks)
         return out
-    _check_ranks_agree(group, world, q, k, v, is_causal, scale, softcap, code, layout, strategy)
+    _check_ranks_agree(group, world, q, k, v, is_causal, scale, softcap, code, layout, strategy,
+                       sinks is not None)
     cfg = _Config(group=group, world=world, rank=rank, is_causal=is_causal, scale=scale, softcap=softcap,
                   precision=code, layout=layout, strategy=strategy)
-    out, lse = _ContextParallelAttention.apply(q, k, v, cfg)
+    out, lse = _ContextParallelAttention.apply(q, k, v, sinks, cfg)
     return (out, lse) if return_lse else out

@@ -10,6 +10,10 @@ Each rank runs the op on its own shard, with no communication, when the sharding
   ``Shard(1)`` (heads). Sharding the heads of grouped-query attention keeps each group of q heads with its
   kv head, which needs ``Hkv`` divisible by the number of head shards (then ``Hq`` is too). ``attn_mask``
   (bool or additive) is placed like ``q`` after broadcasting to ``(B, Hq, Sq, Sk)``, or replicated.
+  ``sinks`` (``(Hq,)``) is replicated (a plain tensor counts as replicated) or ``Shard(0)`` where ``q`` shards
+  its heads; a replicated one is sliced to each rank's heads there (locally; its gradient is then gathered
+  back). The sinks' gradient comes back ``Partial`` where ``q`` shards its batch (each rank holds the sum over
+  its own rows), and for ``merge_attention``'s sinks where the partials shard a batch or row dim.
 - ``merge_attention``: every partial output and lse placed alike, each mesh dimension ``Replicate`` or
   ``Shard(d)`` on a batch, head or query-row dim (any dim of ``(..., Sq)``; the merge is per row), so the
   DTensors ``attention(..., return_lse=True)`` returns merge as they are. Neither the head dim ``D`` of
@@ -26,9 +30,10 @@ to a shard.)
 
 The sharding strategies are registered with ``torch.distributed.tensor.experimental.register_sharding``
 for ``torch.ops.safeops.{softmax, log_softmax, logsumexp, softmax_backward, attention,
-attention_backward, merge_attention, merge_attention_backward}``: at the end of ``import safeops`` when
-``torch.distributed.tensor`` is already imported (with torch 2.13, importing safeops has loaded it through
-torch._dynamo), else by the first DTensor a public function sees.
+attention_backward, attention_sinks_backward, merge_attention, merge_attention_backward,
+merge_attention_sinks_backward}``: at the end of
+``import safeops`` when ``torch.distributed.tensor`` is already imported (with torch 2.13, importing safeops
+has loaded it through torch._dynamo), else by the first DTensor a public function sees.
 ``import safeops`` never imports ``torch.distributed.tensor`` itself and never fails over it. Code calling
 the ``torch.ops.safeops`` ops directly on DTensors may call :func:`register` first to be sure; there an
 unsupported placement raises DTensor's ``RuntimeError`` carrying the same message.
@@ -297,11 +302,11 @@ def prepare_rows(x, dim: int, scale_tensor, mask):
     return scale_tensor, mask
 
 
-def prepare_attention(q, k, v, mask):
-    """Checks an attention call with DTensor arguments; returns the mask ready for the op."""
+def prepare_attention(q, k, v, mask, sinks=None):
+    """Checks an attention call with DTensor arguments; returns ``(mask, sinks)`` ready for the op."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not is_dtensor(t):
-            raise _plain_error(name, "q" if name != "q" else "attn_mask")
+            raise _plain_error(name, "q" if name != "q" else "attn_mask" if is_dtensor(mask) else "sinks")
     _ensure_registered()
     message = attention_error(("q", "k", "v"), (q.placements, k.placements, v.placements),
                               (q.device_mesh, k.device_mesh, v.device_mesh), (q.shape, k.shape, v.shape))
@@ -314,22 +319,45 @@ def prepare_attention(q, k, v, mask):
         if message:
             raise ValueError(message)
         mask = _like(mask, q)
-    return mask
+    return mask, _prepare_sinks(sinks, q, "q", 1)
 
 
-def prepare_merge(outs: list, lses: list, stacked: bool) -> None:
+def _prepare_sinks(sinks, lead, lead_name: str, head_dim: int):
+    """``sinks`` as a DTensor on ``lead``'s mesh: a plain tensor counts as replicated; a DTensor is
+    replicated, or ``Shard(0)`` on the mesh dimensions where ``lead`` shards its heads (``head_dim``)."""
+    replicate, shard = _kinds()
+    if sinks is None or not isinstance(sinks, torch.Tensor):
+        return sinks  # not a tensor: the public function's own TypeError
+    if not is_dtensor(sinks):
+        return _replicated_scalar(sinks, lead)
+    ok = sinks.device_mesh == lead.device_mesh
+    for p, lp in zip(sinks.placements, lead.placements, strict=True) if ok else ():
+        if not (type(p) is replicate or (type(p) is shard and p.dim == 0 and type(lp) is shard
+                                          and lp.dim == head_dim)):
+            ok = False
+    if not ok:
+        raise ValueError(f"sinks is placed {_describe(sinks.placements)} on {sinks.device_mesh}, but it must "
+                         f"be on {lead_name}'s mesh, replicated or Shard(0) where {lead_name} shards its "
+                         f"heads (dim {head_dim}; {lead_name} is placed {_describe(lead.placements)})")
+    return sinks
+
+
+def prepare_merge(outs: list, lses: list, stacked: bool, sinks=None):
     """Checks a merge_attention call with DTensor arguments: ``outs`` / ``lses`` are the lists of partials
     (``stacked``: the one stacked tensor each). The partials are checked before they are stacked: stacking
-    differently placed DTensors would redistribute them."""
+    differently placed DTensors would redistribute them. Returns ``sinks`` ready for the op."""
     named = []
     for what, parts in (("outs", outs), ("lses", lses)):
         named += [(what if stacked else f"{what}[{i}]", t) for i, t in enumerate(parts)]
-    lead = next(n for n, t in named if is_dtensor(t))
+    lead = next((n for n, t in named if is_dtensor(t)), None)
+    if lead is None:
+        raise ValueError("sinks is a DTensor but the partials are plain tensors: pass them as DTensors too, "
+                         "or sinks as a plain tensor")
     for n, t in named:
         if isinstance(t, torch.Tensor) and not is_dtensor(t):
             raise _plain_error(n, lead)
     if not outs or not lses or not all(is_dtensor(t) for _, t in named):
-        return  # some argument is no tensor: merge_attention's own checks raise the TypeError
+        return sinks  # some argument is no tensor: merge_attention's own checks raise the TypeError
     _ensure_registered()
     for what, parts in (("outs", outs), ("lses", lses)):
         first = parts[0]
@@ -345,12 +373,13 @@ def prepare_merge(outs: list, lses: list, stacked: bool) -> None:
                     + _redistribute_hint(f"{what}[{i}]", t.placements, f"{what}[0]'s placements"))
     o, lse = outs[0], lses[0]
     if o.dim() < 1 + stacked:
-        return  # merge_attention's shape checks raise
+        return sinks  # merge_attention's shape checks raise
     names = ("outs", "lses") if stacked else ("outs[0]", "lses[0]")
     message = merge_error(names, (o.placements, lse.placements), (o.device_mesh, lse.device_mesh), o.shape,
                           stacked)
     if message:
         raise ValueError(message)
+    return _prepare_sinks(sinks, o, names[0], o.dim() - 3)
 
 
 def reject_varlen(names_and_tensors) -> None:
@@ -424,13 +453,23 @@ def _check_dense(q, k, v, cu_seqlens_q):
         raise ValueError(message)
 
 
+def _sinks_placement(d):
+    """The (Hq,) sinks' placement for a mesh dimension on which q is replicated (None) or sharded on d."""
+    replicate, shard = _kinds()
+    return shard(0) if d == 1 else replicate()
+
+
 def _attention_forward(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, *options):
     _check_dense(q, k, v, cu_seqlens_q)
     replicate, shard = _kinds()
+    has_sinks = len(options) > 8 and options[8] is not None  # max_seqlen_q .. precision, then sinks
     pairs = []
     for d in [None] + _used_shard_dims(q.placements):
         p = replicate() if d is None else shard(d)  # batch or heads: the same dim of every operand
-        pairs.append(([p, p, p], [p, p, p, None if mask is None else p] + [None] * (3 + len(options))))
+        inputs = [p, p, p, None if mask is None else p] + [None] * (3 + len(options))
+        if has_sinks:
+            inputs[-1] = _sinks_placement(d)
+        pairs.append(([p, p, p], inputs))
     return pairs
 
 
@@ -445,6 +484,22 @@ def _attention_backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, c
     return pairs
 
 
+def _attention_sinks_backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_seqlens_q,
+                              cu_seqlens_k, *options):
+    _check_dense(q, k, v, cu_seqlens_q)
+    replicate, shard = _kinds()
+    from torch.distributed.tensor import Partial
+
+    pairs = []
+    for d in [None] + _used_shard_dims(q.placements):
+        p = replicate() if d is None else shard(d)
+        # Each batch shard's dsinks sums over its own rows only: the partial sums add up to the whole.
+        dsinks = Partial() if d == 0 else _sinks_placement(d)
+        pairs.append(([p, p, p, dsinks], [p] * 7 + [None if mask is None else p] + [None] * (len(options) + 2)
+                      + [_sinks_placement(d)]))
+    return pairs
+
+
 def _check_merge(outs, lses) -> None:
     message = merge_error(("outs", "lses"), (outs.placements, lses.placements), (outs.mesh, lses.mesh),
                           outs.shape, True)
@@ -452,14 +507,22 @@ def _check_merge(outs, lses) -> None:
         raise ValueError(message)
 
 
-def _merge_forward(outs, lses):
+def _merge_sinks_placement(outs, d):
+    """The (H,) sinks' placement where the stacked outs (P, ..., H, Sq, D) are replicated (None) or sharded
+    on d: Shard(0) on the head dim, else replicated."""
+    replicate, shard = _kinds()
+    return shard(0) if d == len(outs.shape) - 3 else replicate()
+
+
+def _merge_forward(outs, lses, sinks=None):
     _check_merge(outs, lses)
     replicate, shard = _kinds()
     pairs = []
     for d in [None] + _used_shard_dims(outs.placements):
         stack = replicate() if d is None else shard(d)  # a batch / head / row dim of every partial
         merged = replicate() if d is None else shard(d - 1)  # the same dim, the partials dim gone
-        pairs.append(([merged, merged], [stack, stack]))
+        sink = None if sinks is None else _merge_sinks_placement(outs, d)
+        pairs.append(([merged, merged], [stack, stack, sink]))
     return pairs
 
 
@@ -471,6 +534,23 @@ def _merge_backward(grad_out, grad_lse, outs, lses):
         stack = replicate() if d is None else shard(d)
         merged = replicate() if d is None else shard(d - 1)
         pairs.append(([stack, stack], [merged, None if grad_lse is None else merged, stack, stack]))
+    return pairs
+
+
+def _merge_sinks_backward(grad_out, grad_lse, outs, lses, sinks):
+    _check_merge(outs, lses)
+    replicate, shard = _kinds()
+    from torch.distributed.tensor import Partial
+
+    pairs = []
+    for d in [None] + _used_shard_dims(outs.placements):
+        stack = replicate() if d is None else shard(d)
+        merged = replicate() if d is None else shard(d - 1)
+        sink = _merge_sinks_placement(outs, d)
+        # Sharded on a batch or row dim, each rank's dsinks sums its own rows: partial sums of the whole.
+        dsinks = sink if d is None or d == len(outs.shape) - 3 else Partial()
+        inputs = [merged, None if grad_lse is None else merged, stack, stack, sink]
+        pairs.append(([stack, stack, dsinks], inputs))
     return pairs
 
 
@@ -513,6 +593,8 @@ def register() -> None:
     register_sharding(ops.softmax_backward.default)(_rows_backward)
     register_sharding(ops.attention.default)(_attention_forward)
     register_sharding(ops.attention_backward.default)(_attention_backward)
+    register_sharding(ops.attention_sinks_backward.default)(_attention_sinks_backward)
     register_sharding(ops.merge_attention.default)(_merge_forward)
     register_sharding(ops.merge_attention_backward.default)(_merge_backward)
+    register_sharding(ops.merge_attention_sinks_backward.default)(_merge_sinks_backward)
     _registered = True

@@ -259,6 +259,27 @@ def _attention_mask(attn_mask, q: torch.Tensor, sk: int):
     return attn_mask.expand(target), kind  # a view: broadcast dims get stride 0, nothing is materialized
 
 
+def _attention_sinks(sinks, q: torch.Tensor, heads: int):
+    """``sinks`` checked and converted once to the compute dtype of ``q`` (fp32; fp64 for fp64), contiguous:
+    a differentiable cast, so the gradient comes back in the sinks' own dtype (rounded once). ``q``: any
+    tensor whose dtype and device the sinks follow."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be None or a tensor of shape (Hq,) = ({heads},) (one logit per query "
+                        f"head), got {type(sinks).__name__}")
+    if sinks.dtype not in _FLOATING:
+        raise TypeError(f"sinks must be float16, bfloat16, float32 or float64 (logits, converted once to "
+                        f"fp32), got {sinks.dtype}")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must have shape (Hq,) = ({heads},), one logit per query head, got shape "
+                         f"{tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but the inputs are on {q.device}")
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return sinks.to(acc).contiguous()
+
+
 def _finish(out, row_max, row_sum, return_lse):
     if not return_lse:
         return out
@@ -268,14 +289,14 @@ def _finish(out, row_max, row_sum, return_lse):
 
 
 def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, softcap=None, window=None,
-              return_lse=False, precision=None):
+              return_lse=False, precision=None, sinks=None):
     """Scaled dot-product attention in the ``(B, H, S, D)`` layout, a drop-in for SDPA.
 
     Each score is one materialized fp32 value ``z = fp32(q.k) * scale`` (then ``softcap * tanh(z / softcap)``,
     then ``+ attn_mask``) feeding both the row max and the subtraction (contract section 1); the row max and
     sum are kept apart for the backward (3); a query that sees no key gets output 0, lse -inf and zero
     gradient (4); masked keys are selected away, so NaN there does not leak (5); results are deterministic
-    and batch-invariant (6); fp32 inputs follow ``precision`` (7).
+    and batch-invariant (6); fp32 inputs follow ``precision`` (7); ``sinks`` as section 9 says.
 
     Args:
         q: ``(B, Hq, Sq, D)``; k: ``(B, Hkv, Sk, D)``; v: ``(B, Hkv, Sk, Dv)``, with ``Hq % Hkv == 0``
@@ -290,6 +311,15 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, softcap=N
         return_lse: also return the natural-log logsumexp per query, fp32, ``(B, Hq, Sq)``.
         precision: fp32 inputs only: ``"ieee"``, ``"tf32"`` (inputs rounded to nearest TF32) or ``"tf32x3"``;
             default from ``torch.get_float32_matmul_precision()``.
+        sinks: attention sinks (gpt-oss): a ``(Hq,)`` tensor of logits in the units of the scaled scores
+            ``scale * q.k`` (after softcap and mask, which do not touch it), any floating dtype, converted
+            once to fp32 (fp64 for fp64 inputs; exact from bf16 / fp16). Each row of head h gets one extra
+            logit ``sinks[h]`` that carries no value: it enters the row max and the row sum like a key's
+            score (base 2: ``fp32(sinks[h]) * fp32(log2 e)``, one multiply), and the lse includes it. A row
+            that sees no key (no keys, fully masked, outside its window) gives output 0 and lse
+            ``sinks[h]`` up to one ulp (``fp32(ln 2 * fp32(sinks[h] * log2 e))``: two roundings), with zero
+            gradient for q. ``sinks`` gets a gradient, ``-sum over rows of p_sink * rowsum(dO * O)``,
+            summed in a fixed order (the same bits on every run).
     """
     _check_qkv(q, k, v, 4, "(B, H, S, D)")
     if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
@@ -298,11 +328,12 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, softcap=N
     scale, softcap, left, right, code = _attention_options(q, scale, softcap, window, is_causal,
                                                            return_lse, precision)
     mask, mask_kind = _attention_mask(attn_mask, q, k.shape[2])
-    if _dtensor.any_dtensor(q, k, v, mask):  # run locally on each shard, or a clear error
-        mask = _dtensor.prepare_attention(q, k, v, mask)
+    if _dtensor.any_dtensor(q, k, v, mask, sinks):  # run locally on each shard, or a clear error
+        mask, sinks = _dtensor.prepare_attention(q, k, v, mask, sinks)
+    sinks = _attention_sinks(sinks, q, q.shape[1])
     out, row_max, row_sum = _ops_attention.forward(
         q, k, v, mask, mask_kind, None, None, q.shape[2], k.shape[2], is_causal, scale, softcap, left, right,
-        code)
+        code, sinks)
     return _finish(out, row_max, row_sum, return_lse)
 
 
@@ -338,7 +369,7 @@ def _check_cu_seqlens(name: str, cu, total: int, device, max_seqlen, max_name: s
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                      is_causal=False, scale=None, softcap=None, window=None, return_lse=False,
-                     precision=None):
+                     precision=None, sinks=None):
     """Attention over packed variable-length sequences, like FlashAttention's ``flash_attn_varlen_func``.
 
     q ``(Tq, Hq, D)``, k ``(Tk, Hkv, D)``, v ``(Tk, Hkv, Dv)`` hold the sequences back to back; sequence b's
@@ -351,7 +382,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     document boundaries (and ``is_causal=True``). The lse is ``(Hq, Tq)``. Other arguments and the contract
     are those of :func:`attention`.
     """
-    _dtensor.reject_varlen((("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q)))
+    _dtensor.reject_varlen((("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("sinks", sinks)))
     _check_qkv(q, k, v, 3, "(total, H, D)")
     sq, nb = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, max_seqlen_q,
                                "max_seqlen_q")
@@ -361,20 +392,22 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         raise ValueError(f"cu_seqlens_q has {nb + 1} entries but cu_seqlens_k has {nbk + 1}: one batch size")
     scale, softcap, left, right, code = _attention_options(q, scale, softcap, window, is_causal,
                                                            return_lse, precision)
+    sinks = _attention_sinks(sinks, q, q.shape[1])
     out, row_max, row_sum = _ops_attention.forward(
-        q, k, v, None, 0, cu_seqlens_q, cu_seqlens_k, sq, sk, is_causal, scale, softcap, left, right, code)
+        q, k, v, None, 0, cu_seqlens_q, cu_seqlens_k, sq, sk, is_causal, scale, softcap, left, right, code,
+        sinks)
     return _finish(out, row_max, row_sum, return_lse)
 
 
 def attention_backend(q, k, v, *, attn_mask=None, is_causal=False, scale=None, softcap=None, window=None,
-                      return_lse=False, precision=None, cu_seqlens_q=None, cu_seqlens_k=None
+                      return_lse=False, precision=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None
                       ) -> tuple[str, str]:
     """Which kernel runs the forward of ``safeops.attention(q, k, v, **options)`` (with ``cu_seqlens_q`` and
     ``cu_seqlens_k``: of ``safeops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)``), and
     why: ``(path, reason)``, the path one of
 
     - ``"gluon"``: the warp-specialized Hopper kernel (CUDA, sm_90, bf16 / fp16, head dim 64, 128 or 256,
-      causal or not, GQA / MQA, dense or packed; no mask, softcap or window), e.g.
+      causal or not, GQA / MQA, dense or packed; no mask, softcap, window or sinks), e.g.
       ``("gluon", "bf16 causal D=128 on sm_90")``;
     - ``"triton"``: the Triton kernels, e.g.
       ``("triton", "the Gluon kernel does not take an attention mask")``;
@@ -409,7 +442,8 @@ def attention_backend(q, k, v, *, attn_mask=None, is_causal=False, scale=None, s
         mask = None
     _, softcap, left, right, _ = _attention_options(q, scale, softcap, window, is_causal, return_lse,
                                                     precision)
-    return _ops_attention.path(q, k, v, mask, cu_seqlens_q, is_causal, softcap, left, right)
+    sinks = _attention_sinks(sinks, q, q.shape[1])
+    return _ops_attention.path(q, k, v, mask, cu_seqlens_q, is_causal, softcap, left, right, sinks)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -443,7 +477,7 @@ def _stack_partials(name: str, parts, min_dim: int) -> torch.Tensor:
     return torch.stack(list(parts)) if len(parts) > 1 else parts[0].unsqueeze(0)
 
 
-def merge_attention(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_attention(outs, lses, *, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Merges attention results computed over disjoint key sets into attention over their union.
 
     For each query row, with ``lse = logsumexp_i(lse_i)``: ``out = sum_i exp(lse_i - lse) * out_i``, computed
@@ -451,13 +485,20 @@ def merge_attention(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
     dtype (contract section 2). A partial with ``lse_i = -inf`` (it saw no key) contributes exactly nothing,
     whatever its output holds; a row where every partial is empty gives out 0 and lse -inf, with zero
     gradients (section 4); no NaN comes out of finite or -inf inputs, however large the lses.
-    Differentiable with respect to every partial's output and lse.
+    Differentiable with respect to every partial's output and lse (and ``sinks``).
+
+    Attention sinks (contract section 9) are counted once, here: compute the partials without ``sinks`` and
+    pass them to the merge, which adds each head's sink as one more partial with output 0 and lse
+    ``sinks[h]`` (partials computed with the sinks would count them once per partial).
 
     Args:
         outs: a list/tuple of P tensors ``(..., Sq, D)`` of one shape, dtype (float16, bfloat16, float32 or
             float64) and device, or one stacked tensor ``(P, ..., Sq, D)`` (read without a copy).
         lses: the matching natural-log logsumexps ``(..., Sq)``, float32 (float64 with float64 outputs),
             as ``safeops.attention(..., return_lse=True)`` returns them; a list or a stacked tensor.
+        sinks: None or ``(H,)`` sink logits for partials ``(..., H, Sq, D)`` (the head dim just before the
+            query rows, as attention's ``(B, H, Sq, D)``), any floating dtype, converted once to the lses'
+            dtype; their gradient comes back in their own dtype.
 
     Returns:
         ``(out, lse)``: ``(..., Sq, D)`` in the outputs' dtype and ``(..., Sq)`` in the lses' dtype.
@@ -471,8 +512,9 @@ def merge_attention(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"outs has {len(outs)} partials but lses has {len(lses)}: one lse per output")
     if stacked or isinstance(outs, (list, tuple)) and isinstance(lses, (list, tuple)):
         parts_o, parts_l = ([outs], [lses]) if stacked else (outs, lses)
-        if _dtensor.any_dtensor(*parts_o, *parts_l):  # run locally on each shard, or a clear error
-            _dtensor.prepare_merge(list(parts_o), list(parts_l), stacked)  # partials checked before stacking
+        if _dtensor.any_dtensor(*parts_o, *parts_l, sinks):  # run locally on each shard, or a clear error
+            # partials checked before stacking
+            sinks = _dtensor.prepare_merge(list(parts_o), list(parts_l), stacked, sinks)
     o = _stack_partials("outs", outs, 1)
     lse = _stack_partials("lses", lses, 0)
     if o.dtype not in _FLOATING:
@@ -486,7 +528,12 @@ def merge_attention(outs, lses) -> tuple[torch.Tensor, torch.Tensor]:
                          f"(partials first), got {tuple(lse.shape)}")
     if lse.device != o.device:
         raise ValueError(f"lses are on {lse.device} but outs are on {o.device}")
-    return _ops_merge.forward(o, lse)
+    if sinks is not None:
+        if lse.dim() < 3:
+            raise ValueError(f"sinks need partials with a head dim, (..., H, Sq, D), got outputs of shape "
+                             f"{tuple(o.shape[1:])}")
+        sinks = _attention_sinks(sinks, lse, lse.shape[-2]).to(lse.dtype)
+    return _ops_merge.forward(o, lse, sinks)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -76,6 +76,7 @@ def attention_probabilities(
     is_causal: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention probabilities ``softmax(z)`` for SDPA-layout ``q`` (B, H, Sq, D) and ``k`` (B, Hkv, Sk, D).
 
@@ -83,6 +84,8 @@ def attention_probabilities(
     (default ``D ** -0.5``), ``softcap * tanh(z / softcap)``, then an additive float mask; a bool mask (True =
     attend) and ``is_causal`` (top-left aligned, as in ``F.scaled_dot_product_attention``) exclude entries.
     The softmax is :func:`safeops.softmax`, so a row with nothing included is 0. Returned in fp32 (fp64).
+    ``sinks`` (``(H,)`` logits, contract section 9) join each row's softmax as one more column, dropped
+    from the result (the rows then sum to less than 1; the sinks get a gradient).
     """
     acc = reference.compute_dtype(q.dtype)
     if scale is None:
@@ -105,7 +108,12 @@ def attention_probabilities(
         keep = causal if keep is None else keep & causal
     if keep is not None:
         keep = keep.expand(z.shape)
-    return functional.softmax(z, -1, mask=keep)
+    if sinks is None:
+        return functional.softmax(z, -1, mask=keep)
+    column = functional._attention_sinks(sinks, q, q.shape[1]).view(1, -1, 1, 1).expand(*z.shape[:-1], 1)
+    if keep is not None:
+        keep = torch.cat([keep, keep.new_ones(column.shape)], -1)
+    return functional.softmax(torch.cat([z, column], -1), -1, mask=keep)[..., :-1]
 
 
 def materialized_attention(
@@ -118,13 +126,15 @@ def materialized_attention(
     scale: float | None = None,
     softcap: float | None = None,
     dropout_p: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dropout(P) @ v, dropout(P))`` with ``P`` from :func:`attention_probabilities`; output in q's dtype.
 
     This is the path for attention weights and for attention dropout: dropout acts on the probabilities,
     which a fused kernel never materializes, so it cannot be applied afterwards to a fused output.
     """
-    p = attention_probabilities(q, k, attn_mask=attn_mask, is_causal=is_causal, scale=scale, softcap=softcap)
+    p = attention_probabilities(q, k, attn_mask=attn_mask, is_causal=is_causal, scale=scale, softcap=softcap,
+                                sinks=sinks)
     if dropout_p > 0.0:
         p = F.dropout(p, p=dropout_p, training=True)
     groups = q.shape[1] // v.shape[1]

@@ -149,6 +149,12 @@ def backward(
 # the user-visible lse is ln(2) * (m2 + log2(l)). This reference computes s in float64 and rounds it once
 # (more accurate than any kernel's fp32 accumulation), then follows the same formulas; everything after
 # z2 is float64. It ignores ``precision`` (CPU tensors are always computed at full precision).
+#
+# Attention sinks (contract section 9): one logit s[h] per query head, in the units of the scaled scores,
+# that carries no value. Its base-2 score is zs2 = fp32(s[h]) * fp32(log2e), one multiply (fp64 for fp64
+# inputs); it is not softcapped or masked. It enters every row of head h like a key's score: m2 = max(max
+# z2, zs2) and l = sum exp2(z2 - m2) + exp2(zs2 - m2). A row that sees no key then has m2 = zs2, l = 1,
+# output 0 and lse = fp32(ln2 * fp64(zs2)): s[h] up to one ulp (the base-2 round trip rounds twice).
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -213,6 +219,11 @@ def attention_scores(q, k, mask, mask_kind, is_causal, scale, softcap, window_le
     return z
 
 
+def sink_scores(sinks: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """zs2 = acc(sinks) * acc(log2e) per head: the sinks' one materialized base-2 score, (Hq,)."""
+    return sinks.to(acc) * torch.tensor(LOG2E, dtype=acc)
+
+
 def _attention_probs(z: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
     """float64 p = exp2(z - m) / l, exactly 0 in empty rows (m = -inf, l = 0)."""
     m = m.to(torch.float64).unsqueeze(-1)
@@ -222,18 +233,25 @@ def _attention_probs(z: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch
     return torch.where(l == 0, torch.zeros_like(p), p)
 
 
-def attention_forward(q, k, v, mask, mask_kind, is_causal, scale, softcap, window_left, window_right
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Dense attention, ``(B, H, S, D)`` layout. Returns ``(out, m2, l)``; the stats are (B, Hq, Sq)."""
+def attention_forward(q, k, v, mask, mask_kind, is_causal, scale, softcap, window_left, window_right,
+                      sinks=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense attention, ``(B, H, S, D)`` layout. Returns ``(out, m2, l)``; the stats are (B, Hq, Sq).
+    ``sinks``: None or (Hq,) logits (see "Attention sinks" above)."""
     acc = compute_dtype(q.dtype)
     B, Hq, Sq, _ = q.shape
-    if k.shape[2] == 0:
+    if k.shape[2] == 0 and sinks is None:
         out = q.new_zeros((B, Hq, Sq, v.shape[3]))
         return out, q.new_full((B, Hq, Sq), NEG_INF, dtype=acc), q.new_zeros((B, Hq, Sq), dtype=acc)
     z = attention_scores(q, k, mask, mask_kind, is_causal, scale, softcap, window_left, window_right)
-    m = torch.amax(z, -1)
-    e = torch.exp2(z.to(torch.float64) - _safe_max(m.to(torch.float64)).unsqueeze(-1))
+    m = torch.amax(z, -1) if k.shape[2] else z.new_full((B, Hq, Sq), NEG_INF)
+    if sinks is not None:
+        zs = sink_scores(sinks, acc).view(1, Hq, 1)
+        m = torch.maximum(m, zs)  # NaN propagates: a NaN sink makes its head's rows NaN
+    base = _safe_max(m.to(torch.float64))
+    e = torch.exp2(z.to(torch.float64) - base.unsqueeze(-1))
     l64 = e.sum(-1)
+    if sinks is not None:
+        l64 = l64 + torch.exp2(zs.to(torch.float64) - base)
     l = l64.to(acc)
     o = e @ _expand_kv(v, Hq).to(torch.float64)
     o = o / torch.where(l64 == 0, torch.ones_like(l64), l64).unsqueeze(-1)
@@ -245,6 +263,20 @@ def attention_lse(m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
     """Natural-log logsumexp from the base-2 stats; -inf for empty rows."""
     lse = (m.to(torch.float64) + torch.log2(l.to(torch.float64))) * LN2
     return torch.where(l == 0, torch.full_like(lse, NEG_INF), lse).to(m.dtype)
+
+
+def attention_sinks_backward(delta: torch.Tensor, m: torch.Tensor, l: torch.Tensor,
+                             sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks = -sum over rows of p_sink * delta, ``p_sink = exp2(zs2 - m2) / l`` from the saved
+    stats, ``delta = rowsum(dO * O)``. ``delta``, ``m``, ``l``: the stats' layout, heads second to last
+    ((B, Hq, Sq) dense, (Hq, Tq) packed); summed in float64, returned in the stats' dtype, (Hq,)."""
+    f64 = torch.float64
+    zs = sink_scores(sinks, m.dtype).to(f64).unsqueeze(-1)
+    m64, l64 = m.to(f64), l.to(f64)
+    p = torch.exp2(zs - _safe_max(m64)) / torch.where(l64 == 0, torch.ones_like(l64), l64)
+    term = torch.where(l64 == 0, torch.zeros_like(p), p * delta.to(f64))
+    dims = [d for d in range(term.dim()) if d != term.dim() - 2]
+    return (-term.sum(dims)).to(m.dtype)
 
 
 def _reduce_heads(t: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -285,10 +317,15 @@ def attention_backward(grad, q, k, v, out, m, l, mask, mask_kind, is_causal, sca
 # --------------------------------------------------------------------------------------------------
 
 
-def merge_weights(lses: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def merge_weights(lses: torch.Tensor, acc: torch.dtype, sink: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(a, m, s): softmax weights ``a_i = exp(lse_i - m) / s`` of the partials (0 for an empty partial and in
-    rows where every partial is empty), the max lse ``m`` and ``s = sum_i exp(lse_i - m)``."""
+    rows where every partial is empty), the max lse ``m`` and ``s = sum_i exp(lse_i - m)``. ``sink`` (None, or
+    a per-row logit broadcastable to a row of ``lses``) is one more partial with output 0: it enters ``m``
+    and ``s``; append ``a_sink = exp(sink - m) / s`` as the last of ``a``."""
     lses = lses.to(acc)
+    if sink is not None:
+        lses = torch.cat([lses, sink.to(acc).expand(lses.shape[1:]).unsqueeze(0)])
     m = torch.amax(lses, 0)
     excluded = lses == NEG_INF
     w = torch.where(excluded, torch.zeros_like(lses), torch.exp(lses - _safe_max(m)))
@@ -297,11 +334,14 @@ def merge_weights(lses: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, t
     return a, m, s
 
 
-def merge_attention_forward(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_attention_forward(outs: torch.Tensor, lses: torch.Tensor, sink: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of attention over the union of the partials' key sets, computed in fp32 (fp64 for
-    fp64 outputs); an empty partial (lse -inf) is selected away, an all-empty row gives 0 and -inf."""
+    fp64 outputs); an empty partial (lse -inf) is selected away, an all-empty row gives 0 and -inf. ``sink``:
+    see ``merge_weights`` (counted once, whatever the number of partials)."""
     acc = compute_dtype(outs.dtype)
-    a, m, s = merge_weights(lses, acc)
+    a, m, s = merge_weights(lses, acc, sink)
+    a = a[: lses.shape[0]]
     excluded = (lses == NEG_INF).unsqueeze(-1)
     out = torch.where(excluded, torch.zeros((), dtype=acc), a.unsqueeze(-1) * outs.to(acc)).sum(0)
     log_s = torch.log(torch.where(s == 0, torch.ones_like(s), s))
@@ -310,10 +350,13 @@ def merge_attention_forward(outs: torch.Tensor, lses: torch.Tensor) -> tuple[tor
 
 
 def merge_attention_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor | None, outs: torch.Tensor,
-                             lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``d out_i = a_i g`` and ``d lse_i = a_i (g_lse + g . (out_i - out))``, ``out`` the unrounded merge."""
+                             lses: torch.Tensor, sink: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, ...]:
+    """``d out_i = a_i g`` and ``d lse_i = a_i (g_lse + g . (out_i - out))``, ``out`` the unrounded merge;
+    with ``sink`` also ``d sink = a_sink (g_lse - g . out)`` per row (the sink's output is 0), fp32 (fp64)."""
     acc = compute_dtype(outs.dtype)
-    a, _, _ = merge_weights(lses, acc)
+    a, _, _ = merge_weights(lses, acc, sink)
+    a, a_sink = a[: lses.shape[0]], a[lses.shape[0]:]
     excluded = lses == NEG_INF
     g = grad_out.to(acc)
     dots = (g.unsqueeze(0) * outs.to(acc)).sum(-1)
@@ -321,7 +364,9 @@ def merge_attention_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor | No
     glse = torch.zeros_like(g_dot_out) if grad_lse is None else grad_lse.to(acc)
     d_lse = torch.where(excluded, torch.zeros_like(dots), a * (glse + (dots - g_dot_out)))
     d_outs = torch.where(excluded.unsqueeze(-1), torch.zeros((), dtype=acc), a.unsqueeze(-1) * g)
-    return d_outs.to(outs.dtype), d_lse.to(lses.dtype)
+    if sink is None:
+        return d_outs.to(outs.dtype), d_lse.to(lses.dtype)
+    return d_outs.to(outs.dtype), d_lse.to(lses.dtype), a_sink[0] * (glse - g_dot_out)
 
 
 # --------------------------------------------------------------------------------------------------

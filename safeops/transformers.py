@@ -24,11 +24,15 @@ How transformers' arguments map onto :func:`safeops.attention`:
   ``i - w < j <= i``; that is ``window=(w - 1, 0)``. It is passed when query and key lengths are equal (the
   mask, when there is one, already holds the same window; with a KV cache the mask alone carries it).
 - ``softcap`` (Gemma-2 ``attn_logit_softcapping``) and ``scaling`` map directly.
+- ``s_aux`` (gpt-oss: the attention layer's ``sinks`` parameter, ``(num_attention_heads,)`` in the model's
+  dtype, logits in the units of ``scaling * q.k`` that the eager implementation appends to every row of
+  scores and drops after the softmax) is passed as ``sinks`` (``sinks=`` too, for other models); its
+  gradient reaches the parameter.
 - ``dropout > 0`` (training with ``attention_dropout``) runs :func:`safeops.nn.materialized_attention`:
   fp32 probabilities from :func:`safeops.softmax`, dropout on them as the eager implementation does, then
   the product with ``v``. Correct, but its memory grows with ``q_len * kv_len``.
-- Returned attention weights are always ``None`` (as with ``sdpa``); ``position_bias`` and attention sinks
-  (``s_aux``) are not supported and raise a ValueError naming them.
+- Returned attention weights are always ``None`` (as with ``sdpa``); ``position_bias`` is not supported and
+  raises a ValueError naming it.
 
 Padded query rows: with left padding, a padded query position attends to nothing. safeops gives it 0
 (contract section 4); transformers' eager implementation averages the masked keys there, and torch's SDPA
@@ -69,8 +73,11 @@ def attention_forward(
     global _warned_attentions
     if kwargs.get("position_bias") is not None:
         raise ValueError("safeops attention does not support position_bias (T5-style relative bias)")
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise ValueError("safeops attention does not support attention sinks (s_aux)")
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
+    elif kwargs.get("sinks") is not None:
+        raise ValueError("safeops attention got both s_aux and sinks: pass the attention sinks once")
     if kwargs.get("output_attentions", False) and not _warned_attentions:
         _warned_attentions = True
         logger.warning("safeops attention does not return attention weights (output_attentions); "
@@ -100,10 +107,12 @@ def attention_forward(
 
     if dropout > 0.0:
         out = safe_nn.materialized_attention(query, key, value, attn_mask=attention_mask, is_causal=causal,
-                                             scale=scaling, softcap=softcap, dropout_p=float(dropout))[0]
-    else:  # safeops.attention looked up per call (patchable); None softcap / window are its defaults
+                                             scale=scaling, softcap=softcap, dropout_p=float(dropout),
+                                             sinks=sinks)[0]
+    else:  # safeops.attention looked up per call (patchable); None softcap / window / sinks are its defaults
+        options = {} if sinks is None else {"sinks": sinks}
         out = safeops.attention(query, key, value, attn_mask=attention_mask, is_causal=causal, scale=scaling,
-                                softcap=softcap, window=window)
+                                softcap=softcap, window=window, **options)
     return out.transpose(1, 2).contiguous(), None
 
 

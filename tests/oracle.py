@@ -317,6 +317,7 @@ class AttentionResult:
     v_abs: torch.Tensor  # (B, Hq, Sk, Dv) |v| expanded to the q heads
     k_abs: torch.Tensor  # (B, Hq, Sk, D)
     q_abs: torch.Tensor  # (B, Hq, Sq, D)
+    p_sink: torch.Tensor | None = None  # (B, Hq, Sq) each row's sink probability (attention sinks only)
 
 
 def _heads(t: torch.Tensor, hq: int) -> torch.Tensor:
@@ -342,15 +343,24 @@ def attention_keep(sq: int, sk: int, attn_mask, is_causal: bool, window) -> torc
 
 
 def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, softcap=None, window=None,
-              precision=None, leaves=None) -> AttentionResult:
-    """Float64 attention. ``leaves`` = (q64, k64, v64) to differentiate through (default: detached copies).
+              precision=None, sinks=None, leaves=None) -> AttentionResult:
+    """Float64 attention. ``leaves`` = (q64, k64, v64) to differentiate through (default: detached copies),
+    plus a fourth, the sinks' float64 leaf, when ``sinks`` is given.
 
     fp32 inputs with precision "tf32" are rounded to TF32 first (the contract's rounding, done here by
     float64 arithmetic). Probabilities are exact here; the kernels round them to the input dtype for the
     second matmul, which the bounds allow for.
+
+    ``sinks`` (contract section 9): each row of head h gets one more logit, ``sinks[h]`` rounded to fp32
+    (float64 for float64 inputs) and then exact, that enters the row's max and sum and carries no value.
     """
     if precision == "tf32" and q.dtype == torch.float32:
         q, k, v = round_tf32(q), round_tf32(k), round_tf32(v)
+    acc = compute_dtype(q.dtype)
+    s64 = None
+    if sinks is not None:
+        s64 = leaves[3] if leaves is not None else sinks.detach().to(acc).to(F64)
+        leaves = None if leaves is None else leaves[:3]
     q64, k64, v64 = leaves if leaves is not None else (t.detach().to(F64) for t in (q, k, v))
     if leaves is not None and precision == "tf32" and q.dtype == torch.float32:
         # Values of the rounded inputs, gradient of the unrounded leaves (straight through the rounding).
@@ -370,9 +380,19 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, softcap=N
         z = z + torch.where(keep, add, torch.zeros_like(add))
     z = torch.where(keep, z, torch.full_like(z, NEG_INF))
     m = torch.amax(z.detach(), -1, keepdim=True) if sk else z.new_full(z.shape[:-1] + (1,), NEG_INF)
+    if s64 is not None:
+        sink = s64.view(1, hq, 1, 1).expand(*m.shape)
+        m = torch.maximum(m, sink.detach())
     empty = m == NEG_INF
-    e = torch.where(keep, torch.exp(z - torch.where(empty, torch.zeros_like(m), m)), torch.zeros_like(z))
+    base = torch.where(empty, torch.zeros_like(m), m)
+    e = torch.where(keep, torch.exp(z - base), torch.zeros_like(z))
     l = e.sum(-1, keepdim=True)
+    p_sink = None
+    if s64 is not None:
+        e_sink = torch.where(sink == NEG_INF, torch.zeros_like(sink), torch.exp(sink - base))
+        l = l + e_sink
+        empty = l == 0
+        p_sink = (e_sink / torch.where(empty, torch.ones_like(l), l)).squeeze(-1)
     p = e / torch.where(empty, torch.ones_like(l), l)
     out = p @ ve
     log_l = torch.log(torch.where(empty, torch.ones_like(l), l))
@@ -382,20 +402,28 @@ def attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, softcap=N
         terms = terms + attn_mask.detach().to(F64).abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
     terms = torch.where(keep, terms, torch.zeros_like(terms))
     zmag = terms.amax(-1, keepdim=True) if sk else terms.new_zeros(terms.shape[:-1] + (1,))
+    if s64 is not None:  # the sink is a score of the row too (its base-2 conversion rounds like one)
+        zmag = torch.maximum(zmag, s64.detach().abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
+                             .view(1, hq, 1, 1))
     return AttentionResult(out=out, lse=lse.squeeze(-1), p=p.detach(), zmag=zmag,
                            v_abs=_heads(v.detach().to(F64).abs(), hq),
                            k_abs=_heads(k.detach().to(F64).abs(), hq),
-                           q_abs=q.detach().to(F64).abs())
+                           q_abs=q.detach().to(F64).abs(),
+                           p_sink=None if p_sink is None else p_sink.detach())
 
 
 def attention_gradients(q, k, v, grad_out, **options):
-    """(out, dq, dk, dv) in float64 by autograd on the oracle; dk/dv summed over each kv head's q heads."""
+    """(out, dq, dk, dv) in float64 by autograd on the oracle; dk/dv summed over each kv head's q heads.
+    With ``sinks``: (out, dq, dk, dv, dsinks)."""
     leaves = tuple(t.detach().to(F64).requires_grad_(True) for t in (q, k, v))
+    sinks = options.get("sinks")
+    if sinks is not None:
+        acc = compute_dtype(q.dtype)
+        leaves += (sinks.detach().to(acc).to(F64).requires_grad_(True),)
     r = attention(q, k, v, leaves=leaves, **options)
-    dq, dk, dv = torch.autograd.grad((r.out * grad_out.detach().to(F64)).sum(), leaves, allow_unused=True)
-    pairs = zip((dq, dk, dv), leaves, strict=True)
-    dq, dk, dv = (torch.zeros_like(leaf) if g is None else g for g, leaf in pairs)
-    return r, dq, dk, dv
+    grads = torch.autograd.grad((r.out * grad_out.detach().to(F64)).sum(), leaves, allow_unused=True)
+    grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves, strict=True)]
+    return (r, *grads)
 
 
 def _unit(dtype: torch.dtype, precision) -> float:
@@ -450,6 +478,26 @@ def attention_bounds(r: AttentionResult, q, grad_out=None, *, scale=None, softca
     dk_full = scale * ((rel_ds * a).transpose(-1, -2) @ r.q_abs) + eta * (touched.transpose(-1, -2) @ r.q_abs)
     dv_full = (((2 * z_err + 2 * u_op + c * u32) * r.p + eta * touched).transpose(-1, -2) @ ga)
     return out_b, lse_b, dq_b, dk_full, dv_full
+
+
+def sinks_bound(r: AttentionResult, q, grad_out, out_bound: torch.Tensor, *, softcap=None) -> torch.Tensor:
+    """Allowed |error| of d loss / d sinks, (Hq,): ``-sum over rows of p_sink * delta``. Per row, p_sink is
+    off by the score error (relative 2 E_z, as every p) and fp32 roundings; delta = rowsum(dO * O) by the
+    output's error |dO| . out_bound plus fp32 accumulation; the rows' sum adds fp32-order error."""
+    d = q.shape[-1]
+    sk = r.p.shape[-1]
+    sq = r.p.shape[-2]
+    u32 = eps(torch.float32) / 2
+    c = 8 + 2 * math.log2(max(d, 2)) + math.log2(max(sk, 2))
+    z_err = (c * u32 * (r.zmag + 1.0)).squeeze(-1)
+    if softcap is not None:
+        z_err = z_err + 16 * u32 * softcap
+    g = grad_out.detach().to(F64).abs()
+    delta_abs = (g * r.out.detach().abs()).sum(-1)
+    delta_err = (g * out_bound).sum(-1) + c * u32 * delta_abs
+    rows = r.p_sink * ((2 * z_err + c * u32) * delta_abs + delta_err)
+    n = r.p_sink.shape[0] * sq
+    return rows.sum((0, 2)) + (math.log2(max(n, 2)) + 2) * u32 * (r.p_sink * delta_abs).sum((0, 2))
 
 
 def reduce_kv_bound(bound: torch.Tensor, hkv: int) -> torch.Tensor:

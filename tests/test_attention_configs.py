@@ -49,7 +49,7 @@ def record(variants) -> list[dict]:
 
 
 def _plan(d, dtype, precision=0, mask=None, causal=False, window=(-1, -1), softcap=None, group=1,
-          varlen=False):
+          varlen=False, sinks=False):
     meta = torch.device("meta")
     b, hkv, s = 2, 2, 384
     hq = hkv * group
@@ -67,8 +67,9 @@ def _plan(d, dtype, precision=0, mask=None, causal=False, window=(-1, -1), softc
         mask_t = torch.empty(1, 1, s, s, dtype=mask, device=meta).expand(b, hq, s, s)
     wl, wr = window
     options = (mask_t, mask_kind, cu, cu, s, s, causal, d**-0.5, softcap, wl, wr, precision)
-    out, m, l = L.forward(q, k, v, *options)
-    L.backward(g, q, k, v, out, m, l, *options)
+    kw = {"sinks": torch.empty(hq, dtype=torch.float32, device=meta)} if sinks else {}
+    out, m, l = L.forward(q, k, v, *options, **kw)
+    L.backward(g, q, k, v, out, m, l, *options, **kw)
 
 
 MASKS = [None, torch.bool, torch.float16, torch.float32, torch.float64]
@@ -90,6 +91,7 @@ def variants(level: str) -> list[dict]:
         out += [dict(d=d, dtype=torch.bfloat16, **heavy) for d in dims]
         out += [dict(d=256, dtype=torch.bfloat16, mask=torch.float32, causal=True, softcap=30.0)]
         out += [dict(d=128, dtype=torch.float32, precision=1, **heavy)]
+        out += [dict(d=128, dtype=torch.bfloat16, sinks=True, **heavy)]  # the sinks' forward and dq kernels
         return out
     if level == "full":
         out = []

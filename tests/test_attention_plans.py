@@ -86,7 +86,11 @@ def _case(name):
         causal, wr = True, 0
     elif name == "partials_fp32":
         fwd_kw, bwd_kw = {"out_dtype": F32}, {"grad_dtype": F32}
-    if name == "varlen":
+    elif name.startswith("sinks"):  # attention sinks: one more pointer for the forward and dq kernels
+        hq, hkv, causal, wr = 8, 2, True, 0
+        sinks = torch.randn(hq)
+        fwd_kw, bwd_kw = {"sinks": sinks}, {"sinks": sinks}
+    if name in ("varlen", "sinks_varlen"):
         lens = [17, 31]
         total = sum(lens)
         q, k, v = (torch.randn(total, h, d).to(BF16) for h in (8, 2, 2))
@@ -118,7 +122,7 @@ def _case(name):
 
 CASES = ["llama", "contiguous", "causal_gqa", "window_softcap", "bool_mask", "float_mask", "varlen",
          "fp32_ieee", "fp32_tf32", "fp32_tf32x3", "partials_fp32", "dv_differs", "strided_head_dim",
-         "empty_keys"]
+         "empty_keys", "sinks", "sinks_varlen"]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -126,7 +130,7 @@ def test_plan_launches_equal_the_general_path(gpu_route, name):
     launches = gpu_route
     q, k, v, g, options, fwd_kw, bwd_kw = _case(name)
     mask, cu = options[0], options[2]
-    inputs = {"q": q, "k": k, "v": v, "grad": g, "mask": mask, "cu": cu}
+    inputs = {"q": q, "k": k, "v": v, "grad": g, "mask": mask, "cu": cu, "sinks": fwd_kw.get("sinks")}
     if mask is not None and mask.dtype == torch.bool:
         inputs["mask_u8"] = mask.view(torch.uint8)
 
@@ -137,9 +141,11 @@ def test_plan_launches_equal_the_general_path(gpu_route, name):
 
     def backward(fn, out, m, l):
         launches.clear()
-        dq, dk, dv = fn(g, q, k, v, out, m, l, *options, **bwd_kw)
+        grads = fn(g, q, k, v, out, m, l, *options, **bwd_kw)  # (dq, dk, dv), and dsinks with sinks
+        assert len(grads) == (4 if "sinks" in bwd_kw else 3)
+        dq, dk, dv = grads[:3]
         roles = _roles(**inputs, out=out, row_max=m, row_sum=l, dq=dq, dk=dk, dv=dv)
-        return _describe(launches, roles), (dq, dk, dv)
+        return _describe(launches, roles), grads
 
     ref_fwd, ref_out = forward(L._forward_general)
     ref_bwd, ref_grads = backward(L._backward_general, *ref_out)
@@ -192,19 +198,21 @@ def test_plan_errors_like_the_general_path(gpu_route, monkeypatch):
     assert not L._tables()[0]
 
 
+@pytest.mark.parametrize("sinks", [False, True])
 @given(seed=seeds())
-def test_plan_bits_on_the_interpreter(triton_backend, seed):
+def test_plan_bits_on_the_interpreter(triton_backend, seed, sinks):
     """On Triton's interpreter the plan's launches give the general path's bits (GQA, causal, Llama strides,
-    forward and backward, first and repeated call)."""
+    forward and backward, first and repeated call; with attention sinks too)."""
     q, k, v = _llama(40, 4, 2, 16, BF16, seed.gen)
     g = seed.randn(2, 40, 4, 16, dtype=BF16).transpose(1, 2)
     options = (None, 0, None, None, 40, 40, True, 0.25, None, -1, 0, 0)
+    kw = {"sinks": seed.randn(4)} if sinks else {}
     L.clear_plans()
-    ref = L._forward_general(q, k, v, *options)
-    dref = L._backward_general(g, q, k, v, *ref, *options)
+    ref = L._forward_general(q, k, v, *options, **kw)
+    dref = L._backward_general(g, q, k, v, *ref, *options, **kw)
     for _ in range(2):
-        out = L.forward(q, k, v, *options)
-        grads = L.backward(g, q, k, v, *ref, *options)
+        out = L.forward(q, k, v, *options, **kw)
+        grads = L.backward(g, q, k, v, *ref, *options, **kw)
         for a, b in zip((*out, *grads), (*ref, *dref), strict=True):
             assert torch.equal(a.view(torch.int16) if a.dtype == BF16 else a,
                                b.view(torch.int16) if b.dtype == BF16 else b)

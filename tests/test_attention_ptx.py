@@ -1,11 +1,12 @@
 """Contract section 1 for the attention kernels, at the instruction level, and the Hopper MMA path.
 
 The forward, dk/dv and dq kernels are compiled for sm_90 exactly as the launcher compiles them for bf16
-(its configuration, ``enable_fp_fusion=False``), causal and with softcap, in a subprocess without Triton's
-interpreter. Every f32 multiply, add and subtract in the PTX must carry ``.rn`` and there must be no f32
-``fma``: so ``z2 = s * C1`` is rounded before it feeds the row max and ``z2 - m`` (and ptxas cannot fuse it
-later either). With fp fusion on, the same compile must show fma instructions: the check can fail. The
-bf16 dots must lower to Hopper's warpgroup MMA (``wgmma.mma_async``), the path the performance needs.
+(its configuration, ``enable_fp_fusion=False``), causal and with softcap (the forward and dq kernels also
+with attention sinks), in a subprocess without Triton's interpreter. Every f32 multiply, add and subtract
+in the PTX must carry ``.rn`` and there must be no f32 ``fma``: so ``z2 = s * C1`` is rounded before it
+feeds the row max and ``z2 - m`` (and ptxas cannot fuse it later either). With fp fusion on, the same
+compile must show fma instructions: the check can fail. The bf16 dots must lower to Hopper's warpgroup MMA
+(``wgmma.mma_async``), the path the performance needs.
 """
 
 from __future__ import annotations
@@ -27,11 +28,15 @@ _SCRIPT = textwrap.dedent(
 
     fusion = sys.argv[1] == "on"
     target = GPUTarget("cuda", 90, 32)
-    stats = {"m_ptr", "l_ptr", "delta_ptr"}
+    stats = {"m_ptr", "l_ptr", "delta_ptr", "sinks_ptr", "dsink_ptr"}
 
     def signature(fn, constexprs):
         sig, attrs = {}, {}
+        if "HAS_SINKS" in fn.arg_names:  # else a runtime i32 below: both of its branches compiled
+            constexprs.setdefault("HAS_SINKS", False)
         for i, name in enumerate(fn.arg_names):
+            if name in ("sinks_ptr", "dsink_ptr") and not constexprs["HAS_SINKS"]:
+                constexprs[name] = None  # as the launcher passes them without sinks
             if name in constexprs:
                 sig[name] = "constexpr"
             elif name.endswith("_ptr"):
@@ -71,8 +76,13 @@ _SCRIPT = textwrap.dedent(
                             ("dkdv-even", k.attn_bwd_dkdv_kernel, {"USE_TMA": False, "EVEN": True}),
                             ("dq", k.attn_bwd_dq_kernel, {"REVERSE": True, "USE_TMA": False}),
                             ("dq-even", k.attn_bwd_dq_kernel,
-                             {"REVERSE": True, "USE_TMA": False, "EVEN": True})):
-        cfg = L.config(kind.removesuffix("-even"), L.block_dim(d), torch.bfloat16, True, cuda)
+                             {"REVERSE": True, "USE_TMA": False, "EVEN": True}),
+                            ("fwd-sinks", k.attn_fwd_kernel,
+                             {"REVERSE": True, "WARP_SPECIALIZE": False, "USE_TMA": False, "EVEN": True,
+                              "HAS_SINKS": True}),
+                            ("dq-sinks", k.attn_bwd_dq_kernel,
+                             {"REVERSE": True, "USE_TMA": False, "EVEN": True, "HAS_SINKS": True})):
+        cfg = L.config(kind.split("-")[0], L.block_dim(d), torch.bfloat16, True, cuda)
         constexprs = {**common, **extra, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                       "NUM_STAGES": cfg.num_stages}
         results[kind] = counts(compile_ptx(fn, constexprs, cfg))
@@ -93,7 +103,8 @@ def counts_off():
 def test_no_contraction_in_attention_kernels(counts_off):
     offenders = {kind: c for kind, c in counts_off.items() if c["fma"] or c["loose"]}
     assert not offenders, f"f32 fma or non-.rn mul/add in attention kernels (contract section 1): {offenders}"
-    assert set(counts_off) == {"fwd", "fwd-even", "dkdv", "dkdv-even", "dq", "dq-even"}
+    assert set(counts_off) == {"fwd", "fwd-even", "dkdv", "dkdv-even", "dq", "dq-even", "fwd-sinks",
+                               "dq-sinks"}
 
 
 def test_bf16_dots_use_wgmma(counts_off):

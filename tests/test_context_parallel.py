@@ -3,9 +3,10 @@
 Every rank builds the same full q, k, v and output gradient from a shared seed, runs
 ``context_parallel_attention`` on its shard (forward and backward), and checks its shard of out, lse, dq,
 dk and dv against single-process ``safeops.attention`` on the whole sequence (autograd backward), for
-both layouts, causal and not, grouped-query heads, both strategies, fp32 and bf16, plus shards whose
-contributions cancel (partials must stay fp32 until the one rounding). A rank that finds a
-mismatch raises, which fails the spawn. The worker loops over all cases in one spawn per world size,
+both layouts, causal and not, grouped-query heads, both strategies, fp32 and bf16, attention sinks (counted
+once per row; their gradient against single-process attention's), plus shards whose contributions cancel
+(partials must stay fp32 until the one rounding). A rank that finds a mismatch raises, which fails the
+spawn. The worker loops over all cases in one spawn per world size,
 because starting the processes costs more than the cases.
 """
 
@@ -43,6 +44,11 @@ def _cases(world: int) -> list[dict]:
                       softcap=None))
     cases.append(dict(layout="contiguous", causal=True, hq=2, hkv=2, strategy="ring", dtype=torch.float32,
                       softcap=5.0))
+    # Attention sinks: every layout / strategy once, GQA, causal and not.
+    for layout, causal, strategy in (("zigzag", True, "ring"), ("zigzag", True, "allgather"),
+                                     ("contiguous", False, "ring"), ("contiguous", False, "allgather")):
+        cases.append(dict(layout=layout, causal=causal, hq=4, hkv=2, strategy=strategy, dtype=torch.float32,
+                          softcap=None, sinks=True))
     return cases
 
 
@@ -77,32 +83,42 @@ def _check(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype, case,
 
 
 def _inputs(seed: int, case: dict, world: int, s_local: int, d: int, device: str = "cpu"):
+    """q, k, v, the output gradient and, for a case with sinks, (Hq,) sink logits (else None)."""
     gen = torch.Generator().manual_seed(seed)
     s = world * s_local
     shapes = [(1, case["hq"], s, d), (1, case["hkv"], s, d), (1, case["hkv"], s, d), (1, case["hq"], s, d)]
-    return [torch.randn(shape, generator=gen, dtype=torch.float64).to(device=device, dtype=case["dtype"])
-            for shape in shapes]
+    tensors = [torch.randn(shape, generator=gen, dtype=torch.float64).to(device=device, dtype=case["dtype"])
+               for shape in shapes]
+    sinks = None
+    if case.get("sinks"):  # a few logits of magnitude comparable to the scores, one well above them
+        sinks = (2 * torch.randn(case["hq"], generator=gen, dtype=torch.float64)).float().to(device)
+        sinks[0] = 4.0
+    return [*tensors, sinks]
 
 
 def _run_case(rank: int, world: int, case: dict, seed: int, s_local: int = 8, d: int = 16,
               device: str = "cpu") -> None:
-    q, k, v, g = _inputs(seed, case, world, s_local, d, device)
+    q, k, v, g, sinks = _inputs(seed, case, world, s_local, d, device)
     layout = case["layout"]
     options = dict(is_causal=case["causal"], softcap=case["softcap"])
     if case["dtype"] == torch.float32:
         options["precision"] = "ieee"
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out, lse = safeops.attention(*full, return_lse=True, **options)
+    sinks_full = None if sinks is None else sinks.clone().requires_grad_(True)
+    out, lse = safeops.attention(*full, return_lse=True, sinks=sinks_full, **options)
     out.backward(g)
     expected = [out, lse] + [t.grad for t in full]
 
     local = [cp.shard_sequence(t, rank, world, layout).requires_grad_(True) for t in (q, k, v)]
+    sinks_local = None if sinks is None else sinks.clone().requires_grad_(True)
     out_l, lse_l = cp.context_parallel_attention(*local, layout=layout, strategy=case["strategy"],
-                                                 return_lse=True, **options)
+                                                 return_lse=True, sinks=sinks_local, **options)
     out_l.backward(cp.shard_sequence(g, rank, world, layout))
     actual = [out_l, lse_l] + [t.grad for t in local]
     for name, a, e in zip(("out", "lse", "dq", "dk", "dv"), actual, expected, strict=True):
         _check(name, a, cp.shard_sequence(e, rank, world, layout), case["dtype"], case, rank)
+    if sinks is not None:  # the whole sequence's gradient, on every rank
+        _check("dsinks", sinks_local.grad, sinks_full.grad, case["dtype"], case, rank)
 
 
 def _huge_logits_case(rank: int, world: int, device: str = "cpu") -> None:
@@ -222,8 +238,11 @@ def test_matches_single_process_triton_interpreted(seed, triton_backend):
     zigzag (sliced shards), both strategies. fp32 only: the interpreter has no meaningful bf16 attention."""
     cases = _cases(2)
     picks = [i for i, c in enumerate(cases) if c["causal"] and c["layout"] == "zigzag" and c["hq"] == 4
-             and c["dtype"] == torch.float32]
+             and c["dtype"] == torch.float32 and not c.get("sinks")]
     assert len(picks) == 2
+    # Sinks: the ring (partials without them, the sink merged once) and the all-gather (one call per row).
+    picks += [i for i, c in enumerate(cases) if c.get("sinks") and c["causal"]]
+    assert len(picks) == 4
     _spawn(2, "triton", seed, picks, huge=False)
 
 
@@ -271,6 +290,8 @@ def test_bad_input():
         cp.context_parallel_attention(q, q, q, is_causal=1)
     with pytest.raises(ValueError, match="multiple"):
         cp.shard_sequence(q, 0, 3, "zigzag")
+    with pytest.raises(ValueError, match="sinks must have shape"):
+        cp.context_parallel_attention(q, q, q, sinks=torch.zeros(3))
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="init_process_group"):
             cp.context_parallel_attention(q, q, q)

@@ -477,6 +477,71 @@ _register("attention_heads_gqa_triton",
           _attention_check("S1", 2, 4, 2, 16, 16, 16, 16, {"is_causal": True}, "bool_bcast"), "triton")
 
 
+def _attention_sinks_check(code: str, sinks_code: str):
+    """Attention with sinks, q / k / v placed by ``code`` (GQA, causal), the sinks a DTensor placed by
+    ``sinks_code`` requiring grad: out, lse, dq, dk, dv as the whole tensor's. The sinks' gradient: with the
+    heads sharded, each rank's heads (``Shard(0)``); with the batch sharded, ``Partial`` (each rank's rows),
+    whose sum is the whole tensor's gradient. Nothing communicates in forward and backward."""
+
+    def check(env: Env) -> None:
+        places, sink_places = placements(code), placements(sinks_code)
+        q, k, v = env.randn(4, 4, 5, 8), env.randn(4, 2, 6, 8), env.randn(4, 2, 6, 8)
+        sinks = env.randn(4, std=2.0)
+        whole = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        out_whole, lse_whole = safeops.attention(*whole[:3], sinks=whole[3], is_causal=True, return_lse=True)
+        grad = env.randn(*out_whole.shape)
+        out_whole.backward(grad)
+        qd, kd, vd = (shard(env, t, places, requires_grad=True) for t in (q, k, v))
+        sd = shard(env, sinks, sink_places, requires_grad=True)
+        with comm_counter() as comm:
+            out, lse = safeops.attention(qd, kd, vd, sinks=sd, is_causal=True, return_lse=True)
+            out.backward(shard(env, grad, places))
+        assert comm.get_total_counts() == 0, f"collectives: {comm.get_comm_counts()}"
+        assert_shard(out, out_whole.detach(), env, places, "attention output")
+        assert_shard(lse, lse_whole, env, places, "attention lse")
+        for name, t, w in zip(("q", "k", "v"), (qd, kd, vd), whole[:3], strict=True):
+            assert_shard(t.grad, w.grad, env, places, f"attention grad {name}")
+        if code == "S0":
+            assert tuple(sd.grad.placements) == tuple(placements("P")), sd.grad.placements
+            torch.testing.assert_close(sd.grad.full_tensor(), whole[3].grad, rtol=1e-5, atol=1e-6)
+        else:
+            assert_shard(sd.grad, whole[3].grad, env, sink_places, "attention grad sinks")
+
+    return check
+
+
+_register("attention_sinks_batch", _attention_sinks_check("S0", "R"))
+_register("attention_sinks_heads", _attention_sinks_check("S1", "S0"))
+_register("attention_sinks_heads_triton", _attention_sinks_check("S1", "S0"), "triton")
+
+
+def _merge_sinks(env: Env) -> None:
+    """merge_attention with sinks, the partials' heads sharded and the sinks Shard(0): the local merge of
+    each rank's heads, forward and backward, no communication."""
+    from torch.distributed.tensor import Shard
+
+    outs, lses, sinks = env.randn(2, 2, 4, 5, 8), env.randn(2, 2, 4, 5), env.randn(4, std=2.0)
+    whole = [t.clone().requires_grad_() for t in (outs, lses, sinks)]
+    out_whole, lse_whole = safeops.merge_attention(whole[0], whole[1], sinks=whole[2])
+    g, g_lse = env.randn(*out_whole.shape), env.randn(*lse_whole.shape)
+    torch.autograd.backward((out_whole, lse_whole), (g, g_lse))
+    od = shard(env, outs, [Shard(2)], requires_grad=True)
+    ld = shard(env, lses, [Shard(2)], requires_grad=True)
+    sd = shard(env, sinks, [Shard(0)], requires_grad=True)
+    with comm_counter() as comm:
+        out, lse = safeops.merge_attention(od, ld, sinks=sd)
+        torch.autograd.backward((out, lse), (shard(env, g, [Shard(1)]), shard(env, g_lse, [Shard(1)])))
+    assert comm.get_total_counts() == 0, f"collectives: {comm.get_comm_counts()}"
+    assert_shard(out, out_whole.detach(), env, [Shard(1)], "merge out")
+    assert_shard(lse, lse_whole.detach(), env, [Shard(1)], "merge lse")
+    for name, t, w, p in (("outs", od, whole[0], [Shard(2)]), ("lses", ld, whole[1], [Shard(2)]),
+                          ("sinks", sd, whole[2], [Shard(0)])):
+        assert_shard(t.grad, w.grad, env, p, f"merge grad {name}")
+
+
+_register("merge_sinks_heads", _merge_sinks)
+
+
 def _two_dim_meshes(env: Env) -> None:
     """The same checks on 2-D meshes of the two ranks, (1, 2) and (2, 1): placements per mesh dimension."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -520,6 +585,8 @@ def _attention_errors(env: Env) -> None:
             *(shard(env, one_head, [Shard(1)]) for _ in range(3))))
         assert_raises(ValueError, "k is a plain torch.Tensor",
                       lambda: safeops.attention(shard(env, q, [Shard(0)]), k, v))
+        sinks = shard(env, env.randn(6), [Shard(0)])  # sharded though q's heads are not
+        assert_raises(ValueError, "sinks is placed (S(0))", lambda: run([Shard(0)], sinks=sinks))
     assert comm.get_total_counts() == 0
     cu = torch.tensor([0, 4], dtype=torch.int32, device=env.device)
     packed = shard(env, env.randn(4, 2, 8), [Shard(1)])

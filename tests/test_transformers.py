@@ -50,6 +50,11 @@ def config_for(hf, family, **overrides):
         cfg = hf.Gemma2Config(num_key_value_heads=2, head_dim=8, sliding_window=3, attn_logit_softcapping=5.0,
                               final_logit_softcapping=None, **common)
         cls = hf.Gemma2ForCausalLM
+    elif family == "gpt_oss":  # attention sinks (s_aux), sliding and full layers, GQA, a tiny MoE
+        cfg = hf.GptOssConfig(num_key_value_heads=2, head_dim=8, sliding_window=3, num_local_experts=2,
+                              num_experts_per_tok=1, rope_parameters={"rope_type": "default",
+                                                                      "rope_theta": 10000.0}, **common)
+        cls = hf.GptOssForCausalLM
     elif family == "gpt2":
         cfg = hf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
         cls = hf.GPT2LMHeadModel
@@ -89,7 +94,7 @@ def logits_and_grads(model, impl, ids, mask):
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-FAMILIES = ["llama", "mistral", "gemma2", "gpt2", "bert"]
+FAMILIES = ["llama", "mistral", "gemma2", "gpt_oss", "gpt2", "bert"]
 
 
 @pytest.mark.parametrize("padding", ["none", "left"])
@@ -151,6 +156,40 @@ def test_sliding_window_maps_to_window_left_minus_one(hf, seed, reference_backen
     assert mask[6].tolist() == [False, False, False, False, True, True, True]
     p = torch.softmax((q @ k.transpose(-1, -2) * 0.5).masked_fill(~mask, float("-inf")), -1)
     torch.testing.assert_close(out, (p @ v).transpose(1, 2), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@given(seed=seeds())
+def test_gpt_oss_sinks_match_eager(hf, seed, dtype, backend):
+    """gpt-oss passes its layer's ``sinks`` parameter as ``s_aux``: safeops' attention function against the
+    model's own eager attention, with sinks large enough to matter (std 2, in the units of scaling * q.k),
+    GQA, its additive causal / padding mask and a padded row that sees no key: outputs and the gradients
+    of q, k, v and the sinks parameter. float64 on the reference, fp32 on both backends."""
+    if dtype == torch.float64 and backend != "reference":
+        pytest.skip("float64 runs the reference")
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    import safeops.transformers as sht
+
+    cls, cfg = config_for(hf, "gpt_oss")
+    module = modeling_gpt_oss.GptOssAttention(cfg, layer_idx=1).to(dtype)
+    with torch.no_grad():
+        module.sinks.copy_(seed.randn(4, std=2.0).to(dtype))
+    q, k, v = (seed.randn(2, h, 7, 8, dtype=dtype) for h in (4, 2, 2))
+    mask = torch.zeros(2, 1, 7, 7, dtype=dtype)
+    mask.masked_fill_(~torch.ones(7, 7, dtype=torch.bool).tril(), torch.finfo(dtype).min)
+    mask[1, :, :, :3] = torch.finfo(dtype).min  # left padding: rows 0-2 of batch 1 see no key
+    g = seed.randn(2, 7, 4, 8, dtype=dtype)
+    results = []
+    for fn in (modeling_gpt_oss.eager_attention_forward, sht.attention_forward):
+        module.zero_grad()
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out, _ = fn(module, *leaves, mask, scaling=module.scaling, dropout=0.0, s_aux=module.sinks)
+        out.backward(g)
+        results.append([out.detach()] + [t.grad for t in leaves] + [module.sinks.grad.clone()])
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), results[1], results[0], strict=True):
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @given(seed=seeds())

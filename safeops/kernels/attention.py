@@ -17,6 +17,15 @@ select, never an add, so a NaN score at an excluded key never reaches the row. E
 ``exp2(m_old - m_new)`` subtracts a guarded ``m_new`` (0 while the row has seen nothing), so an all-excluded
 block never makes NaN, and an empty row ends with ``m = -inf``, ``l = 0``, output 0.
 
+Attention sinks (``HAS_SINKS``, contract section 9): head h's sink logit enters every row as one more score
+that carries no value, ``zs2 = fp32(sink[h]) * LOG2E`` (one multiply, not softcapped, not masked). The
+forward starts each row's online softmax from it (``m = zs2``, ``l = exp2(zs2 - m)``: 1, or 0 for a -inf
+sink, through the same guarded base as every rescale; ``acc = 0``), so ``m`` and ``l`` include it and a row
+that sees no key ends with ``m = zs2``, ``l = 1``, output 0. The backward needs nothing new for dq, dk, dv
+(``p`` from the saved ``m`` and ``l``); the dq kernel also stores ``p_sink * delta`` per row, ``p_sink =
+exp2(zs2 - m) / l``, which the launcher sums in a fixed order into the sink's gradient. Without sinks the
+constexpr branch is not compiled and the sink pointers are None: the kernels are what they were.
+
 The forward writes ``m`` (max of z2) and ``l`` (sum of exp2(z2 - m)) per query row, kept apart. The
 backward recomputes ``p = exp2(min(z2 - m, 0)) * (1 / l)`` from the same z2 formula; the clamp makes
 ``p <= 1`` hold even where the transposed dot of the dk/dv kernel rounds ``s`` differently from the
@@ -97,6 +106,12 @@ def _scores(s, C1, C2, SOFTCAP: tl.constexpr):
         return (1.0 - 2.0 / (e + 1.0)) * C2
     else:
         return s * C1
+
+
+@triton.jit
+def _sink_score(sinks_ptr, pid_h):
+    """zs2 of head ``pid_h``'s sink: its fp32 logit times LOG2E, one multiply (fp32 sinks: the launcher's)."""
+    return tl.load(sinks_ptr + pid_h) * LOG2E
 
 
 @triton.jit
@@ -255,7 +270,7 @@ def _sequence(pid_b, cu_q_ptr, cu_k_ptr, seqlen_q, seqlen_k, VARLEN: tl.constexp
 
 @triton.jit(do_not_specialize=SIZE_ARGS)
 def attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, mask_ptr, cu_q_ptr, cu_k_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, mask_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, stb, sth, sts, smb, smh, smi, smj,
     n_heads, seqlen_q, seqlen_k, n_m_blocks, window_left, window_right, C1, C2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -263,7 +278,7 @@ def attn_fwd_kernel(
     VARLEN: tl.constexpr, PRECISION: tl.constexpr, REVERSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     NUM_STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False, USE_TMA: tl.constexpr = False,
-    EVEN: tl.constexpr = False,
+    EVEN: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
 ):
     """o, m, l of one query block, looping over the visible key blocks. ``EVEN`` (the launcher's promise: not
     varlen, seqlen_q % BLOCK_M == 0 and seqlen_k % BLOCK_N == 0): every block is whole, so the q / o / m / l
@@ -308,8 +323,12 @@ def attn_fwd_kernel(
         k_desc = k_ptrs
         v_desc = v_ptrs
 
-    m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the sink is the rows' first score: m = zs2, l = exp2(zs2 - guarded base)
+        m_i = tl.zeros([BLOCK_M], tl.float32) + _sink_score(sinks_ptr, pid_h)
+        l_i = tl.exp2(m_i - tl.where(m_i == NEG_INF, 0.0, m_i))
+    else:
+        m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     lo, a, b, hi = _block_ranges(m0, BLOCK_M, BLOCK_N, k_len, window_left, window_right, HAS_WL, HAS_WR)
     # Masked blocks before the fully visible ones (window start), the fully visible ones, then masked
@@ -593,6 +612,7 @@ def _dq_inner(dq, q, do, base, inv_l, delta, k_ptrs, v_ptrs, k_desc, v_desc, mas
 @triton.jit(do_not_specialize=SIZE_ARGS)
 def attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, dq_ptr, m_ptr, l_ptr, delta_ptr, mask_ptr, cu_q_ptr, cu_k_ptr,
+    sinks_ptr, dsink_ptr,
     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdb, sdh, sds, sob, soh, sos, sdqb, sdqh, sdqs,
     stb, sth, sts, smb, smh, smi, smj,
     n_heads, n_bh, seqlen_q, seqlen_k, n_m_blocks, window_left, window_right, C1, C2, scale_ds,
@@ -601,12 +621,14 @@ def attn_bwd_dq_kernel(
     VARLEN: tl.constexpr, PRECISION: tl.constexpr, REVERSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr = False, EVEN: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
 ):
     """dq of one query block, looping over the visible key blocks. First it computes delta = rowsum(dO * O) of
     its rows and stores it for the dk/dv kernel, which the launcher runs after this one (every query row
-    belongs to exactly one program). ``EVEN`` (the launcher's promise: not varlen, seqlen_q % BLOCK_M == 0
-    and seqlen_k % BLOCK_N == 0): every block is whole, so the steps need no bounds masks and, without a
-    right window, the masked tail [b, hi) is empty and not compiled."""
+    belongs to exactly one program); with ``HAS_SINKS`` also ``p_sink * delta`` per row, into dsink_ptr
+    (the stats' layout), for the sink's gradient. ``EVEN`` (the launcher's promise: not varlen, seqlen_q %
+    BLOCK_M == 0 and seqlen_k % BLOCK_N == 0): every block is whole, so the steps need no bounds masks and,
+    without a right window, the masked tail [b, hi) is empty and not compiled."""
     pid_m, pid_bh = _backward_program(n_bh)
     if pid_bh < 0:
         return
@@ -643,6 +665,9 @@ def attn_bwd_dq_kernel(
     do = _prep(do, PRECISION)
     base, inv_l = _base_inv_l(tl.load(m_ptr + st, mask=q_ok, other=NEG_INF),
                               tl.load(l_ptr + st, mask=q_ok, other=0.0))
+    if HAS_SINKS:  # p_sink from the saved stats, as every p; 0 in a row with l = 0 (inv_l = 0)
+        p_sink = tl.exp2(_sink_score(sinks_ptr, pid_h) - base) * inv_l
+        tl.store(dsink_ptr + st, p_sink * delta, mask=q_ok)
     k_ptrs = k_base + offs_n0[:, None] * sks + offs_d[None, :]
     v_ptrs = v_base + offs_n0[:, None] * svs + offs_dv[None, :]
     if USE_TMA:

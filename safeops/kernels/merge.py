@@ -16,6 +16,11 @@ of the lses) and ``g``/``g_lse`` the incoming gradients:
     d out_i = a_i g,     d lse_i = a_i (g_lse + g . out_i - g . out)
 
 where ``g . out = sum_j a_j (g . out_j)`` is the fp32 output, recomputed here, not the rounded one.
+Attention sinks (``HAS_SINKS``, contract section 9) merge as one more partial with output 0 and lse
+``sink`` (a natural-log logit per row, counted once): it enters ``M`` and ``s`` (first, before the
+partials), not the output sum, and gets ``d sink = a_sink (g_lse - g . out)``, stored per row (the launcher
+sums the rows of each head). Without sinks the sink pointers are None and the branches are not compiled.
+
 Rows are independent and the loop order over partials and head-dim tiles is fixed, so a row's bits do not
 depend on how many rows a launch has (contract section 6). Outputs and gradients become fp32 through
 ``to_f32`` and are rounded back through ``cast`` (``safeops.kernels.convert``: exact under Triton's
@@ -47,17 +52,23 @@ def _cols(d0, BLOCK_D: tl.constexpr, WIDE: tl.constexpr):
 
 
 @triton.jit
-def _row_scale(lse_ptr, rows, row_ok, P, s_lp, s_lr):
-    """(M with -inf replaced by 0, s) of each row: the max lse and the sum of exp(lse_i - M)."""
+def _row_scale(lse_ptr, rows, row_ok, P, s_lp, s_lr, sink_ptr, HAS_SINKS: tl.constexpr):
+    """(M, M with -inf replaced by 0, s) of each row: the max lse and the sum of exp(lse_i - M), the sink's
+    term included (first) with ``HAS_SINKS``."""
     # Partials are reached by bumping 64-bit pointers, never by p * stride, which could pass 2**31 for a
     # large stack in 32-bit arithmetic (contract section 8).
     m = tl.full(rows.shape, NEG_INF, tl.float32)
+    if HAS_SINKS:
+        m = tl.load(sink_ptr + rows, mask=row_ok, other=NEG_INF)
     lse_p = lse_ptr + rows * s_lr
     for _ in range(P):
         m = tl.maximum(m, tl.load(lse_p, mask=row_ok, other=NEG_INF))
         lse_p += s_lp
     m_safe = tl.where(m == NEG_INF, 0.0, m)
     s = tl.zeros(rows.shape, tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(sink_ptr + rows, mask=row_ok, other=NEG_INF)
+        s += tl.where(sink == NEG_INF, 0.0, tl.exp(sink - m_safe))
     lse_p = lse_ptr + rows * s_lr
     for _ in range(P):
         lse = tl.load(lse_p, mask=row_ok, other=NEG_INF)
@@ -68,14 +79,14 @@ def _row_scale(lse_ptr, rows, row_ok, P, s_lp, s_lr):
 
 @triton.jit
 def merge_fwd_kernel(
-    o_ptr, lse_ptr, out_ptr, lse_out_ptr,
+    o_ptr, lse_ptr, out_ptr, lse_out_ptr, sink_ptr,
     P, R, D,
     s_op, s_or, s_od, s_lp, s_lr, s_outr, s_outd,
-    WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr = False,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
-    m, m_safe, s = _row_scale(lse_ptr, rows, row_ok, P, s_lp, s_lr)
+    m, m_safe, s = _row_scale(lse_ptr, rows, row_ok, P, s_lp, s_lr, sink_ptr, HAS_SINKS)
     empty = s == 0.0
     inv_s = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, s))
     for d0 in range(0, D, BLOCK_D):
@@ -104,14 +115,15 @@ def merge_fwd_kernel(
 
 @triton.jit
 def merge_bwd_kernel(
-    o_ptr, lse_ptr, g_ptr, glse_ptr, go_ptr, gl_ptr,
+    o_ptr, lse_ptr, g_ptr, glse_ptr, go_ptr, gl_ptr, sink_ptr, gsink_ptr,
     P, R, D,
     s_op, s_or, s_od, s_lp, s_lr, s_gr, s_gd, s_glr, s_gop, s_gor, s_god,
     HAS_GLSE: tl.constexpr, WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
-    m, m_safe, s = _row_scale(lse_ptr, rows, row_ok, P, s_lp, s_lr)
+    m, m_safe, s = _row_scale(lse_ptr, rows, row_ok, P, s_lp, s_lr, sink_ptr, HAS_SINKS)
     empty = s == 0.0
     inv_s = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, s))
     g_dot_out = tl.zeros((BLOCK_R,), tl.float32)
@@ -155,3 +167,7 @@ def merge_bwd_kernel(
         tl.store(gl_p, tl.where(excluded, 0.0, a * (glse + (dot - g_dot_out))), mask=row_ok)
         lse_p += s_lp
         gl_p += R
+    if HAS_SINKS:  # the sink's output is 0: its "g . out_i" term is 0
+        sink = tl.load(sink_ptr + rows, mask=row_ok, other=NEG_INF)
+        a_sink = tl.where(sink == NEG_INF, 0.0, tl.exp(sink - m_safe) * inv_s)
+        tl.store(gsink_ptr + rows, a_sink * (glse - g_dot_out), mask=row_ok)

@@ -81,7 +81,7 @@ def device_reason(device: torch.device) -> str:
 
 
 def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_causal: bool, softcap,
-           wl: int, wr: int, out_dtype: torch.dtype | None = None) -> str:
+           wl: int, wr: int, out_dtype: torch.dtype | None = None, sinks=None) -> str:
     """``""`` if the Gluon forward computes this attention, else why not, in words. The arguments are the
     attention op's (``wl`` / ``wr``: window sides, < 0 unbounded; ``wr`` is 0 with ``is_causal``); what
     they are read for: q's dtype, q's and v's head dims, q's device, whether a mask / softcap / window
@@ -96,6 +96,8 @@ def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_cau
         return "the Gluon kernel does not take an attention mask"
     if softcap is not None:
         return "the Gluon kernel does not take softcap"
+    if sinks is not None:
+        return "the Gluon kernel does not take attention sinks"
     if wl >= 0 or (wr >= 0 and not is_causal):
         return "the Gluon kernel does not take a sliding window"
     d, dv = q.shape[-1], v.shape[-1]

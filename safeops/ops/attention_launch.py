@@ -375,8 +375,22 @@ def _split_sum(dk_part, dv_part, dk, dv, split: int, varlen: bool, record: list 
     )
 
 
+def _no_key_stats(row_max, row_sum, sinks, varlen: bool) -> None:
+    """Fills the stats of rows that see no key: -inf and 0, or with sinks the sink alone, as the forward
+    kernel leaves such a row (m = zs2 = fp32(sink) * fp32(log2 e), l = exp2(zs2 - guarded zs2))."""
+    if sinks is None:
+        row_max.fill_(float("-inf"))
+        row_sum.zero_()
+        return
+    zs = reference.sink_scores(sinks, torch.float32)
+    zs = zs.view(-1, 1) if varlen else zs.view(1, -1, 1)
+    row_max.copy_(zs.expand(row_max.shape))
+    row_sum.copy_(torch.exp2(zs - torch.where(zs == float("-inf"), 0.0, zs)).expand(row_sum.shape))
+
+
 def _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale, softcap, wl, wr,
-                     precision, *, out_dtype: torch.dtype | None = None, record: list | None = None):
+                     precision, *, out_dtype: torch.dtype | None = None, sinks: torch.Tensor | None = None,
+                     record: list | None = None):
     """The forward with every decision made again (``forward`` keeps them in plans); ``record`` (a list)
     receives the launch as ``(kernel, grid, args, kwargs)``."""
     _check_device(q)
@@ -387,8 +401,7 @@ def _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_caus
         return out, row_max, row_sum
     if k.numel() == 0 or max_k == 0:
         out.zero_()
-        row_max.fill_(float("-inf"))
-        row_sum.zero_()
+        _no_key_stats(row_max, row_sum, sinks, cu_q is not None)
         return out, row_max, row_sum
     p = _problem(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, wl, wr, precision)
     q_, k_, v_ = _unit_last(q), _unit_last(k), _unit_last(v)
@@ -400,32 +413,48 @@ def _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_caus
     n_m_blocks = _cdiv(p.max_q, cfg.block_m)
     grid = (n_m_blocks, p.batch * p.hq)
     _launch(kernels().attn_fwd_kernel, grid,
-        q_, k_, v_, out_, row_max, row_sum, p.mask_arg, p.cu_q, p.cu_k,
+        q_, k_, v_, out_, row_max, row_sum, p.mask_arg, p.cu_q, p.cu_k, sinks,
         *_bhs(q_, p.varlen), *_bhs(k_, p.varlen), *_bhs(v_, p.varlen), *_bhs(out_, p.varlen),
         *_stat_strides(row_max, p.varlen), *p.mask_strides,
         p.hq, p.max_q, p.max_k, n_m_blocks, p.window_left, p.window_right, c1, c2,
         **_common_constexprs(p, mask_kind, softcap), REVERSE=p.has_wr,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         WARP_SPECIALIZE=cfg.warp_specialize and _gpu(q.device), USE_TMA=_use_tma(cfg, k_, v_),
-        EVEN=_even(p, cfg), **_launch_options(cfg), record=record,
+        EVEN=_even(p, cfg), **_sinks_constexpr(sinks), **_launch_options(cfg), record=record,
     )
     if out_ is not out:
         out.copy_(out_)
     return out, row_max, row_sum
 
 
+def _sinks_constexpr(sinks) -> dict:
+    """``HAS_SINKS`` only when there are sinks: a launch without them passes the kernels' defaults, as
+    before sinks existed (the same compiled kernels)."""
+    return {} if sinks is None else {"HAS_SINKS": True}
+
+
+def sinks_gradient(dsink_rows: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """d loss / d sinks (Hq,) from the dq kernel's per-row ``p_sink * delta`` ((B, Hq, Sq) or (Hq, Tq)): minus
+    their sum per head, in float64 by torch's reduction (a fixed order for a fixed shape: the same bits on
+    every run, no atomics), rounded once to fp32."""
+    total = dsink_rows.sum(dim=1 if varlen else (0, 2), dtype=torch.float64)
+    return (-total).to(torch.float32)
+
+
 def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q, max_k,
                       is_causal, scale, softcap, wl, wr, precision, *, grad_dtype: torch.dtype | None = None,
-                      record: list | None = None):
+                      sinks: torch.Tensor | None = None, record: list | None = None):
     """The backward with every decision made again (``backward`` keeps them in plans); ``record``: see
-    ``_forward_general``."""
+    ``_forward_general``. With ``sinks`` it returns ``(dq, dk, dv, dsinks)``."""
     _check_device(q)
     if grad_dtype is None:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     else:
         dq, dk, dv = (torch.empty(t.shape, dtype=grad_dtype, device=t.device) for t in (q, k, v))
     if q.numel() == 0 or k.numel() == 0 or max_q == 0 or max_k == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        # No rows, or no keys: the output is 0, so delta = 0 and the sinks get no gradient either.
+        result = dq.zero_(), dk.zero_(), dv.zero_()
+        return result if sinks is None else (*result, torch.zeros_like(sinks))
     p = _problem(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, wl, wr, precision)
     q_, k_, v_, o_, g_ = (_unit_last(t) for t in (q, k, v, out, grad))
     dq_, dk_, dv_ = _scratch(dq), _scratch(dk), _scratch(dv)
@@ -433,6 +462,7 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
                             "dv": dv_}, p.max_q, p.max_k, p.varlen)
     row_max, row_sum = row_max.contiguous(), row_sum.contiguous()
     delta = torch.empty_like(row_max)
+    dsink_rows = None if sinks is None else torch.empty_like(row_max)
     st = _stat_strides(row_max, p.varlen)
     k_mod = kernels()
     common = _common_constexprs(p, mask_kind, softcap)
@@ -443,13 +473,13 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
     qc = config("dq", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
     n_m_blocks = _cdiv(p.max_q, qc.block_m)
     _launch(k_mod.attn_bwd_dq_kernel, _backward_grid(n_m_blocks, p.batch * p.hq, p.masked),
-        q_, k_, v_, g_, o_, dq_, row_max, row_sum, delta, p.mask_arg, p.cu_q, p.cu_k,
+        q_, k_, v_, g_, o_, dq_, row_max, row_sum, delta, p.mask_arg, p.cu_q, p.cu_k, sinks, dsink_rows,
         *_bhs(q_, p.varlen), *_bhs(k_, p.varlen), *_bhs(v_, p.varlen), *_bhs(g_, p.varlen),
         *_bhs(o_, p.varlen), *_bhs(dq_, p.varlen), *st, *p.mask_strides,
         p.hq, p.batch * p.hq, p.max_q, p.max_k, n_m_blocks, p.window_left, p.window_right, c1, c2, scale_ds,
         **common, REVERSE=p.has_wr,
         BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, NUM_STAGES=qc.num_stages, USE_TMA=_use_tma(qc, k_, v_),
-        EVEN=_even(p, qc), **_launch_options(qc), record=record,
+        EVEN=_even(p, qc), **_sinks_constexpr(sinks), **_launch_options(qc), record=record,
     )
     kv = config("dkdv", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
     split = dkdv_split(p.hq // p.hkv, k.numel() + v.numel())
@@ -473,6 +503,8 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
     for result, written in ((dq, dq_), (dk, dk_), (dv, dv_)):
         if written is not result:
             result.copy_(written)
+    if sinks is not None:
+        return dq, dk, dv, sinks_gradient(dsink_rows, p.varlen)
     return dq, dk, dv
 
 
@@ -568,14 +600,15 @@ class _BwdPlan:
                  "sum", "sum_scalars", "mask_bool", "varlen", "grad_dtype", "tma")
 
 
-def _forward_plan(q, k, v, mask, cu_q, out_dtype, result, record) -> _FwdPlan | str:
+def _forward_plan(q, k, v, mask, cu_q, out_dtype, sinks, result, record) -> _FwdPlan | str:
     out, row_max, row_sum = result
     if len(record) != 1:
         return _GENERAL
     kernel, grid, args, kwargs = record[0]
-    scalars = _split_args(args, 9)
-    if (scalars is None or args[0] is not q or args[1] is not k or args[2] is not v
-            or args[3] is not out or args[4] is not row_max or args[5] is not row_sum):
+    # The 9 leading tensors, the sinks (a tensor or None: the plan passes the call's own), the scalars.
+    scalars = _split_args(args[:9] + args[10:], 9)
+    if (scalars is None or args[0] is not q or args[1] is not k or args[2] is not v or args[3] is not out
+            or args[4] is not row_max or args[5] is not row_sum or args[9] is not sinks):
         return _GENERAL
     plan = _FwdPlan()
     plan.tma = bool(kwargs.get("USE_TMA"))
@@ -589,12 +622,12 @@ def _forward_plan(q, k, v, mask, cu_q, out_dtype, result, record) -> _FwdPlan | 
     return plan
 
 
-def gluon_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, out_dtype=None) -> str:
+def gluon_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, out_dtype=None, sinks=None) -> str:
     """The path choice of ``forward``: ``""`` when the Gluon kernel runs it (``attention_gluon.reason``),
     unless a Triton forward configuration is forced (``config_override``, for sweeps and tests)."""
     if "fwd" in _override:
         return "a Triton forward configuration is forced (attention_launch.config_override)"
-    return _gluon.reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, out_dtype)
+    return _gluon.reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, out_dtype, sinks)
 
 
 _gluon_plans: dict = {}
@@ -622,32 +655,33 @@ def gluon_forward(q, k, v, causal: bool = False, scale: float | None = None, *,
 
 
 def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale, softcap, wl, wr, precision,
-            *, out_dtype: torch.dtype | None = None):
+            *, out_dtype: torch.dtype | None = None, sinks: torch.Tensor | None = None):
     """``(out, row_max, row_sum)``. ``out_dtype`` (internal): the output's dtype when it is not q's, e.g.
     fp32 partials that are merged before the one rounding (safeops.distributed); the kernel stores in its
-    output pointer's type."""
+    output pointer's type. ``sinks``: None or the (Hq,) fp32 sink logits (the stats then include them)."""
     plans = _tables()[0]
     key = (q.device, q.shape, q.stride(), q.dtype, q.data_ptr() % 16, k.shape, k.stride(), k.dtype,
            k.data_ptr() % 16, v.shape, v.stride(), v.dtype, v.data_ptr() % 16, _sig(mask), mask_kind,
-           _sig(cu_q), _sig(cu_k), max_q, max_k, is_causal, scale, softcap, wl, wr, precision, out_dtype)
+           _sig(cu_q), _sig(cu_k), max_q, max_k, is_causal, scale, softcap, wl, wr, precision, out_dtype,
+           _sig(sinks))
     plan = plans.get(key)
     if plan is None:
         # The path choice (safeops.attention_backend reports it): the Gluon kernel where it takes the forward.
-        if not gluon_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, out_dtype):
+        if not gluon_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, out_dtype, sinks):
             if len(plans) >= _PLANS_MAX:
                 plans.clear()
             plan = plans[key] = _gluon.Plan(q, k, v, cu_q, max_q, max_k, is_causal, constants(scale, None)[0])
             return plan(q, k, v, cu_q, cu_k)
         record: list = []
         result = _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale,
-                                  softcap, wl, wr, precision, out_dtype=out_dtype, record=record)
+                                  softcap, wl, wr, precision, out_dtype=out_dtype, sinks=sinks, record=record)
         if len(plans) >= _PLANS_MAX:
             plans.clear()
-        plans[key] = _forward_plan(q, k, v, mask, cu_q, out_dtype, result, record)
+        plans[key] = _forward_plan(q, k, v, mask, cu_q, out_dtype, sinks, result, record)
         return result
     if plan is _GENERAL:
         return _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale, softcap,
-                                wl, wr, precision, out_dtype=out_dtype)
+                                wl, wr, precision, out_dtype=out_dtype, sinks=sinks)
     if plan.__class__ is _gluon.Plan:
         return plan(q, k, v, cu_q, cu_k)
     device = q.device
@@ -661,15 +695,15 @@ def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale
     if plan.tma:  # Triton's scratch allocator is per thread (autograd's backward thread too)
         ensure_tma_allocator()
     if plan.varlen:
-        plan.run(q, k, v, out, row_max, row_sum, mask_arg, cu_q, cu_k, *plan.scalars)
+        plan.run(q, k, v, out, row_max, row_sum, mask_arg, cu_q, cu_k, sinks, *plan.scalars)
     else:
-        plan.run(q, k, v, out, row_max, row_sum, mask_arg, q, q, *plan.scalars)
+        plan.run(q, k, v, out, row_max, row_sum, mask_arg, q, q, sinks, *plan.scalars)
     return out, row_max, row_sum
 
 
-def _backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype, result, record
+def _backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype, sinks, result, record
                    ) -> _BwdPlan | str:
-    dq, dk, dv = result
+    dq, dk, dv = result[:3]
     if len(record) == 3:  # dq (and delta), dk/dv, the split's sum
         record, sum_launch = record[:2], record[2]
     elif len(record) == 2:
@@ -677,7 +711,8 @@ def _backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype,
     else:
         return _GENERAL
     (dk_q, grid_q, args_q, kw_q), (dk_k, grid_k, args_k, kw_k) = record
-    dq_scalars, dkdv_scalars = _split_args(args_q, 12), _split_args(args_k, 12)
+    # dq's 12 leading tensors, then the sinks and their per-row buffer (tensors or None), then the scalars.
+    dq_scalars, dkdv_scalars = _split_args(args_q[:12] + args_q[14:], 12), _split_args(args_k, 12)
     if dq_scalars is None or dkdv_scalars is None:
         return _GENERAL
     delta = args_q[8]
@@ -685,7 +720,8 @@ def _backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype,
     same = (all(a is t for a, t in zip(args_q[:4], inputs, strict=True)) and args_q[4] is out
             and args_q[5] is dq and args_q[6] is row_max and args_q[7] is row_sum
             and all(a is t for a, t in zip(args_k[:4], inputs, strict=True))
-            and args_k[6] is row_max and args_k[7] is row_sum and args_k[8] is delta)
+            and args_k[6] is row_max and args_k[7] is row_sum and args_k[8] is delta
+            and args_q[12] is sinks and (args_q[13] is None) == (sinks is None))
     if not same:
         return _GENERAL
     split = kw_k["SPLIT"]
@@ -719,29 +755,32 @@ def _backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype,
 
 
 def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal,
-             scale, softcap, wl, wr, precision, *, grad_dtype: torch.dtype | None = None):
-    """``(dq, dk, dv)``. ``grad_dtype`` (internal): dq, dk, dv in this dtype instead of the inputs' (see
-    ``forward``)."""
+             scale, softcap, wl, wr, precision, *, grad_dtype: torch.dtype | None = None,
+             sinks: torch.Tensor | None = None):
+    """``(dq, dk, dv)``, with ``sinks`` (the forward's fp32 sink logits) ``(dq, dk, dv, dsinks)``: dq, dk and
+    dv need no sinks (the saved stats include them), only dsinks does. ``grad_dtype`` (internal): dq, dk, dv
+    in this dtype instead of the inputs' (see ``forward``)."""
     plans = _tables()[1]
     key = (q.device, grad.shape, grad.stride(), grad.dtype, grad.data_ptr() % 16, q.shape, q.stride(),
            q.dtype, q.data_ptr() % 16, k.shape, k.stride(), k.dtype, k.data_ptr() % 16, v.shape, v.stride(),
            v.dtype, v.data_ptr() % 16, out.shape, out.stride(), out.dtype, out.data_ptr() % 16, _sig(row_max),
            _sig(row_sum), _sig(mask), mask_kind, _sig(cu_q), _sig(cu_k), max_q, max_k, is_causal, scale,
-           softcap, wl, wr, precision, grad_dtype)
+           softcap, wl, wr, precision, grad_dtype, _sig(sinks))
     plan = plans.get(key)
     if plan is None:
         record: list = []
         result = _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q,
                                    max_k, is_causal, scale, softcap, wl, wr, precision, grad_dtype=grad_dtype,
-                                   record=record)
+                                   sinks=sinks, record=record)
         if len(plans) >= _PLANS_MAX:
             plans.clear()
-        plans[key] = _backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype, result,
-                                    record)
+        plans[key] = _backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype, sinks,
+                                    result, record)
         return result
     if plan is _GENERAL:
         return _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q,
-                                 max_k, is_causal, scale, softcap, wl, wr, precision, grad_dtype=grad_dtype)
+                                 max_k, is_causal, scale, softcap, wl, wr, precision, grad_dtype=grad_dtype,
+                                 sinks=sinks)
     device = q.device
     if grad_dtype is None:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -753,7 +792,9 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
         cu_q = cu_k = q
     if plan.tma:
         ensure_tma_allocator()
-    plan.dq(q, k, v, grad, out, dq, row_max, row_sum, delta, mask_arg, cu_q, cu_k, *plan.dq_scalars)
+    dsink_rows = None if sinks is None else torch.empty_like(row_max)
+    plan.dq(q, k, v, grad, out, dq, row_max, row_sum, delta, mask_arg, cu_q, cu_k, sinks, dsink_rows,
+            *plan.dq_scalars)
     split = plan.split
     if split > 1:  # fp32 partials per slice of each kv head's query group, summed below
         dk_ = torch.empty(plan.part_shape, dtype=torch.float32, device=device)
@@ -763,6 +804,8 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
     plan.dkdv(q, k, v, grad, dk_, dv_, row_max, row_sum, delta, mask_arg, cu_q, cu_k, *plan.dkdv_scalars)
     if split > 1:
         plan.sum(dk_, dv_, dk, dv, *plan.sum_scalars)
+    if sinks is not None:
+        return dq, dk, dv, sinks_gradient(dsink_rows, plan.varlen)
     return dq, dk, dv
 
 

@@ -60,8 +60,14 @@ def _launch_options(num_warps: int) -> dict:
     return {"num_warps": num_warps, "enable_fp_fusion": _config.fp_fusion}
 
 
-def forward(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``o`` (P, R, D), ``lse`` (P, R) fp32 -> (out (R, D) in o's dtype, lse (R,) fp32)."""
+def _sinks_constexpr(sink: torch.Tensor | None) -> dict:
+    return {} if sink is None else {"HAS_SINKS": True}  # without sinks: the kernels' default, as before
+
+
+def forward(o: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``o`` (P, R, D), ``lse`` (P, R) fp32, ``sink`` None or the per-row sink logit (R,) fp32 contiguous ->
+    (out (R, D) in o's dtype, lse (R,) fp32)."""
     _check_device(o)
     P, R, D = o.shape
     out = o.new_empty((R, D))
@@ -71,30 +77,32 @@ def forward(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     _check_head_dim(D)
     block_r, block_d, num_warps = block_sizes(D, o.device)
     launch(kernels().merge_fwd_kernel, (triton.cdiv(R, block_r),),
-            o, lse, out, lse_out, P, R, D,
+            o, lse, out, lse_out, sink, P, R, D,
             o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
             WIDE=_wide(D, o.stride(2), out.stride(1)), BLOCK_R=block_r, BLOCK_D=block_d,
-            **_launch_options(num_warps))
+            **_sinks_constexpr(sink), **_launch_options(num_warps))
     return out, lse_out
 
 
-def backward(grad_out: torch.Tensor, grad_lse: torch.Tensor | None, o: torch.Tensor, lse: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(d o (P, R, D) in o's dtype, d lse (P, R) fp32)`` from ``grad_out`` (R, D) and ``grad_lse`` (R,)."""
+def backward(grad_out: torch.Tensor, grad_lse: torch.Tensor | None, o: torch.Tensor, lse: torch.Tensor,
+             sink: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``(d o (P, R, D) in o's dtype, d lse (P, R) fp32)`` from ``grad_out`` (R, D) and ``grad_lse`` (R,);
+    with ``sink`` (see ``forward``) also ``d sink`` per row, (R,) fp32."""
     _check_device(o)
     P, R, D = o.shape
     go = o.new_empty((P, R, D))
     gl = lse.new_empty((P, R))
+    gsink = None if sink is None else torch.empty_like(sink)
     if R == 0:
-        return go, gl
+        return (go, gl) if sink is None else (go, gl, gsink)
     _check_head_dim(D)
     block_r, block_d, num_warps = block_sizes(D, o.device)
     has_glse = grad_lse is not None
     glse = grad_lse if has_glse else lse
     launch(kernels().merge_bwd_kernel, (triton.cdiv(R, block_r),),
-            o, lse, grad_out, glse, go, gl, P, R, D,
+            o, lse, grad_out, glse, go, gl, sink, gsink, P, R, D,
             o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
             grad_out.stride(0), grad_out.stride(1), glse.stride(-1), go.stride(0), go.stride(1), go.stride(2),
             HAS_GLSE=has_glse, WIDE=_wide(D, o.stride(2), grad_out.stride(1), go.stride(2)), BLOCK_R=block_r,
-            BLOCK_D=block_d, **_launch_options(num_warps))
-    return go, gl
+            BLOCK_D=block_d, **_sinks_constexpr(sink), **_launch_options(num_warps))
+    return (go, gl) if sink is None else (go, gl, gsink)
