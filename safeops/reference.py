@@ -383,21 +383,28 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
 CE_NONE, CE_MEAN, CE_SUM = 0, 1, 2  # torch's Reduction enum
 
 
-def cross_entropy_rows(x: torch.Tensor) -> torch.Tensor:
-    """(N, C, d...) logits -> (N, d..., C): the class dim last."""
-    return x.movedim(1, -1) if x.dim() > 2 else x
+def cross_entropy_rows(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """(N, C, d...) logits -> (N, d..., C) in the compute dtype, contiguous: the class dim last, and the same
+    memory layout whatever x's, so that torch's reductions add in the same order (contract section 6)."""
+    return (x.movedim(1, -1) if x.dim() > 2 else x).to(acc).contiguous()
+
+
+def _log(l: torch.Tensor) -> torch.Tensor:
+    """log of row sums, correctly rounded (in fp64, as the kernels do it); 0 where l = 0."""
+    return torch.log(torch.where(l == 0, torch.ones_like(l), l).double()).to(l.dtype)
 
 
 def _ce_row_terms(x, target, weight, ignore_index, label_smoothing, z_loss):
     acc = compute_dtype(x.dtype)
-    z = cross_entropy_rows(x).to(acc)
+    z = cross_entropy_rows(x, acc)
     n_classes = z.shape[-1]
+    target = target.long()  # int32 / uint8 indices; a uint8 tensor would index as a mask
     counted = target != ignore_index
     t = torch.where(counted, target, torch.zeros_like(target)).unsqueeze(-1)
     m, l = row_stats(z, -1)
     m_safe = _safe_max(m)
     empty = l == 0
-    log_l = torch.log(torch.where(empty, torch.ones_like(l), l))
+    log_l = _log(l)
     w = None if weight is None else weight.to(acc)
     w_t = torch.ones_like(m) if w is None else w[t]
     zero = torch.zeros((), dtype=acc, device=x.device)
@@ -454,8 +461,9 @@ def cross_entropy_backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Te
 
     with ``s_ce``, ``s_z`` the incoming gradient divided by the mean's denominators (sum of w_t, count)."""
     acc = row_max.dtype
-    z = cross_entropy_rows(x).to(acc)
+    z = cross_entropy_rows(x, acc)
     n_classes = z.shape[-1]
+    target = target.long()
     counted = (target != ignore_index).unsqueeze(-1)
     t = torch.where(counted.squeeze(-1), target, torch.zeros_like(target)).unsqueeze(-1)
     m, l = row_max.unsqueeze(-1), row_sum.unsqueeze(-1)
@@ -482,7 +490,7 @@ def cross_entropy_backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Te
         a = a + s_ce * (k * w_all)
         per_class = s_ce * k * (torch.ones_like(z) if w is None else w)
     if z_loss > 0:
-        lse = m + torch.log(torch.where(l == 0, torch.ones_like(l), l))
+        lse = m + _log(l)
         a = a + s_z * (torch.tensor(2 * z_loss, dtype=acc) * lse)
     dz = p * a - onehot - per_class
     live = counted & (l != 0)

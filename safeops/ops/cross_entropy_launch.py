@@ -95,6 +95,12 @@ def _wide(n_cols: int, *class_strides: int) -> bool:
     return max(n_cols - 1, 0) * max(abs(s) for s in class_strides) >= 2**31
 
 
+def _per_row(t: torch.Tensor) -> torch.Tensor:
+    """A per-row tensor (targets, gradients of a "none" loss, row stats) as the contiguous vector the kernels
+    index by row (a copy only when it is strided or expanded: N elements, not N * C)."""
+    return t.reshape(-1).contiguous()
+
+
 def _check_rows(n_rows: int, n_cols: int) -> None:
     if n_rows >= 2**31 - 2**16:
         raise ValueError(f"target: {n_rows} rows are not supported (at most 2**31 - 2**16)")
@@ -137,7 +143,7 @@ def forward(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, 
     _check_rows(n_rows, n_cols)
     k = kernels()
     x3 = as_rows(x)
-    t = target.reshape(-1)
+    t = _per_row(target)
     w, w_sum = _weights(weight, x)
     bm, bn, num_warps = config(n_cols, x.device)
     n_classes, nll_scale, smooth_scale, zl = _scalars(label_smoothing, z_loss, n_cols)
@@ -176,13 +182,14 @@ def backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: 
         return dx
     _check_rows(n_rows, n_cols)
     x3 = as_rows(x)
-    t = target.reshape(-1)
-    g = grad.reshape(-1) if reduction == CE_NONE else grad
+    t = _per_row(target)
+    # The gradient of a "none" loss is often expanded (loss.sum().backward() gives stride 0).
+    g = _per_row(grad) if reduction == CE_NONE else grad
     w, w_sum = _weights(weight, x)
     bm, bn, num_warps = config(n_cols, x.device)
     n_classes, nll_scale, smooth_scale, zl = _scalars(label_smoothing, z_loss, n_cols)
     launch(kernels().cross_entropy_bwd_kernel, (triton.cdiv(n_rows, bm),),
-           g, x3, dx3, t, w, w_sum, row_max.reshape(-1), row_sum.reshape(-1), denom,
+           g, x3, dx3, t, w, w_sum, _per_row(row_max), _per_row(row_sum), denom,
            n_rows, n_cols, x3.shape[2], x3.stride(0), x3.stride(2), x3.stride(1),
            dx3.stride(0), dx3.stride(2), dx3.stride(1),
            ignore_index, n_classes, nll_scale, smooth_scale, zl,
