@@ -552,7 +552,8 @@ def cast_transpose(x, scale, dtype=torch.float8_e4m3fn, *, rowwise=False):
 _TARGET_DTYPES = (torch.int64, torch.int32, torch.uint8)
 
 
-def _check_ce_args(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, inplace_backward):
+def _check_ce_args(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, dtype,
+                   inplace_backward):
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
     if input.dtype not in _FLOATING:
@@ -600,6 +601,7 @@ def _check_ce_args(input, target, weight, ignore_index, reduction, label_smoothi
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if not (math.isfinite(float(z_loss)) and float(z_loss) >= 0.0):
         raise ValueError(f"z_loss must be a finite float >= 0, got {z_loss}")
+    _check_dtype(dtype)
     if not isinstance(inplace_backward, bool):
         raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
     if inplace_backward and input.requires_grad and input.is_leaf:
@@ -609,7 +611,7 @@ def _check_ce_args(input, target, weight, ignore_index, reduction, label_smoothi
 
 
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
-                  z_loss=0.0, inplace_backward=False) -> torch.Tensor:
+                  z_loss=0.0, dtype=None, inplace_backward=False) -> torch.Tensor:
     """``F.cross_entropy`` for class-index targets, fused and safe (contract section 10).
 
     The meaning of ``F.cross_entropy(input, target, weight, ignore_index=..., reduction=...,
@@ -637,6 +639,9 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
         reduction: "mean" (default), "sum" or "none".
         label_smoothing: in [0, 1].
         z_loss: >= 0.
+        dtype: the loss's dtype (default ``input``'s). Unlike ``F.cross_entropy(input.to(dtype), ...)``,
+            the logits are not converted first (no logits-sized copy); the fp32 loss is rounded once. fp64
+            computes in fp64. The gradient keeps ``input``'s dtype.
         inplace_backward: the backward writes the gradient into ``input``'s own buffer, so training needs
             no second logits-sized buffer; ``input`` then holds its gradient, not its logits. Only for logits
             that nothing else needs after the backward (other users that saved them raise, "modified by an
@@ -644,11 +649,12 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
             and not for leaf tensors.
 
     Returns:
-        The loss in ``input``'s dtype: 0-d, or target-shaped for ``reduction="none"``.
+        The loss in ``dtype`` (default ``input``'s): 0-d, or target-shaped for ``reduction="none"``.
     """
-    _check_ce_args(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, inplace_backward)
+    _check_ce_args(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, dtype,
+                   inplace_backward)
     x, t = (input.unsqueeze(0), target.unsqueeze(0)) if input.dim() == 1 else (input, target)
     code = _ops_ce.REDUCTIONS[reduction]
     loss = _ops_ce.forward(x, t, weight, int(ignore_index), code, float(label_smoothing), float(z_loss),
-                           inplace_backward)[0]
+                           dtype, inplace_backward)[0]
     return loss.squeeze(0) if input.dim() == 1 and code == _ops_ce.reference.CE_NONE else loss

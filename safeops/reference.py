@@ -394,8 +394,7 @@ def _log(l: torch.Tensor) -> torch.Tensor:
     return torch.log(torch.where(l == 0, torch.ones_like(l), l).double()).to(l.dtype)
 
 
-def _ce_row_terms(x, target, weight, ignore_index, label_smoothing, z_loss):
-    acc = compute_dtype(x.dtype)
+def _ce_row_terms(x, target, weight, ignore_index, label_smoothing, z_loss, acc):
     z = cross_entropy_rows(x, acc)
     n_classes = z.shape[-1]
     target = target.long()  # int32 / uint8 indices; a uint8 tensor would index as a mask
@@ -427,12 +426,15 @@ def _ce_row_terms(x, target, weight, ignore_index, label_smoothing, z_loss):
 
 
 def cross_entropy_forward(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
-                          ignore_index: int, reduction: int, label_smoothing: float, z_loss: float
+                          ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
+                          out_dtype: torch.dtype | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss, row_max, row_sum, denom)``: the loss in x's dtype (target-shaped for "none", else 0-d), the
-    row stats (target-shaped, compute dtype) and ``denom = (sum of w_t, count)`` over counted rows."""
+    """``(loss, row_max, row_sum, denom)``: the loss in ``out_dtype`` (default x's; target-shaped for "none",
+    else 0-d), the row stats (target-shaped, compute dtype: fp64 for fp64 logits or loss) and
+    ``denom = (sum of w_t, count)`` over counted rows."""
+    acc = compute_dtype(torch.float64 if out_dtype == torch.float64 else x.dtype)
     _, m, l, _, keep, _, _, _, ce, zl, w_t = _ce_row_terms(x, target, weight, ignore_index, label_smoothing,
-                                                           z_loss)
+                                                           z_loss, acc)
     acc = m.dtype
     count = keep.sum().to(acc)
     w_sum = w_t.sum() if weight is not None else count
@@ -443,7 +445,7 @@ def cross_entropy_forward(x: torch.Tensor, target: torch.Tensor, weight: torch.T
         loss = ce.sum() + zl.sum()
     else:
         loss = _ratio(ce.sum(), w_sum) + _ratio(zl.sum(), count)
-    return loss.to(x.dtype), m.squeeze(-1), l.squeeze(-1), denom
+    return loss.to(out_dtype or x.dtype), m.squeeze(-1), l.squeeze(-1), denom
 
 
 def _ratio(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -261,6 +261,28 @@ def test_fp64_is_computed_in_fp64(backend, weighted, seed):
         torch.testing.assert_close(dx, want_dx, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@given(seed=seeds())
+def test_dtype_is_the_loss_dtype_without_converting_the_logits(backend, reduction, seed):
+    """dtype=float32 on bf16 logits: the bits of the loss of logits.float() and of the gradient through that
+    upcast (the same fp32 values inside, one rounding each); dtype=float64 computes in float64."""
+    x = seed.randn(5, 30, dtype=torch.bfloat16, std=3.0)
+    target = seed.randint(0, 30, 5)
+    target[3] = -100
+    options = dict(reduction=reduction, label_smoothing=0.1, z_loss=1e-3)
+    loss, g, dx = run(x, target, seed=seed, dtype=torch.float32, **options)
+    xg = x.clone().requires_grad_(True)
+    want = safeops.cross_entropy(xg.float(), target, **options)
+    (want_dx,) = torch.autograd.grad(want, xg, g)
+    assert loss.dtype == torch.float32 and dx.dtype == torch.bfloat16
+    assert_same_bits(loss, want, "loss", backend)
+    assert_same_bits(dx, want_dx, "d/dx", backend)
+    loss64 = safeops.cross_entropy(x, target, dtype=torch.float64, reduction=reduction, label_smoothing=0.1)
+    want64 = F.cross_entropy(x.double(), target, reduction=reduction, label_smoothing=0.1)
+    assert loss64.dtype == torch.float64
+    torch.testing.assert_close(loss64, want64, rtol=1e-13, atol=1e-13)
+
+
 # --------------------------------------------------------------------------------------------------
 # Same bits everywhere (section 6): runs, batches, layouts
 # --------------------------------------------------------------------------------------------------
@@ -403,6 +425,7 @@ BAD_CALLS = {
     "inf z_loss": (ValueError, "z_loss", lambda: CE(X, T, z_loss=math.inf)),
     "ignore_index type": (TypeError, "ignore_index", lambda: CE(X, T, ignore_index=1.0)),
     "inplace type": (TypeError, "inplace_backward", lambda: CE(X, T, inplace_backward=1)),
+    "dtype": (TypeError, "dtype", lambda: CE(X, T, dtype=torch.int32)),
     "class index too large": (ValueError, "class index 5",
                               lambda: CE(X, torch.tensor([0, 5, 1, 2]))),
     "negative class index": (ValueError, "class index -1",
@@ -477,7 +500,7 @@ def op_args(name, seed, dtype=torch.float32):
     if tgt == "ignored":
         target.reshape(-1)[0] = -100
     weight = seed.rand(shape[1]) if weighted else None
-    return (x, target, weight, -100, reduction, smoothing, z_loss)
+    return (x, target, weight, -100, reduction, smoothing, z_loss, None)
 
 
 def _opcheck(op, args) -> None:
@@ -509,9 +532,10 @@ def test_opcheck_forward(op_backend, name, seed):
                          indirect=["op_backend"])
 @given(seed=seeds())
 def test_opcheck_backward(op_backend, name, seed):
-    x, target, weight, ii, reduction, smoothing, z_loss = op_args(name, seed)
+    x, target, weight, ii, reduction, smoothing, z_loss, _ = op_args(name, seed)
     x = x.detach()
-    loss, m, l, denom = torch.ops.safeops.cross_entropy(x, target, weight, ii, reduction, smoothing, z_loss)
+    loss, m, l, denom = torch.ops.safeops.cross_entropy(x, target, weight, ii, reduction, smoothing, z_loss,
+                                                        None)
     grad = seed.randn(*loss.shape)
     _opcheck(torch.ops.safeops.cross_entropy_backward.default,
              (grad, x, target, weight, m, l, denom, ii, reduction, smoothing, z_loss))
@@ -527,18 +551,19 @@ FAKE_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(FAKE_LAYOUTS))
-@pytest.mark.parametrize("reduction", [0, 1])
+@pytest.mark.parametrize(("reduction", "out_dtype"), [(0, None), (1, torch.float32), (2, torch.float64)],
+                         ids=["none", "mean-fp32", "sum-fp64"])
 @given(seed=seeds())
-def test_fake_outputs_match_real_outputs(backend, layout, reduction, seed):
-    x = FAKE_LAYOUTS[layout](seed)
+def test_fake_outputs_match_real_outputs(backend, layout, reduction, out_dtype, seed):
+    x = FAKE_LAYOUTS[layout](seed).to(torch.bfloat16)
     target = seed.randint(0, 9, x.shape[0], *x.shape[2:])
-    real = torch.ops.safeops.cross_entropy(x, target, None, -100, reduction, 0.1, 0.0)
-    grad = seed.randn(*real[0].shape)
+    real = torch.ops.safeops.cross_entropy(x, target, None, -100, reduction, 0.1, 0.0, out_dtype)
+    grad = seed.randn(*real[0].shape, dtype=real[0].dtype)
     real_bwd = torch.ops.safeops.cross_entropy_backward(grad, x, target, None, *real[1:], -100, reduction,
                                                         0.1, 0.0)
     with FakeTensorMode() as mode:
         fx, ft, fg = mode.from_tensor(x), mode.from_tensor(target), mode.from_tensor(grad)
-        fake = torch.ops.safeops.cross_entropy(fx, ft, None, -100, reduction, 0.1, 0.0)
+        fake = torch.ops.safeops.cross_entropy(fx, ft, None, -100, reduction, 0.1, 0.0, out_dtype)
         fake_bwd = torch.ops.safeops.cross_entropy_backward(fg, fx, ft, None, *fake[1:], -100, reduction,
                                                             0.1, 0.0)
     for what, r, f in zip(("loss", "row_max", "row_sum", "denom", "grad_x"), (*real, real_bwd),

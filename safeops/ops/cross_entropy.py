@@ -2,14 +2,15 @@
 
 Ops (namespace ``safeops``):
 
-    cross_entropy(x, target, weight, ignore_index, reduction, label_smoothing, z_loss)
+    cross_entropy(x, target, weight, ignore_index, reduction, label_smoothing, z_loss, out_dtype)
         -> (loss, row_max, row_sum, denom)
     cross_entropy_backward(grad, x, target, weight, row_max, row_sum, denom, ignore_index, reduction,
                            label_smoothing, z_loss) -> grad_x
 
 ``x`` is ``(N, C, d...)`` (class dim 1), ``target`` ``(N, d...)`` of class indices, ``weight`` ``(C,)`` or
-None, ``reduction`` 0 none / 1 mean / 2 sum (torch's enum). ``loss`` has x's dtype, target's shape for
-"none" and 0-d otherwise; ``row_max`` and ``row_sum`` (target's shape) are fp32 (fp64 for fp64 logits) and
+None, ``reduction`` 0 none / 1 mean / 2 sum (torch's enum). ``loss`` has ``out_dtype`` (default x's dtype;
+x is not rounded to it), target's shape for "none" and 0-d otherwise; ``row_max`` and ``row_sum`` (target's
+shape) are fp32 (fp64 for fp64 logits or an fp64 loss) and
 stay apart for the backward (contract section 3); ``denom`` is ``(sum of the counted targets' weights,
 count of counted targets)``, the mean's denominators, kept on the device so that nothing syncs.
 
@@ -31,12 +32,14 @@ from .softmax import eager_fast_path, no_double_backward
 REDUCTIONS = {"none": reference.CE_NONE, "mean": reference.CE_MEAN, "sum": reference.CE_SUM}
 
 
-def _runs_reference(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float64 or not _config.use_triton(x)
+def _runs_reference(x: torch.Tensor, out_dtype: torch.dtype | None) -> bool:
+    if torch.float64 in (x.dtype, out_dtype):
+        return True  # fp64 is computed in fp64, by the reference (contract section 2)
+    return not _config.use_triton(x)
 
 
-def _stats_dtype(x: torch.Tensor) -> torch.dtype:
-    return reference.compute_dtype(x.dtype)
+def _stats_dtype(x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    return reference.compute_dtype(torch.float64 if out_dtype == torch.float64 else x.dtype)
 
 
 def check_targets(x: torch.Tensor, target: torch.Tensor, ignore_index: int) -> None:
@@ -53,21 +56,22 @@ def check_targets(x: torch.Tensor, target: torch.Tensor, ignore_index: int) -> N
                          f"(and not ignore_index={ignore_index})")
 
 
-def _forward_impl(x, target, weight, ignore_index, reduction, label_smoothing, z_loss):
-    if _runs_reference(x):
+def _forward_impl(x, target, weight, ignore_index, reduction, label_smoothing, z_loss, out_dtype):
+    if _runs_reference(x, out_dtype):
         check_targets(x, target, ignore_index)
         loss, m, l, denom = reference.cross_entropy_forward(x, target, weight, ignore_index, reduction,
-                                                            label_smoothing, z_loss)
-        like = _forward_fake(x, target, weight, ignore_index, reduction, label_smoothing, z_loss)
+                                                            label_smoothing, z_loss, out_dtype)
+        like = _forward_fake(x, target, weight, ignore_index, reduction, label_smoothing, z_loss, out_dtype)
         return tuple(a.copy_(b) for a, b in zip(like, (loss, m, l, denom), strict=True))
     if x.device.type == "cpu":
         check_targets(x, target, ignore_index)
-    return cross_entropy_launch.forward(x, target, weight, ignore_index, reduction, label_smoothing, z_loss)
+    return cross_entropy_launch.forward(x, target, weight, ignore_index, reduction, label_smoothing, z_loss,
+                                        out_dtype or x.dtype)
 
 
-def _forward_fake(x, target, weight, ignore_index, reduction, label_smoothing, z_loss):
-    acc = _stats_dtype(x)
-    loss = x.new_empty(target.shape if reduction == reference.CE_NONE else ())
+def _forward_fake(x, target, weight, ignore_index, reduction, label_smoothing, z_loss, out_dtype):
+    acc = _stats_dtype(x, out_dtype)
+    loss = x.new_empty(target.shape if reduction == reference.CE_NONE else (), dtype=out_dtype or x.dtype)
     return (loss, x.new_empty(target.shape, dtype=acc), x.new_empty(target.shape, dtype=acc),
             x.new_empty((2,), dtype=acc))
 
@@ -88,7 +92,8 @@ def _backward_fake(grad, x, target, weight, row_max, row_sum, denom, ignore_inde
 
 
 FORWARD_SCHEMA = ("(Tensor x, Tensor target, Tensor? weight, int ignore_index, int reduction, "
-                  "float label_smoothing, float z_loss) -> (Tensor, Tensor, Tensor, Tensor)")
+                  "float label_smoothing, float z_loss, ScalarType? out_dtype) "
+                  "-> (Tensor, Tensor, Tensor, Tensor)")
 BACKWARD_SCHEMA = ("(Tensor grad, Tensor x, Tensor target, Tensor? weight, Tensor row_max, Tensor row_sum, "
                    "Tensor denom, int ignore_index, int reduction, float label_smoothing, float z_loss) "
                    "-> Tensor")
@@ -97,8 +102,10 @@ BACKWARD_SCHEMA = ("(Tensor grad, Tensor x, Tensor target, Tensor? weight, Tenso
 def _function(below):
     class Recorded_cross_entropy(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, target, weight, ignore_index, reduction, label_smoothing, z_loss, keyset):
-            out = below(keyset, (x, target, weight, ignore_index, reduction, label_smoothing, z_loss))
+        def forward(ctx, x, target, weight, ignore_index, reduction, label_smoothing, z_loss, out_dtype,
+                    keyset):
+            args = (x, target, weight, ignore_index, reduction, label_smoothing, z_loss, out_dtype)
+            out = below(keyset, args)
             ctx.options = (ignore_index, reduction, label_smoothing, z_loss)
             ctx.save_for_backward(x, target, weight, out[1], out[2], out[3])
             return out
@@ -107,7 +114,7 @@ def _function(below):
         def backward(ctx, grad_loss, grad_max, grad_sum, grad_denom):
             x, target, weight, row_max, row_sum, denom = ctx.saved_tensors
             dx = cross_entropy_backward(grad_loss, x, target, weight, row_max, row_sum, denom, *ctx.options)
-            return dx, None, None, None, None, None, None, None
+            return dx, None, None, None, None, None, None, None, None
 
     return Recorded_cross_entropy
 
@@ -134,8 +141,8 @@ def inplace_ok(x: torch.Tensor) -> bool:
 
 class _EagerCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, target, weight, ignore_index, reduction, label_smoothing, z_loss, inplace):
-        out = _forward_impl(x, target, weight, ignore_index, reduction, label_smoothing, z_loss)
+    def forward(ctx, x, target, weight, ignore_index, reduction, label_smoothing, z_loss, out_dtype, inplace):
+        out = _forward_impl(x, target, weight, ignore_index, reduction, label_smoothing, z_loss, out_dtype)
         ctx.options = (ignore_index, reduction, label_smoothing, z_loss)
         ctx.inplace = inplace
         ctx.save_for_backward(x, target, weight, out[1], out[2], out[3])
@@ -152,16 +159,16 @@ class _EagerCrossEntropy(torch.autograd.Function):
             # The logits now hold their gradient: anything else that saved them for its backward fails
             # loudly ("modified by an inplace operation") instead of reading the gradient as logits.
             torch.autograd.graph.increment_version(x)
-        return dx, None, None, None, None, None, None, None
+        return dx, None, None, None, None, None, None, None, None
 
 
 def forward(x, target, weight, ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
-            inplace_backward: bool = False):
+            out_dtype: torch.dtype | None = None, inplace_backward: bool = False):
     """``(loss, row_max, row_sum, denom)``: the eager fast path when it applies, else the registered op.
 
     ``inplace_backward``: the backward writes the gradient into x's buffer (eager fast path only, and only
     when x's elements do not overlap); elsewhere it goes to a fresh buffer."""
     if eager_fast_path(x, target, weight):
         return _EagerCrossEntropy.apply(x, target, weight, ignore_index, reduction, label_smoothing, z_loss,
-                                        inplace_backward and inplace_ok(x))
-    return cross_entropy_op(x, target, weight, ignore_index, reduction, label_smoothing, z_loss)
+                                        out_dtype, inplace_backward and inplace_ok(x))
+    return cross_entropy_op(x, target, weight, ignore_index, reduction, label_smoothing, z_loss, out_dtype)

@@ -126,16 +126,17 @@ def _weights(weight: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Ten
 
 
 def forward(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
-            reduction: int, label_smoothing: float, z_loss: float
+            reduction: int, label_smoothing: float, z_loss: float, out_dtype: torch.dtype | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss, row_max, row_sum, denom)`` for (N, C, d...) logits and (N, d...) targets."""
+    """``(loss, row_max, row_sum, denom)`` for (N, C, d...) logits and (N, d...) targets; the loss in
+    ``out_dtype`` (default x's)."""
     _check_device(x)
     n_cols = x.shape[1]
     n_rows = target.numel()
     row_max = x.new_empty(target.shape, dtype=torch.float32)
     row_sum = x.new_empty(target.shape, dtype=torch.float32)
     denom = x.new_zeros((2,), dtype=torch.float32)
-    loss = x.new_empty(target.shape if reduction == CE_NONE else (), dtype=x.dtype)
+    loss = x.new_empty(target.shape if reduction == CE_NONE else (), dtype=out_dtype or x.dtype)
     if n_rows == 0:
         if reduction != CE_NONE:
             loss.zero_()  # the sum of nothing, and a mean over nothing (contract section 10)
