@@ -161,6 +161,13 @@ def test_all_ignored_batch_gives_zero_and_zero_gradient(backend, reduction, weig
     assert (bits(dx) == 0).all(), f"{dx} ({backend})"
     if reduction == "mean" and not weighted:
         assert torch.isnan(F.cross_entropy(x, target)), "eager torch no longer gives NaN here: update docs"
+    if reduction == "mean" and weighted:
+        # counted targets whose weights are all 0: the weighted mean's denominator is 0 too
+        counted = torch.tensor([0, 3, 0, 3, 0])
+        zero_w = weight.clone()
+        zero_w[[0, 3]] = 0.0
+        loss, _, dx = run(x[[0, 2, 4, 2, 0]], counted, zero_w, reduction="mean")
+        assert bits(loss) == 0 and (bits(dx) == 0).all(), (loss, dx)
 
 
 @pytest.mark.parametrize(("dtype", "reduction"), DTYPE_REDUCTIONS, ids=DTYPE_REDUCTION_IDS)
