@@ -380,6 +380,27 @@ def test_inplace_backward_writes_the_same_gradient_into_the_logits(backend, redu
 
 
 @given(seed=seeds())
+def test_inplace_backward_falls_back_where_it_cannot_write_in_place(backend, seed):
+    """(N, C, d1, d2) logits whose d dims do not merge, and expanded logits: the gradient goes to a fresh
+    buffer (the same bits), and the logits are left alone."""
+    base = seed.randn(2, 3, 4, 5)
+    h = base.clone().requires_grad_(True)
+    target = seed.randint(0, 4, 2, 5, 3)
+    for make in (lambda t: t.permute(0, 2, 3, 1), lambda t: t[:, :1].expand(2, 3, 4, 5).permute(0, 2, 3, 1)):
+        logits = make(h * 1.0)
+        before = logits.detach().clone()
+        loss = safeops.cross_entropy(logits, target, inplace_backward=True, label_smoothing=0.1)
+        (dx,) = torch.autograd.grad(loss, logits)
+        want = safeops.cross_entropy(make(h * 1.0), target, label_smoothing=0.1)
+        (want_dx,) = torch.autograd.grad(want, h)
+        (dh,) = torch.autograd.grad(safeops.cross_entropy(make(h * 1.0), target, inplace_backward=True,
+                                                          label_smoothing=0.1), h)
+        assert_same_bits(dh, want_dx, "d/dh", backend)
+        assert_same_bits(logits.detach(), before, "the logits, untouched", backend)
+        assert dx.data_ptr() != logits.data_ptr()
+
+
+@given(seed=seeds())
 def test_inplace_backward_makes_other_savers_of_the_logits_fail_loudly(backend, seed):
     h = seed.randn(4, 6).requires_grad_(True)
     logits = h @ seed.randn(6, 10)

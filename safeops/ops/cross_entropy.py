@@ -135,8 +135,13 @@ cross_entropy_op = define_op("cross_entropy", FORWARD_SCHEMA, _forward_impl, _fo
 
 
 def inplace_ok(x: torch.Tensor) -> bool:
-    """Whether the gradient can overwrite x: no element of x shares memory with another."""
-    return torch._debug_has_internal_overlap(x) == 0
+    """Whether the gradient can overwrite x: no element of x shares memory with another, and the kernels'
+    (N, C, D) row view of x is a view (not a copy, as for d dims that do not merge)."""
+    if torch._debug_has_internal_overlap(x) != 0:
+        return False
+    rows = cross_entropy_launch.as_rows(x)
+    same_storage = rows.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    return same_storage and rows.data_ptr() == x.data_ptr()
 
 
 class _EagerCrossEntropy(torch.autograd.Function):
