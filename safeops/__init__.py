@@ -3,7 +3,7 @@ that the compiler cannot break, plus a fused fp8 cast + transpose.
 
 Public API: :func:`softmax`, :func:`log_softmax`, :func:`logsumexp`, :func:`attention`,
 :func:`attention_varlen`, :func:`attention_backend` (which kernel an attention call runs, and why),
-:func:`merge_attention`, :func:`cast_transpose`; :func:`register`,
+:func:`merge_attention`, :func:`cast_transpose`, :func:`cross_entropy`; :func:`register`,
 :func:`unregister`, :func:`registered`, :func:`is_registered` for ``torch.compile`` (and
 ``backend="safeops"``). For existing models: :mod:`safeops.nn` (drop-in modules), :func:`replace_modules` /
 :func:`restore_modules`, :func:`patched` (eager patching) and ``import safeops.transformers``
@@ -20,6 +20,7 @@ from .functional import (  # noqa: E402
     attention_backend,
     attention_varlen,
     cast_transpose,
+    cross_entropy,
     log_softmax,
     logsumexp,
     merge_attention,
@@ -30,7 +31,7 @@ from .replace import replace_modules, restore_modules  # noqa: E402
 
 __all__ = [
     "softmax", "log_softmax", "logsumexp", "attention", "attention_varlen", "attention_backend",
-    "cast_transpose", "merge_attention",
+    "cast_transpose", "merge_attention", "cross_entropy",
     "register", "unregister", "registered", "is_registered",
     "nn", "replace_modules", "restore_modules", "patched",
     "__version__",

@@ -10,6 +10,7 @@ import torch
 from . import dtensor as _dtensor
 from .ops import attention as _ops_attention
 from .ops import cast_transpose as _ops_cast
+from .ops import cross_entropy as _ops_ce
 from .ops import merge as _ops_merge
 from .ops import softmax as _ops
 
@@ -589,3 +590,118 @@ def cast_transpose(x, scale, dtype=torch.float8_e4m3fn, *, rowwise=False):
         raise ValueError(f"scale must have one element (or pass rowwise=True with an (M, 1) scale), "
                          f"got shape {tuple(scale.shape)}")
     return _ops_cast.cast_transpose(x, scale, dtype, rowwise)  # the registered op, or its eager fast path
+
+
+# --------------------------------------------------------------------------------------------------
+# Cross-entropy
+# --------------------------------------------------------------------------------------------------
+
+_TARGET_DTYPES = (torch.int64, torch.int32, torch.uint8)
+
+
+def _check_ce_args(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, dtype,
+                   inplace_backward):
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    if input.dtype not in _FLOATING:
+        raise TypeError(f"input must be float16, bfloat16, float32 or float64 logits, got {input.dtype}")
+    if input.dim() == 0:
+        raise ValueError("input must have a class dimension: (C,), (N, C) or (N, C, d1, ...), got a 0-d "
+                         "tensor")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor of class indices, got {type(target).__name__}")
+    if target.dtype.is_floating_point or target.dtype.is_complex:
+        raise TypeError(f"target must hold class indices (int64, int32 or uint8); probability targets "
+                        f"({target.dtype}) are not supported by safeops.cross_entropy")
+    if target.dtype not in _TARGET_DTYPES:
+        raise TypeError(f"target must be int64, int32 or uint8 class indices, got {target.dtype}")
+    expected = () if input.dim() == 1 else (input.shape[0], *input.shape[2:])
+    if tuple(target.shape) != expected:
+        layout = "(C,) input takes a 0-d target" if input.dim() == 1 else "(N, C, d...) input takes (N, d...)"
+        raise ValueError(f"target must have shape {expected} for input of shape {tuple(input.shape)} "
+                         f"({layout}), got {tuple(target.shape)}")
+    if target.device != input.device:
+        raise ValueError(f"target is on {target.device} but input is on {input.device}")
+    n_classes = input.shape[0] if input.dim() == 1 else input.shape[1]
+    if weight is not None:
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"weight must be None or a tensor of class weights, got {type(weight).__name__}")
+        if weight.dtype not in _FLOATING:
+            raise TypeError(f"weight must be a floating tensor (float16, bfloat16, float32 or float64), "
+                            f"got {weight.dtype}")
+        if tuple(weight.shape) != (n_classes,):
+            raise ValueError(f"weight must have shape ({n_classes},), one weight per class, got "
+                             f"{tuple(weight.shape)}")
+        if weight.device != input.device:
+            raise ValueError(f"weight is on {weight.device} but input is on {input.device}")
+        if weight.requires_grad and torch.is_grad_enabled():
+            raise ValueError("weight requires grad, but class weights get no gradient (as in torch's "
+                             "nll_loss); pass weight.detach()")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not isinstance(reduction, str) or reduction not in _ops_ce.REDUCTIONS:
+        raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
+    for name, value in (("label_smoothing", label_smoothing), ("z_loss", z_loss)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a python float, got {type(value).__name__}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not (math.isfinite(float(z_loss)) and float(z_loss) >= 0.0):
+        raise ValueError(f"z_loss must be a finite float >= 0, got {z_loss}")
+    _check_dtype(dtype)
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"inplace_backward must be a bool, got {type(inplace_backward).__name__}")
+    if inplace_backward and input.requires_grad and input.is_leaf:
+        raise ValueError("inplace_backward=True writes the gradient into the logits' buffer, which for a "
+                         "leaf tensor would make its .grad its own storage; it is meant for logits computed "
+                         "in the graph (e.g. a linear head's output)")
+
+
+def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
+                  z_loss=0.0, dtype=None, inplace_backward=False) -> torch.Tensor:
+    """``F.cross_entropy`` for class-index targets, fused and safe (contract section 10).
+
+    The meaning of ``F.cross_entropy(input, target, weight, ignore_index=..., reduction=...,
+    label_smoothing=...)``: log-softmax over the class dim, the negative log-likelihood of the target class
+    (times its weight), label smoothing as torch defines it (weights included), and the reductions "none",
+    "sum" and "mean" (the weighted mean ``sum(w_t * loss) / sum(w_t)`` over counted targets). Plus
+    ``z_loss``: ``z_loss * lse**2`` for every counted row (PaLM's auxiliary loss), added per row for "none"
+    and "sum" and averaged over the count of counted rows (not weighted) for "mean".
+
+    Contract: one fp32 value per logit, fp32 inside and one rounding of the loss to the input's dtype (as
+    torch returns it); the row max and sum stay apart, so ``lse`` and the backward's probabilities come from
+    them (sections 1-3); a row whose target is ``ignore_index`` contributes exactly 0 and gets a zero gradient
+    whatever its logits hold, NaN included (selected away); a mean over no counted target is 0 with zero
+    gradients (eager PyTorch gives NaN); a counted row whose logits are all ``-inf`` has loss ``+inf`` and a
+    zero gradient (section 4); the same bits in every memory layout, batch and run (section 6).
+
+    Args:
+        input: logits ``(N, C)``, ``(C,)`` or ``(N, C, d1, ...)``, float16, bfloat16, float32 or float64, any
+            strides (read in place).
+        target: class indices, ``(N,)`` (``()`` for ``(C,)`` input, ``(N, d1, ...)`` for the last form),
+            int64, int32 or uint8. A counted index outside ``[0, C)`` raises a ValueError for CPU tensors;
+            for CUDA tensors, where checking would sync the device, its row's loss and gradient are NaN.
+        weight: ``(C,)`` floating class weights, or None. Not differentiable.
+        ignore_index: targets equal to it are not counted.
+        reduction: "mean" (default), "sum" or "none".
+        label_smoothing: in [0, 1].
+        z_loss: >= 0.
+        dtype: the loss's dtype (default ``input``'s). Unlike ``F.cross_entropy(input.to(dtype), ...)``,
+            the logits are not converted first (no logits-sized copy); the fp32 loss is rounded once. fp64
+            computes in fp64. The gradient keeps ``input``'s dtype.
+        inplace_backward: the backward writes the gradient into ``input``'s own buffer, so training needs
+            no second logits-sized buffer; ``input`` then holds its gradient, not its logits. Only for logits
+            that nothing else needs after the backward (other users that saved them raise, "modified by an
+            inplace operation"); eager mode only (under torch.compile the gradient gets its own buffer),
+            and not for leaf tensors.
+
+    Returns:
+        The loss in ``dtype`` (default ``input``'s): 0-d, or target-shaped for ``reduction="none"``.
+    """
+    _check_ce_args(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, dtype,
+                   inplace_backward)
+    x, t = (input.unsqueeze(0), target.unsqueeze(0)) if input.dim() == 1 else (input, target)
+    code = _ops_ce.REDUCTIONS[reduction]
+    loss = _ops_ce.forward(x, t, weight, int(ignore_index), code, float(label_smoothing), float(z_loss),
+                           dtype, inplace_backward)[0]
+    return loss.squeeze(0) if input.dim() == 1 and code == _ops_ce.reference.CE_NONE else loss

@@ -1,4 +1,5 @@
-"""Drop-in modules: :class:`Softmax`, :class:`LogSoftmax` and :class:`MultiheadAttention` on safeops ops.
+"""Drop-in modules: :class:`Softmax`, :class:`LogSoftmax`, :class:`MultiheadAttention` and
+:class:`CrossEntropyLoss` on safeops ops.
 
 Each class subclasses its ``torch.nn`` namesake, so the constructor, the parameters, the ``state_dict`` keys,
 ``isinstance`` checks and ``load_state_dict`` are torch's own; only ``forward`` changes. A state_dict saved
@@ -31,7 +32,8 @@ import torch.nn.functional as F
 
 from . import functional, reference
 
-__all__ = ["Softmax", "LogSoftmax", "MultiheadAttention", "attention_probabilities", "materialized_attention"]
+__all__ = ["Softmax", "LogSoftmax", "MultiheadAttention", "CrossEntropyLoss", "attention_probabilities",
+           "materialized_attention"]
 
 
 def _legacy_softmax_dim(ndim: int) -> int:
@@ -58,6 +60,40 @@ class LogSoftmax(torch.nn.LogSoftmax):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         dim = self.dim if self.dim is not None else _legacy_softmax_dim(input.dim())
         return functional.log_softmax(input, dim)
+
+
+class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
+    """``torch.nn.CrossEntropyLoss`` computed by :func:`safeops.cross_entropy` (class-index targets): fused,
+    fp32 inside, ignored rows selected away, a mean over no counted target 0 instead of NaN.
+
+    Takes torch's constructor arguments, plus ``z_loss`` (``z_loss * lse**2`` per counted row) and
+    ``inplace_backward`` (the gradient overwrites the logits; see :func:`safeops.cross_entropy`).
+    """
+
+    def __init__(self, weight=None, size_average=None, ignore_index: int = -100, reduce=None,
+                 reduction: str = "mean", label_smoothing: float = 0.0, *, z_loss: float = 0.0,
+                 inplace_backward: bool = False):
+        super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        self.z_loss = z_loss
+        self.inplace_backward = inplace_backward
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # A module converted by replace_modules shares torch's __dict__, which has no z_loss.
+        return functional.cross_entropy(input, target, self.weight, self.ignore_index, self.reduction,
+                                        self.label_smoothing, z_loss=getattr(self, "z_loss", 0.0),
+                                        inplace_backward=getattr(self, "inplace_backward", False))
+
+    def extra_repr(self) -> str:
+        parts = [f"reduction={self.reduction!r}"]
+        if self.ignore_index != -100:
+            parts.append(f"ignore_index={self.ignore_index}")
+        if self.label_smoothing:
+            parts.append(f"label_smoothing={self.label_smoothing}")
+        if getattr(self, "z_loss", 0.0):
+            parts.append(f"z_loss={self.z_loss}")
+        if getattr(self, "inplace_backward", False):
+            parts.append("inplace_backward=True")
+        return ", ".join(parts)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -402,3 +402,144 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     y_t = y.t().contiguous().t()
     amax = x.abs().max().float() if x.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
     return y, y_t, amax
+
+
+# --------------------------------------------------------------------------------------------------
+# Cross-entropy (contract section 10)
+# --------------------------------------------------------------------------------------------------
+#
+# Logits ``x`` are ``(N, C, d...)`` (class dim 1, as F.cross_entropy takes them), ``target`` is ``(N, d...)``
+# of class indices. Per counted row (target != ignore_index), with z = the logits in the compute dtype,
+# m = max z, l = sum exp(z - m) (kept apart, section 3), w the class weights (1 without), W = sum w,
+# eps the label smoothing and C the number of classes:
+#
+#     nll    = (m - z_t) + log(l)                       (never lse - z_t: a large m would swallow log(l))
+#     smooth = sum_c w_c ((m - z_c) + log(l))            (= sum_c w_c (lse - z_c), torch's smoothing term)
+#     ce     = (1 - eps) w_t nll + (eps / C) smooth
+#     zl     = z_loss * lse**2,  lse = m + log(l)
+#
+# A term whose factor is 0 (eps = 0, eps = 1, z_loss = 0) is left out rather than multiplied by 0, so an
+# infinite nll or smoothing sum cannot turn into NaN through it. Reductions: "none" gives ce + zl per row;
+# "sum" the sum over rows; "mean" sum(ce) / sum(w_t) + sum(zl) / count, each part 0 when its denominator is
+# 0 (eager PyTorch gives NaN for a mean over no counted row). Ignored rows contribute exactly 0 and get a
+# zero gradient, whatever their logits hold: they are selected away. A counted row whose logits are all
+# -inf is an empty row (section 4): log-softmax -inf, so nll = +inf, with a zero gradient.
+
+CE_NONE, CE_MEAN, CE_SUM = 0, 1, 2  # torch's Reduction enum
+
+
+def cross_entropy_rows(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """(N, C, d...) logits -> (N, d..., C) in the compute dtype, contiguous: the class dim last, and the same
+    memory layout whatever x's, so that torch's reductions add in the same order (contract section 6)."""
+    return (x.movedim(1, -1) if x.dim() > 2 else x).to(acc).contiguous()
+
+
+def _log(l: torch.Tensor) -> torch.Tensor:
+    """log of row sums, correctly rounded (in fp64, as the kernels do it); 0 where l = 0."""
+    return torch.log(torch.where(l == 0, torch.ones_like(l), l).double()).to(l.dtype)
+
+
+def _ce_row_terms(x, target, weight, ignore_index, label_smoothing, z_loss, acc):
+    z = cross_entropy_rows(x, acc)
+    n_classes = z.shape[-1]
+    target = target.long()  # int32 / uint8 indices; a uint8 tensor would index as a mask
+    counted = target != ignore_index
+    t = torch.where(counted, target, torch.zeros_like(target)).unsqueeze(-1)
+    m, l = row_stats(z, -1)
+    m_safe = _safe_max(m)
+    empty = l == 0
+    log_l = _log(l)
+    w = None if weight is None else weight.to(acc)
+    w_t = torch.ones_like(m) if w is None else w[t]
+    zero = torch.zeros((), dtype=acc, device=x.device)
+    ce = torch.zeros_like(m)
+    if label_smoothing < 1:
+        nll = (m_safe - torch.gather(z, -1, t)) + log_l
+        ce = ce + torch.tensor(1 - label_smoothing, dtype=acc) * (w_t * nll)
+    if label_smoothing > 0:
+        per_class = (m_safe - z) + log_l
+        smooth = (per_class if w is None else w * per_class).sum(-1, keepdim=True)
+        ce = ce + torch.tensor(label_smoothing / n_classes, dtype=acc) * smooth
+    ce = torch.where(empty, torch.full_like(ce, float("inf")), ce)
+    zl = torch.zeros_like(m)
+    if z_loss > 0:
+        lse = torch.where(empty, torch.full_like(m, NEG_INF), m + log_l)
+        zl = torch.tensor(z_loss, dtype=acc) * (lse * lse)
+    keep = counted.unsqueeze(-1)
+    return (z, m, l, empty, keep, t, w, w_t, torch.where(keep, ce, zero), torch.where(keep, zl, zero),
+            torch.where(keep, w_t, zero))
+
+
+def cross_entropy_forward(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+                          ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
+                          out_dtype: torch.dtype | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, row_max, row_sum, denom)``: the loss in ``out_dtype`` (default x's; target-shaped for "none",
+    else 0-d), the row stats (target-shaped, compute dtype: fp64 for fp64 logits or loss) and
+    ``denom = (sum of w_t, count)`` over counted rows."""
+    acc = compute_dtype(torch.float64 if out_dtype == torch.float64 else x.dtype)
+    _, m, l, _, keep, _, _, _, ce, zl, w_t = _ce_row_terms(x, target, weight, ignore_index, label_smoothing,
+                                                           z_loss, acc)
+    acc = m.dtype
+    count = keep.sum().to(acc)
+    w_sum = w_t.sum() if weight is not None else count
+    denom = torch.stack([w_sum, count])
+    if reduction == CE_NONE:
+        loss = (ce + zl).squeeze(-1)
+    elif reduction == CE_SUM:
+        loss = ce.sum() + zl.sum()
+    else:
+        loss = _ratio(ce.sum(), w_sum) + _ratio(zl.sum(), count)
+    return loss.to(out_dtype or x.dtype), m.squeeze(-1), l.squeeze(-1), denom
+
+
+def _ratio(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.where(b == 0, torch.zeros_like(a), a / torch.where(b == 0, torch.ones_like(b), b))
+
+
+def cross_entropy_backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor,
+                           weight: torch.Tensor | None, row_max: torch.Tensor, row_sum: torch.Tensor,
+                           denom: torch.Tensor, ignore_index: int, reduction: int, label_smoothing: float,
+                           z_loss: float) -> torch.Tensor:
+    """d loss / d x from the saved logits and row stats: per counted, non-empty row
+
+        dz_c = p_c (s_ce ((1 - eps) w_t + eps W / C) + s_z 2 z_loss lse) - s_ce (1 - eps) w_t [c == t]
+               - s_ce (eps / C) w_c
+
+    with ``s_ce``, ``s_z`` the incoming gradient divided by the mean's denominators (sum of w_t, count)."""
+    acc = row_max.dtype
+    z = cross_entropy_rows(x, acc)
+    n_classes = z.shape[-1]
+    target = target.long()
+    counted = (target != ignore_index).unsqueeze(-1)
+    t = torch.where(counted.squeeze(-1), target, torch.zeros_like(target)).unsqueeze(-1)
+    m, l = row_max.unsqueeze(-1), row_sum.unsqueeze(-1)
+    p = probabilities(z, m, l)
+    g = grad.to(acc)
+    if reduction == CE_NONE:
+        s_ce = s_z = g.unsqueeze(-1)
+    elif reduction == CE_SUM:
+        s_ce = s_z = g
+    else:
+        s_ce, s_z = _ratio(g, denom[0]), _ratio(g, denom[1])
+    w = None if weight is None else weight.to(acc)
+    w_t = torch.ones_like(m) if w is None else w[t]
+    w_all = torch.tensor(float(n_classes), dtype=acc) if w is None else w.sum()
+    a = torch.zeros_like(m)
+    onehot = torch.zeros_like(z)
+    if label_smoothing < 1:
+        b = s_ce * (torch.tensor(1 - label_smoothing, dtype=acc) * w_t)
+        a = a + b
+        onehot = torch.zeros_like(z).scatter_(-1, t, 1.0) * b
+    per_class = torch.zeros_like(z)
+    if label_smoothing > 0:
+        k = torch.tensor(label_smoothing / n_classes, dtype=acc)
+        a = a + s_ce * (k * w_all)
+        per_class = s_ce * k * (torch.ones_like(z) if w is None else w)
+    if z_loss > 0:
+        lse = m + _log(l)
+        a = a + s_z * (torch.tensor(2 * z_loss, dtype=acc) * lse)
+    dz = p * a - onehot - per_class
+    live = counted & (l != 0)
+    dz = torch.where(live, dz, torch.zeros((), dtype=acc, device=x.device))
+    return dz.movedim(-1, 1).to(x.dtype) if x.dim() > 2 else dz.to(x.dtype)

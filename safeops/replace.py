@@ -1,8 +1,9 @@
 """``replace_modules`` / ``restore_modules``: make an existing model use safeops, in place, and undo it.
 
 What is replaced
-    Submodules whose class is exactly ``torch.nn.Softmax``, ``torch.nn.LogSoftmax`` or
-    ``torch.nn.MultiheadAttention`` become the :mod:`safeops.nn` class of the same name. Subclasses are
+    Submodules whose class is exactly ``torch.nn.Softmax``, ``torch.nn.LogSoftmax``,
+    ``torch.nn.MultiheadAttention`` or ``torch.nn.CrossEntropyLoss`` become the :mod:`safeops.nn` class of
+    the same name. Subclasses are
     left alone and reported (their ``forward`` may do something else), as are modules with a ``forward``
     assigned on the instance, the root module itself (it cannot be swapped in place) and modules already on
     safeops. A Hugging Face ``PreTrainedModel`` (found only if ``transformers`` is already imported) has its
@@ -50,6 +51,7 @@ REPLACEMENTS: dict[type, type] = {
     torch.nn.Softmax: safe_nn.Softmax,
     torch.nn.LogSoftmax: safe_nn.LogSoftmax,
     torch.nn.MultiheadAttention: safe_nn.MultiheadAttention,
+    torch.nn.CrossEntropyLoss: safe_nn.CrossEntropyLoss,
 }
 _SAFE_CLASSES = tuple(REPLACEMENTS.values())
 

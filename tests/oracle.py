@@ -510,3 +510,205 @@ def add_rounding(bound: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype
     """Plus the final rounding of the result to ``dtype`` (about one ulp)."""
     finite = expected.detach().abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
     return bound + eps(dtype) * finite + 2 * subnormal_step(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Cross-entropy: float64 oracle and forward-error bounds (contract section 10)
+# ---------------------------------------------------------------------------------------------------
+#
+# Written from the math and torch's definition of F.cross_entropy, not from safeops.reference: logits
+# (N, C, d...) or (N, C) with the class dim 1, the log-softmax in float64 of the compute-dtype values, the
+# negative log-likelihood of the target times its weight, torch's label smoothing
+# ``-(eps / C) sum_c w_c log p_c`` next to ``(1 - eps)`` times the nll, the weighted mean
+# ``sum(w_t loss) / sum(w_t)``, and the z-loss ``z_loss * lse**2`` per counted row (averaged over the count
+# for "mean"). The contract's cases: ignored rows are selected away (0 loss, 0 gradient, whatever they hold),
+# a mean over nothing is 0, an all -inf counted row is an empty row: log-softmax -inf (loss +inf) with a
+# zero gradient. A term whose factor is 0 is left out, not multiplied (no 0 * inf).
+
+
+@dataclass
+class CrossEntropyResult:
+    loss: torch.Tensor  # float64: target-shaped ("none") or 0-d
+    rows: dict  # per-row float64 quantities for the bounds, class dim last: z, m, log_l, p, t, w_t, ...
+    reduction: str
+
+
+def _ce_classes_last(x: torch.Tensor) -> torch.Tensor:
+    return x.movedim(1, -1) if x.dim() > 2 else x
+
+
+def cross_entropy(x: torch.Tensor, target: torch.Tensor, weight=None, ignore_index: int = -100,
+                  reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
+                  x64: torch.Tensor | None = None) -> CrossEntropyResult:
+    """Float64 cross-entropy of ``x`` ((N, C, d...) or (C,) with a 0-d target), differentiable w.r.t.
+    ``x64`` (a float64 copy of x, default ``x.to(float64)``)."""
+    if x.dim() == 1:
+        r = cross_entropy(x.unsqueeze(0), target.unsqueeze(0), weight, ignore_index, reduction,
+                          label_smoothing, z_loss, None if x64 is None else x64.unsqueeze(0))
+        if reduction == "none":
+            r.loss = r.loss.squeeze(0)
+        return r
+    acc = compute_dtype(x.dtype)
+    if x64 is None:
+        x64 = x.detach().to(F64)
+    # fp16/bf16/fp32 logits are exact in fp32, the compute dtype (and fp64 in fp64): z is x itself.
+    z_all = _ce_classes_last(x64)
+    n_classes = z_all.shape[-1]
+    counted = target != ignore_index
+    t = torch.where(counted, target, torch.zeros_like(target)).long()
+    # Ignored rows are selected away before anything touches them (their NaNs must not reach a gradient).
+    z = torch.where(counted.unsqueeze(-1), z_all, torch.zeros_like(z_all))
+    m = (torch.amax(z.detach(), -1, keepdim=True) if n_classes else
+         z.new_full(z.shape[:-1] + (1,), NEG_INF))
+    empty = (m == NEG_INF) & counted.unsqueeze(-1)
+    zs = torch.where(empty, torch.zeros_like(z), z)  # empty rows: a constant result, no NaN in autograd
+    ms = torch.where(empty, torch.zeros_like(m), m)
+    e = torch.exp(zs - ms)
+    l = e.sum(-1, keepdim=True)
+    logp = torch.where(empty, torch.full_like(zs, NEG_INF), (zs - ms) - torch.log(l))
+    w = torch.ones(n_classes, dtype=F64) if weight is None else weight.detach().to(acc).to(F64)
+    w_t = w[t].unsqueeze(-1)
+    ce = torch.zeros_like(m)
+    nll = -torch.gather(logp, -1, t.unsqueeze(-1))
+    if label_smoothing < 1:
+        ce = ce + (1 - label_smoothing) * w_t * nll
+    if label_smoothing > 0:
+        ce = ce + (label_smoothing / n_classes) * -(w * logp).sum(-1, keepdim=True)
+    lse = torch.where(empty, torch.full_like(m, NEG_INF), ms + torch.log(l))
+    zl = z_loss * lse * lse if z_loss > 0 else torch.zeros_like(m)
+    keep = counted.unsqueeze(-1)
+    ce = torch.where(keep, ce, torch.zeros_like(ce)).squeeze(-1)
+    zl = torch.where(keep, zl, torch.zeros_like(zl)).squeeze(-1)
+    w_counted = torch.where(counted, w_t.squeeze(-1), torch.zeros_like(ce))
+    count = counted.sum().to(F64)
+    if reduction == "none":
+        loss = ce + zl
+    elif reduction == "sum":
+        loss = ce.sum() + zl.sum()
+    else:
+        # A mean over nothing is 0 (selected: no 0 / 0, no 0 * inf).
+        w_sum = w_counted.sum()
+        loss = (torch.where(w_sum != 0, ce.sum() / torch.where(w_sum != 0, w_sum, 1.0), 0.0)
+                + torch.where(count != 0, zl.sum() / torch.where(count != 0, count, 1.0), 0.0))
+    p = torch.where(keep & ~empty, torch.exp(logp.detach()), torch.zeros_like(logp))
+    rows = dict(z=z.detach(), m=m, log_l=torch.log(l.detach()), p=p, t=t, w=w, w_t=w_t.detach(), keep=keep,
+                empty=empty, ce=ce.detach(), zl=zl.detach(), lse=lse.detach(), w_counted=w_counted.detach(),
+                count=count, n_classes=n_classes, smoothing=label_smoothing, z_loss=z_loss, acc=acc)
+    return CrossEntropyResult(loss=loss, rows=rows, reduction=reduction)
+
+
+def cross_entropy_gradient(x: torch.Tensor, target: torch.Tensor, grad: torch.Tensor, **options):
+    """(oracle result, float64 d(sum(grad * loss))/dx) by autograd on the oracle."""
+    x64 = x.detach().to(F64).requires_grad_(True)
+    r = cross_entropy(x, target, x64=x64, **options)
+    g = grad.detach().to(F64)
+    finite = torch.where(g == 0, torch.zeros_like(r.loss), r.loss)  # 0 * inf must not be NaN
+    (dx,) = torch.autograd.grad((g * finite).sum(), x64, allow_unused=True)
+    return r, torch.zeros_like(x64) if dx is None else dx
+
+
+def _ce_row_errors(r: CrossEntropyResult) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """Per row (class dim kept, size 1): absolute error bounds of the fp32 cross-entropy part, of the z-loss
+    part, and of lse; plus u."""
+    q = r.rows
+    acc, n = q["acc"], max(q["n_classes"], 1)
+    u = 2 * eps(acc)
+    k = math.ceil(math.log2(max(n, 2))) + 4
+    keep = q["keep"] & ~q["empty"]
+    m = torch.where(keep, q["m"], torch.zeros_like(q["m"]))
+    z = torch.where(keep, q["z"], m)
+    finite = torch.isfinite(z)
+    dzm = torch.where(finite, (z - m).abs(), torch.zeros_like(z))
+    p = q["p"]
+    log_l = torch.where(keep, q["log_l"], torch.zeros_like(q["log_l"])).abs()
+    # log l: the roundings of z - m (amplified by exp), of exp and of the k-term sum, relative to l.
+    err_log_l = u * ((p * (dzm + k)).sum(-1, keepdim=True) + log_l + 1)
+    z_t = torch.gather(z, -1, q["t"].unsqueeze(-1))
+    gap = torch.where(torch.isfinite(z_t), (m - z_t).abs(), torch.zeros_like(z_t))
+    err_nll = u * (gap + log_l) + err_log_l
+    eps_ls = q["smoothing"]
+    w_abs = q["w"].abs()
+    err = torch.zeros_like(m)
+    if eps_ls < 1:
+        err = err + (1 - eps_ls) * q["w_t"].abs() * (err_nll + u * (gap + log_l))
+    if eps_ls > 0:
+        # sum_c w_c ((m - z_c) + log l), however it is arranged: k roundings of terms no larger than
+        # |w_c| (|z_c - m| + |m - z_t| + log l), plus W times the error of log l.
+        terms = (w_abs * (dzm + gap + log_l)).sum(-1, keepdim=True)
+        err = err + (eps_ls / n) * (u * k * terms + w_abs.sum() * err_log_l + u * terms)
+    err = err + u * q["ce"].unsqueeze(-1).abs().nan_to_num(0.0, posinf=0.0)
+    lse = q["lse"]
+    lse_abs = torch.where(torch.isfinite(lse), lse.abs(), torch.zeros_like(lse))
+    err_lse = u * (m.abs() + lse_abs) + err_log_l
+    err_z = q["z_loss"] * (2 * lse_abs * err_lse + err_lse ** 2) + u * q["zl"].unsqueeze(-1).abs().nan_to_num(
+        0.0, posinf=0.0)
+    return torch.where(keep, err, 0.0), torch.where(keep, err_z, 0.0), torch.where(keep, err_lse, 0.0), u
+
+
+def cross_entropy_bound(r: CrossEntropyResult, out_dtype: torch.dtype) -> torch.Tensor:
+    """Allowed |actual - expected| of the loss (shape of ``r.loss``)."""
+    q = r.rows
+    err_ce, err_z, _, u = _ce_row_errors(r)
+    err_ce, err_z = err_ce.squeeze(-1), err_z.squeeze(-1)
+    k_rows = math.ceil(math.log2(max(q["ce"].numel(), 2))) + 2
+    ce_abs = q["ce"].abs().nan_to_num(0.0, posinf=0.0)
+    zl_abs = q["zl"].abs().nan_to_num(0.0, posinf=0.0)
+    if r.reduction == "none":
+        internal = err_ce + err_z + u * (ce_abs + zl_abs)
+    elif r.reduction == "sum":
+        internal = (err_ce + err_z).sum() + u * k_rows * (ce_abs + zl_abs).sum()
+    else:
+        w_sum, count = q["w_counted"].sum(), q["count"]
+        internal = torch.zeros((), dtype=F64)
+        if w_sum != 0:
+            w_err = u * k_rows * q["w_counted"].abs().sum()
+            ce_sum = q["ce"].sum().nan_to_num(0.0, posinf=0.0)
+            internal = internal + (err_ce.sum() + u * k_rows * ce_abs.sum()) / w_sum.abs() + (
+                ce_sum.abs() / w_sum.abs()) * (w_err / w_sum.abs() + u)
+        if count:
+            internal = internal + (err_z.sum() + u * k_rows * zl_abs.sum()) / count + u * zl_abs.sum() / count
+    return _rounding(TOLERANCE[out_dtype], out_dtype, r.loss.detach()) + internal.reshape(r.loss.shape)
+
+
+def cross_entropy_gradient_bound(r: CrossEntropyResult, grad: torch.Tensor, x: torch.Tensor,
+                                 expected: torch.Tensor) -> torch.Tensor:
+    """Allowed |actual - expected| of d/dx (x's shape), ``expected`` the oracle's gradient."""
+    q = r.rows
+    _, _, err_lse, u = _ce_row_errors(r)
+    n = max(q["n_classes"], 1)
+    k = math.ceil(math.log2(max(n, 2))) + 4
+    keep = q["keep"] & ~q["empty"]
+    g = grad.detach().to(F64)
+    if r.reduction == "none":
+        s_ce = s_z = g.unsqueeze(-1) if g.dim() else g.reshape(1, 1)
+        rel = 0.0
+    elif r.reduction == "sum":
+        s_ce = s_z = g
+        rel = 0.0
+    else:
+        w_sum, count = q["w_counted"].sum(), q["count"]
+        s_ce = g / w_sum if w_sum != 0 else g * 0
+        s_z = g / count if count else g * 0
+        k_rows = math.ceil(math.log2(max(q["ce"].numel(), 2))) + 2
+        rel = u * k_rows * (q["w_counted"].abs().sum() / w_sum.abs() if w_sum != 0 else 1.0) + 2 * u
+    m = torch.where(keep, q["m"], torch.zeros_like(q["m"]))
+    z = torch.where(keep, q["z"], m)
+    dzm = torch.where(torch.isfinite(z), (z - m).abs(), torch.zeros_like(z))
+    p = q["p"]
+    eps_ls = q["smoothing"]
+    w_abs = q["w"].abs()
+    b = (1 - eps_ls) * q["w_t"].abs() * s_ce.abs() if eps_ls < 1 else torch.zeros_like(m)
+    kk = (eps_ls / n) * s_ce.abs() * w_abs if eps_ls > 0 else torch.zeros_like(z)
+    lse = q["lse"]
+    lse_abs = torch.where(torch.isfinite(lse), lse.abs(), torch.zeros_like(lse))
+    a = b + 2 * q["z_loss"] * s_z.abs() * lse_abs
+    if eps_ls > 0:
+        a = a + (eps_ls / n) * w_abs.sum() * s_ce.abs()
+    err_a = 4 * u * a + 2 * q["z_loss"] * s_z.abs() * err_lse
+    p_err = u * p * (dzm + k) + 2 * subnormal_step(q["acc"])
+    onehot = torch.zeros_like(z).scatter_(-1, q["t"].unsqueeze(-1), 1.0)
+    terms = p * a + onehot * b + kk  # no smaller than |dz|
+    err = p_err * a + p * err_a + 4 * u * terms + rel * terms
+    err = torch.where(keep, err, torch.zeros_like(err))
+    err = err.movedim(-1, 1) if x.dim() > 2 else err.reshape(x.shape)
+    return _rounding(TOLERANCE[x.dtype], x.dtype, expected) + err

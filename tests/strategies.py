@@ -407,3 +407,92 @@ def cast_cases(draw, max_side: int = 80) -> CastCase:
         layout=draw(layouts(2)), fp8=draw(st.sampled_from([torch.float8_e4m3fn, torch.float8_e5m2])),
         rowwise=draw(st.booleans()),
         scale_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])), seed=draw(seeds()))
+
+
+# --------------------------------------------------------------------------------------------------
+# cross_entropy
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CrossEntropyCase:
+    """One cross_entropy call: logits (N, C), (C,) or (N, C, d...) with a layout (permuted / sliced, never
+    broadcast: the ignored rows' logits are overwritten), their dtype, targets (dtype, ignore_index, the
+    fraction ignored), class weights, reduction, label smoothing, z-loss, a fraction of -inf logits, NaN in
+    the ignored rows, the logits' scale and the seed of the values."""
+
+    shape: tuple[int, ...]
+    layout: Layout
+    dtype: torch.dtype
+    target_dtype: torch.dtype
+    ignore_index: int
+    ignored: float
+    weight: str  # "none", "same" (the logits' dtype) or "fp32"
+    reduction: str
+    label_smoothing: float
+    z_loss: float
+    neg_inf: float
+    nan_ignored: bool
+    std: float
+    seed: Seed
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in (
+            "shape", "dtype", "target_dtype", "ignore_index", "ignored", "weight", "reduction",
+            "label_smoothing", "z_loss", "neg_inf", "nan_ignored", "std"))
+        return f"CrossEntropyCase({fields}, layout={self.layout.name}, {self.seed})"
+
+    @property
+    def classes(self) -> int:
+        return self.shape[0] if len(self.shape) == 1 else self.shape[1]
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(logits, target, weight)."""
+        s, c = self.seed, self.classes
+        x = self.layout.make(s, self.shape, self.dtype, std=self.std, neg_inf=self.neg_inf)
+        t_shape = () if len(self.shape) == 1 else (self.shape[0], *self.shape[2:])
+        target = s.randint(0, max(c, 1), *t_shape) if c else torch.zeros(t_shape, dtype=torch.long)
+        drop = s.rand(*t_shape) < self.ignored
+        target = torch.where(drop, torch.full_like(target, self.ignore_index), target)
+        if self.nan_ignored and drop.any():
+            rows = x if x.dim() > 1 else x.unsqueeze(0)
+            rows = rows.movedim(1, -1) if rows.dim() > 2 else rows
+            rows[drop.reshape(rows.shape[:-1])] = math.nan  # writes through the view into x's memory
+        if self.target_dtype == torch.uint8:
+            target = target.clamp(0, 255)
+        target = target.to(self.target_dtype)
+        weight = None
+        if self.weight != "none":
+            w = s.rand(c) * 2.0
+            weight = w.to(self.dtype if self.weight == "same" else torch.float32)
+        return x, target, weight
+
+
+@st.composite
+def cross_entropy_cases(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16), max_classes: int = 70,
+                        max_elements: int = 600) -> CrossEntropyCase:
+    form = draw(st.sampled_from(["rows", "rows", "one_d", "spatial"]))
+    c = draw(st.one_of(st.integers(1, 8), st.integers(1, max_classes)))
+    if form == "one_d":
+        shape = (c,)
+    else:
+        n = draw(st.one_of(st.integers(1, 8), st.integers(0, 12)))
+        extra = (draw(st.integers(1, 3)),) if form == "spatial" else ()
+        shape = (n, c, *extra)
+        while math.prod(shape) > max_elements:
+            shape = (max(1, shape[0] // 2), *shape[1:])
+    dtype = draw(st.sampled_from(dtypes))
+    ignore_index = draw(st.sampled_from([-100, -100, 0, c - 1]))
+    target_dtype = draw(st.sampled_from([torch.int64, torch.int64, torch.int32, torch.uint8]))
+    if target_dtype == torch.uint8 and ignore_index < 0:
+        ignore_index = 255
+    smoothing = draw(st.sampled_from([0.0, 0.0, 1.0]) | st.floats(0.01, 0.99))
+    z_loss = draw(st.sampled_from([0.0, 0.0]) | st.floats(1e-4, 1.0))
+    return CrossEntropyCase(
+        shape=shape, layout=draw(layouts(len(shape), broadcast=False)), dtype=dtype,
+        target_dtype=target_dtype,
+        ignore_index=ignore_index, ignored=draw(st.sampled_from([0.0, 0.3, 0.3, 1.0])),
+        weight=draw(st.sampled_from(["none", "none", "same", "fp32"])),
+        reduction=draw(st.sampled_from(["mean", "sum", "none"])), label_smoothing=smoothing, z_loss=z_loss,
+        neg_inf=draw(st.sampled_from([0.0, 0.0, 0.1])), nan_ignored=draw(st.booleans()),
+        std=draw(st.sampled_from([1.0, 4.0, 30.0])), seed=draw(seeds()))

@@ -8,8 +8,10 @@ Two ways in:
 
 What is rewritten (see ``safeops.compile.rewrite``): calls of softmax / log_softmax / logsumexp and
 hand-written softmax and log-softmax cores, in the Dynamo graph, before autograd, so training graphs use
-the safeops backward. While registered, the aten forward ops ``_softmax``, ``_log_softmax`` and
-``logsumexp`` that other decompositions produce are also mapped to safeops through Inductor's
+the safeops backward; and ``F.cross_entropy`` / ``nn.CrossEntropyLoss`` calls and the
+``nll_loss(log_softmax(x))`` pattern, to the fused ``safeops.cross_entropy``
+(``safeops.compile.cross_entropy``). While registered, the aten forward ops ``_softmax``, ``_log_softmax``
+and ``logsumexp`` that other decompositions produce are also mapped to safeops through Inductor's
 decomposition table. Their backward ops receive the output, not the input, so they cannot recompute:
 ``_softmax_backward_data`` stays Inductor's fp32 formula on the (safe) output, and
 ``_log_softmax_backward_data`` gets a version that gives excluded entries (output -inf) a zero gradient.
@@ -36,6 +38,7 @@ from ..ops import softmax as _ops
 from . import _compat
 from .attention import rewrite as rewrite_attention
 from .cast_transpose import rewrite as rewrite_cast_transpose
+from .cross_entropy import rewrite as rewrite_cross_entropy
 from .rewrite import rewrite_graph, stats
 
 __all__ = ["register", "unregister", "registered", "is_registered", "backend", "stats", "BACKEND_NAME"]
@@ -58,12 +61,13 @@ def _code_hash() -> str:
 
 
 class SafeopsGraphPass(_compat.CustomGraphPass):
-    """Inductor pre-grad pass: rewrites softmax (and SDPA, and the fp8 cast + transpose) in the Dynamo graph
-    to safeops ops."""
+    """Inductor pre-grad pass: rewrites cross-entropy, softmax (and SDPA, and the fp8 cast + transpose) in the
+    Dynamo graph to safeops ops."""
 
     _uuid = _code_hash()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        rewrite_cross_entropy(graph)  # first: its nll_loss(log_softmax) pattern holds a log_softmax
         rewrite_graph(graph)
         rewrite_attention(graph)  # F.scaled_dot_product_attention -> safeops.attention
         rewrite_cast_transpose(graph)  # fp8 cast + transposed copy -> safeops::cast_transpose

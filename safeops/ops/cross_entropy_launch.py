@@ -1,0 +1,200 @@
+"""Launchers for the cross-entropy Triton kernels (``safeops.kernels.cross_entropy``): blocks and grids.
+
+The column-block width ``BLOCK_N`` (the lanes of each row's running sums, so the order of its additions)
+depends on the number of classes and the device type only, never on the number of rows or the strides:
+a row's loss and gradient bits are batch-invariant and layout-independent (contract section 6). The rows per
+program (``BLOCK_M``) and the warps may follow the layout; no result depends on them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from .. import _config
+from ..reference import CE_MEAN, CE_NONE
+from ._launch import check_triton_device, launch
+
+_kernels = None
+
+
+def kernels():
+    """The kernel module, imported on first use (importing safeops must not compile anything)."""
+    global _kernels
+    if _kernels is None:
+        from ..kernels import cross_entropy as module
+
+        _kernels = module
+    return _kernels
+
+
+# By device type: the widest column block (lanes per row), the elements of one program's tile for short rows,
+# elements per thread, and the rows-per-program cap. Under the interpreter (CPU) small blocks make the test
+# rows cross several column blocks and programs several rows.
+MAX_BLOCK_N = {"cuda": 4096, "cpu": 32}
+TILE = {"cuda": 4096, "cpu": 64}
+PER_THREAD = {"cuda": 16, "cpu": 16}
+MAX_BLOCK_M = 64
+# The sum/mean over rows: one program, this many lanes.
+REDUCE_BLOCK = {"cuda": 1024, "cpu": 16}
+
+
+def _device_kind(device: torch.device) -> str:
+    return "cuda" if device.type == "cuda" else "cpu"
+
+
+def block_n(n_cols: int, device: torch.device) -> int:
+    """Lanes of a row's running sums: a function of the row length (and the device type) alone."""
+    return min(triton.next_power_of_2(max(n_cols, 1)), MAX_BLOCK_N[_device_kind(device)])
+
+
+def config(n_cols: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps)."""
+    kind = _device_kind(device)
+    bn = block_n(n_cols, device)
+    bm = max(1, min(MAX_BLOCK_M, TILE[kind] // bn))
+    num_warps = max(1, min(16, bm * bn // (32 * PER_THREAD[kind])))
+    return bm, bn, triton.next_power_of_2(num_warps)
+
+
+def _check_device(x: torch.Tensor) -> None:
+    if x.device.type != "cuda":
+        check_triton_device(x, "input", kernels().cross_entropy_fwd_kernel)
+
+
+def _launch_options(num_warps: int) -> dict:
+    # Fusion off, as for every safeops kernel (contract section 1).
+    return {"num_warps": num_warps, "enable_fp_fusion": _config.fp_fusion}
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """(N, C, d...) -> (N, C, prod(d)): a view for every layout whose d dims merge (all the usual ones)."""
+    return x.reshape(x.shape[0], x.shape[1], math.prod(x.shape[2:]))
+
+
+def grad_buffer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, its (N, C, D) view): a fresh gradient buffer, laid out like x when x is dense."""
+    dx3 = torch.empty_like(as_rows(x))
+    return dx3.view(x.shape), dx3
+
+
+def _row_dims(x3: torch.Tensor) -> int:
+    return 1 if x3.shape[2] == 1 else 2
+
+
+def _align(t3: torch.Tensor) -> int:
+    """The multiple (in elements) of every row offset, when 16 bytes: vector loads and stores."""
+    per16 = max(1, 16 // t3.element_size())
+    strides = (t3.stride(0),) if t3.shape[2] == 1 else (t3.stride(0), t3.stride(2))
+    return per16 if all(s % per16 == 0 for s in strides) else 1
+
+
+def _wide(n_cols: int, *class_strides: int) -> bool:
+    return max(n_cols - 1, 0) * max(abs(s) for s in class_strides) >= 2**31
+
+
+def _per_row(t: torch.Tensor) -> torch.Tensor:
+    """A per-row tensor (targets, gradients of a "none" loss, row stats) as the contiguous vector the kernels
+    index by row (a copy only when it is strided or expanded: N elements, not N * C)."""
+    return t.reshape(-1).contiguous()
+
+
+def _check_rows(n_rows: int, n_cols: int) -> None:
+    if n_rows >= 2**31 - 2**16:
+        raise ValueError(f"target: {n_rows} rows are not supported (at most 2**31 - 2**16)")
+    if n_cols >= 2**31:
+        raise ValueError(f"input: {n_cols} classes are not supported (at most 2**31 - 1)")
+
+
+def _flags(label_smoothing: float, z_loss: float) -> dict:
+    return dict(HAS_NLL=label_smoothing < 1, HAS_SMOOTHING=label_smoothing > 0, HAS_Z=z_loss > 0)
+
+
+def _scalars(label_smoothing: float, z_loss: float, n_cols: int) -> tuple[float, float, float, float]:
+    # (C, 1 - eps, eps / C, z_loss), each rounded once to fp32 when passed (Triton's float arguments).
+    return float(n_cols), 1.0 - label_smoothing, label_smoothing / max(n_cols, 1), float(z_loss)
+
+
+def _weights(weight: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 contiguous weight, its sum as a 1-element tensor): no host sync; stand-ins without weight."""
+    if weight is None:
+        return like, like
+    w = weight.to(torch.float32).contiguous()
+    return w, w.sum().reshape(1)
+
+
+def forward(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int,
+            reduction: int, label_smoothing: float, z_loss: float, out_dtype: torch.dtype | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, row_max, row_sum, denom)`` for (N, C, d...) logits and (N, d...) targets; the loss in
+    ``out_dtype`` (default x's)."""
+    _check_device(x)
+    n_cols = x.shape[1]
+    n_rows = target.numel()
+    row_max = x.new_empty(target.shape, dtype=torch.float32)
+    row_sum = x.new_empty(target.shape, dtype=torch.float32)
+    denom = x.new_zeros((2,), dtype=torch.float32)
+    loss = x.new_empty(target.shape if reduction == CE_NONE else (), dtype=out_dtype or x.dtype)
+    if n_rows == 0:
+        if reduction != CE_NONE:
+            loss.zero_()  # the sum of nothing, and a mean over nothing (contract section 10)
+        return loss, row_max, row_sum, denom
+    _check_rows(n_rows, n_cols)
+    k = kernels()
+    x3 = as_rows(x)
+    t = _per_row(target)
+    w, w_sum = _weights(weight, x)
+    bm, bn, num_warps = config(n_cols, x.device)
+    n_classes, nll_scale, smooth_scale, zl = _scalars(label_smoothing, z_loss, n_cols)
+    flags = _flags(label_smoothing, z_loss)
+    reduce = reduction != CE_NONE
+    ce = x.new_empty((n_rows,), dtype=torch.float32) if reduce else loss
+    zparts = x.new_empty((n_rows,), dtype=torch.float32) if reduce and flags["HAS_Z"] else ce
+    launch(k.cross_entropy_fwd_kernel, (triton.cdiv(n_rows, bm),),
+           x3, t, w, w_sum, row_max, row_sum, ce, zparts,
+           n_rows, n_cols, x3.shape[2], x3.stride(0), x3.stride(2), x3.stride(1),
+           ignore_index, n_classes, nll_scale, smooth_scale, zl,
+           REDUCE=reduction, HAS_WEIGHT=weight is not None, **flags, ROW_DIMS=_row_dims(x3),
+           WIDE=_wide(n_cols, x3.stride(1)), XA=_align(x3), BLOCK_M=bm, BLOCK_N=bn,
+           **_launch_options(num_warps))
+    if reduce:
+        launch(k.cross_entropy_reduce_kernel, (1,),
+               ce, zparts, t, w, loss, denom, n_rows, n_cols, ignore_index,
+               MEAN=reduction == CE_MEAN, HAS_WEIGHT=weight is not None, HAS_Z=flags["HAS_Z"],
+               BLOCK=REDUCE_BLOCK[_device_kind(x.device)], **_launch_options(4))
+    return loss, row_max, row_sum, denom
+
+
+def backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+             row_max: torch.Tensor, row_sum: torch.Tensor, denom: torch.Tensor, ignore_index: int,
+             reduction: int, label_smoothing: float, z_loss: float, out: torch.Tensor | None = None
+             ) -> torch.Tensor:
+    """d loss / d x, written once: into ``out`` (which may be ``x`` itself) or a fresh buffer."""
+    _check_device(x)
+    if out is None:
+        dx, dx3 = grad_buffer(x)
+    else:
+        dx, dx3 = out, as_rows(out)
+    n_cols = x.shape[1]
+    n_rows = target.numel()
+    if n_rows == 0 or n_cols == 0:
+        return dx
+    _check_rows(n_rows, n_cols)
+    x3 = as_rows(x)
+    t = _per_row(target)
+    # The gradient of a "none" loss is often expanded (loss.sum().backward() gives stride 0).
+    g = _per_row(grad) if reduction == CE_NONE else grad
+    w, w_sum = _weights(weight, x)
+    bm, bn, num_warps = config(n_cols, x.device)
+    n_classes, nll_scale, smooth_scale, zl = _scalars(label_smoothing, z_loss, n_cols)
+    launch(kernels().cross_entropy_bwd_kernel, (triton.cdiv(n_rows, bm),),
+           g, x3, dx3, t, w, w_sum, _per_row(row_max), _per_row(row_sum), denom,
+           n_rows, n_cols, x3.shape[2], x3.stride(0), x3.stride(2), x3.stride(1),
+           dx3.stride(0), dx3.stride(2), dx3.stride(1),
+           ignore_index, n_classes, nll_scale, smooth_scale, zl,
+           REDUCE=reduction, HAS_WEIGHT=weight is not None, **_flags(label_smoothing, z_loss),
+           ROW_DIMS=_row_dims(x3), WIDE=_wide(n_cols, x3.stride(1), dx3.stride(1)), XA=_align(x3),
+           DA=_align(dx3), BLOCK_M=bm, BLOCK_N=bn, **_launch_options(num_warps))
+    return dx
