@@ -128,7 +128,9 @@ def log_softmax(x, dim=-1, *, scale=None, mask=None, dtype=None) -> torch.Tensor
 def logsumexp(x, dim=-1, *, scale=None, mask=None, keepdim=False) -> torch.Tensor:
     """``m + log(l)`` along ``dim`` for ``z = fp32(x) * scale`` (excluded entries dropped), in ``x.dtype``.
 
-    A row with nothing included gives ``-inf`` and a zero gradient (contract section 4).
+    A row with nothing included gives ``-inf`` and a zero gradient (contract section 4). A row holding NaN
+    gives NaN; one holding +inf and no NaN gives +inf, as ``torch.logsumexp`` does, with its gradient: NaN
+    at the +inf entries, 0 at the others (section 5).
     """
     dim, scale_value, scale_tensor, mask = _prepare(x, dim, scale, mask, None)
     if not isinstance(keepdim, bool):

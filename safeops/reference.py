@@ -45,14 +45,22 @@ def _safe_max(m: torch.Tensor) -> torch.Tensor:
     return torch.where(m == NEG_INF, torch.zeros_like(m), m)
 
 
-def row_stats(z: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row max and row sum of exp(z - max), kept apart (contract section 3), keepdim=True."""
+def row_stats(z: torch.Tensor, dim: int, lse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row max and row sum of exp(z - max), kept apart (contract section 3), keepdim=True.
+
+    ``lse`` (logsumexp): an entry equal to a +inf max counts exp(0) = 1 instead of exp(inf - inf) = NaN, so
+    a row holding +inf and no NaN has ``l`` = its number of +inf entries and ``m + log(l) = +inf``, as
+    ``torch.logsumexp`` gives (contract section 5); a NaN (amax propagates it) still makes the row NaN.
+    """
     if z.shape[dim] == 0:
         # A row with no entries is an empty row (contract section 4); amax would refuse it.
         shape = z.shape[:dim] + (1,) + z.shape[dim + 1:]
         return z.new_full(shape, NEG_INF), z.new_zeros(shape)
     m = torch.amax(z, dim, keepdim=True)
-    l = torch.exp(z - _safe_max(m)).sum(dim, keepdim=True)
+    shifted = z - _safe_max(m)
+    if lse:
+        shifted = torch.where(z == float("inf"), torch.zeros_like(shifted), shifted)
+    l = torch.exp(shifted).sum(dim, keepdim=True)
     return m, l
 
 
@@ -74,7 +82,7 @@ def forward(
     acc = compute_dtype(out_dtype if out_dtype == torch.float64 else x.dtype)
     out_dtype = out_dtype or x.dtype
     z = logits(x, scale, scale_tensor, mask, acc)
-    m, l = row_stats(z, dim)
+    m, l = row_stats(z, dim, lse=kind == LOGSUMEXP)
     if kind == SOFTMAX:
         out = probabilities(z, m, l)
     elif kind == LOG_SOFTMAX:

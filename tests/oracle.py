@@ -7,6 +7,8 @@ Written from the math and CONTRACT.md, not from ``safeops.reference``:
   fp64 inputs, or ``dtype=torch.float64``, compute ``z = x * scale`` in fp64 (section 2);
 - an element is excluded when its mask is False or its ``z`` is exactly ``-inf``; excluded outputs are the
   constants 0 (softmax) and -inf (log-softmax), and a row with nothing included is the table of section 4;
+- a NaN or +inf ``z`` makes its row NaN (section 5), except that logsumexp of a row holding +inf and no NaN
+  is +inf, with torch.logsumexp's gradient ``exp(z - lse)``: NaN at the +inf entries, 0 at the others;
 - everything after ``z`` is float64, and gradients come from ``torch.autograd`` on that float64 formula.
 
 Tolerances are data (:data:`TOLERANCE`): the rounding of the result to its output dtype, in units of that
@@ -138,6 +140,11 @@ def evaluate(op: str, x: torch.Tensor, dim: int = -1, *, scale=None, mask=None, 
         out = torch.where(keep & ~empty, (z - m_safe) - torch.log(l_safe), torch.full_like(z, NEG_INF))
     elif op == "logsumexp":
         out = torch.where(empty, torch.full_like(m, NEG_INF), m_safe + torch.log(l_safe))
+        # A row whose max is +inf holds no NaN (amax propagates NaN): its lse is +inf (section 5), and
+        # d lse / dz = exp(z - lse) is NaN at its +inf entries and exp(-inf) = 0 at the others.
+        inf_row = m == math.inf
+        out = torch.where(inf_row, torch.full_like(m, math.inf), out)
+        p = torch.where(inf_row, torch.where(z.detach() == math.inf, math.nan, 0.0), p)
         if not keepdim:
             out = out.squeeze(dim)
     else:
@@ -165,6 +172,15 @@ def gradients(op: str, x: torch.Tensor, grad_out: torch.Tensor, dim: int = -1, *
     dscale = None
     if scale_var is not None:
         dscale = grads[1] if grads[1] is not None else torch.zeros((), dtype=F64)
+    if op == "logsumexp":
+        # Autograd through a +inf row's NaN row sum makes its whole gradient NaN; torch's gradient of its
+        # +inf lse (see evaluate) is g * exp(z - inf) * scale: NaN at the +inf entries, 0 elsewhere, and
+        # d/dscale sums a NaN.
+        inf_rows = (r.m == math.inf).expand(r.z.shape)
+        dz = torch.where(r.z == math.inf, math.nan, 0.0)
+        dx = torch.where(inf_rows, dz, dx.reshape(r.z.shape)).reshape(x64.shape)
+        if dscale is not None and inf_rows.any():
+            dscale = torch.full((), math.nan, dtype=F64)
     return dx, dscale
 
 
@@ -276,7 +292,9 @@ def max_violation(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Ten
         idx = tuple(bad.nonzero()[0].tolist())
         return math.inf, f"at {list(idx)}: actual {a[idx].item()!r} expected {e[idx].item()!r} (non-finite)"
     err = torch.where(torch.isfinite(e), (a - e).abs(), torch.zeros_like(a))
-    ratio = err / bound
+    # An exact value is within any bound, also where the bound is NaN (the NaN gradient terms of a +inf
+    # logsumexp row make the bounds of its exact-zero entries NaN).
+    ratio = torch.where(err == 0, torch.zeros_like(err), err / bound)
     idx = tuple(int(i) for i in torch.unravel_index(ratio.reshape(-1).argmax(), ratio.shape))
     return float(ratio[idx]), (f"at {list(idx)}: actual {a[idx].item()!r} expected {e[idx].item()!r}, "
                                f"|err| {err[idx].item():.3e} > bound {bound[idx].item():.3e}")

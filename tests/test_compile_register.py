@@ -261,6 +261,37 @@ def test_call_is_bit_identical_to_eager_triton_kernels(triton_backend, form, see
     assert_same_bits(dx, want_dx, "d/dx", f"{form} triton; {seed}")
 
 
+@pytest.mark.parametrize("mode", MODES)
+@given(seed=seeds())
+@each_example(isolation)
+def test_logsumexp_of_pos_inf_rows_compiled_is_eager(backend, mode, seed):
+    """Contract section 5: logsumexp of a row holding +inf and no NaN is +inf, as eager torch.logsumexp
+    gives, with its gradient (NaN at the +inf entries, 0 at the others); compiled code gives eager
+    safeops' bits, forward and backward."""
+    user, eager, kind = CALL_FORMS["torch.logsumexp"]
+    x = seed.randn(4, 9, std=3.0)
+    x[0, int(seed.randint(0, 9))] = math.inf
+    x[1, :3] = math.inf
+    x[1, 5] = NEG_INF
+    x[2, 4], x[2, 7] = math.inf, math.nan  # NaN
+    x.requires_grad_(True)
+    want = eager(x, -1)
+    g = seed.randn(*want.shape)
+    (want_dx,) = torch.autograd.grad(want, x, g)
+    with compile_mode(mode):
+        out = compiled(lambda t: user(t, -1), mode)(x)
+        (dx,) = torch.autograd.grad(out, x, g)
+    ctx = f"{backend} {mode}; {seed}"
+    assert rewrites() == {kind: 1}, f"{dict(stats)}; {ctx}"
+    assert_same_bits(out, want, "output", ctx)
+    assert_same_bits(dx, want_dx, "d/dx", ctx)
+    assert (out[:2] == math.inf).all() and out[2].isnan() and torch.isfinite(out[3]), f"{out}; {ctx}"
+    xt = x.detach().clone().requires_grad_(True)
+    (torch_dx,) = torch.autograd.grad(torch.logsumexp(xt, -1), xt, g)
+    assert torch.equal(dx[:3].isnan(), torch_dx[:3].isnan()), f"{dx} vs torch {torch_dx}; {ctx}"
+    assert (dx[:2][~dx[:2].isnan()] == 0).all(), f"{dx}; {ctx}"
+
+
 @given(seed=seeds())
 @each_example(isolation)
 def test_stock_call_gives_nan_on_all_inf_row(seed):

@@ -85,7 +85,8 @@ _SCRIPT = textwrap.dedent(
                     k.softmax_bwd_fused_kernel, {**base, **splits, "NEED_DSCALE": True}, split)
         results[f"fwd_partial/{kind}"] = count(
             k.softmax_fwd_partial_kernel,
-            {"SCALE_MODE": 1, "HAS_MASK": True, "WIDE": False, "BLOCK_N": split.block_n}, split)
+            {"SCALE_MODE": 1, "HAS_MASK": True, "WIDE": False, "BLOCK_N": split.block_n, "LSE": kind == 2},
+            split)
     print(json.dumps(results))
     """
 )

@@ -215,7 +215,9 @@ def oracle_forward(op: str, z: torch.Tensor, dim: int) -> tuple[torch.Tensor, di
     elif op == "log_softmax":
         ref = torch.where(st["l"] == 0, z.new_full((), NEG_INF), st["t"] - st["log_l"])
     else:
-        ref = (st["m"] + st["log_l"]).squeeze(dim)
+        # A row whose max is +inf holds no NaN (amax propagates NaN): its lse is +inf, as torch.logsumexp
+        # gives (section 5); m + log(l) would be NaN, l being NaN there.
+        ref = torch.where(st["m"] == math.inf, math.inf, st["m"] + st["log_l"]).squeeze(dim)
     return ref, st
 
 
@@ -714,7 +716,7 @@ def special_rows(n: int, dtype: torch.dtype, rng: CudaRng):
     x[1] = NEG_INF  # every logit -inf: an empty row
     mask[2] = False  # fully masked: an empty row
     x[3, 5] = float("nan")  # NaN row
-    x[4, 9] = float("inf")  # +inf row
+    x[4, 9] = float("inf")  # +inf row: NaN, except logsumexp: +inf
     x[5, 11] = float("nan")  # excluded NaN: contributes nothing
     mask[5, 11] = False
     x[5, 13] = NEG_INF  # excluded by value
@@ -734,12 +736,15 @@ def test_empty_nan_inf_rows(op, dtype, n, rng):
     empty_value = 0.0 if op == "softmax" else NEG_INF
     for r in (1, 2):
         assert (out[r] == empty_value).all(), f"{what}: empty row {r} gives {out[r].flatten()[:4].tolist()}"
-    for r in (3, 4):
+    for r in (3, 4) if op != "logsumexp" else (3,):
         assert torch.isnan(out[r]).all(), f"{what}: NaN/+inf row {r} must be NaN, got {out[r].flatten()[:4]}"
+    if op == "logsumexp":
+        assert out[4] == math.inf, f"{what}: logsumexp of a +inf row must be +inf, got {out[4]}"
     if op == "softmax":
         assert (out[5, [11, 13]] == 0).all(), f"{what}: excluded entries must be exactly 0"
         assert_bitwise(out[6], uniform(n, dtype).expand(n), f"{what}: row of finfo.min must be exactly 1/N")
-    # Every row vs the oracle (NaN/+inf rows are NaN there too, empty rows 0 / -inf).
+    # Every row vs the oracle (NaN/+inf rows are NaN there too, logsumexp's +inf row +inf, empty rows 0 /
+    # -inf).
     z = oracle_z(x, SCALE, mask)
     ref, st = oracle_forward(op, z, 1)
     assert_matches(out, ref, forward_budget(op, st, ref), f"{what} forward")
@@ -761,6 +766,10 @@ def test_empty_nan_inf_rows(op, dtype, n, rng):
     for r in (1, 2):
         assert (dx[r] == 0).all(), f"{what}: gradient of empty row {r} must be 0"
     assert (dx[5, [11, 13]] == 0).all(), f"{what}: excluded entries must get a zero gradient"
+    if op == "logsumexp":
+        # torch's gradient of a +inf row: exp(z - lse) * g is NaN at the +inf entry and 0 elsewhere.
+        others = torch.arange(n, device=DEV) != 9
+        assert dx[4, 9].isnan() and (dx[4, others] == 0).all(), f"{what}: gradient of the +inf row {dx[4]}"
     # Gradients of the rows without NaN/+inf vs the oracle (what a NaN row's own gradient holds is not
     # promised beyond "NaN stays in its row").
     rows = [0, 1, 2, 5, 6]

@@ -580,7 +580,14 @@ def test_nan_or_inf_poisons_only_its_row(backend, op, dtype, bad, seed):
     ctx = f"{backend} {bad} at [2, {col}]; {seed}"
     y_bad, _, dx_bad, _ = run(op, poisoned, -1, seed=seed, scale=scale, grad=g)
     y_ok, _, dx_ok, _ = run(op, clean, -1, seed=seed, scale=scale, grad=g)
-    assert y_bad[2].isnan().all(), f"row with {bad}: {y_bad[2].tolist()}; {ctx}"
+    if op == "logsumexp" and bad == "pos_inf":
+        # The exception of section 5, as torch.logsumexp: +inf, and the gradient exp(z - inf) * g is NaN at
+        # the +inf entry and 0 at the others.
+        assert y_bad[2] == math.inf, f"logsumexp of a row with +inf: {y_bad[2].item()}; {ctx}"
+        rest = torch.arange(17) != col
+        assert dx_bad[2, col].isnan() and (dx_bad[2, rest] == 0).all(), f"its gradient {dx_bad[2]}; {ctx}"
+    else:
+        assert y_bad[2].isnan().all(), f"row with {bad}: {y_bad[2].tolist()}; {ctx}"
     others = [0, 1, 3, 4]
     assert_same_bits(y_bad[others], y_ok[others], "other rows' outputs", ctx)
     assert_same_bits(dx_bad[others], dx_ok[others], "other rows' gradients", ctx)
@@ -609,6 +616,140 @@ def test_poison_at_masked_positions_does_not_leak(backend, op, poison, seed):
     assert_same_bits(ds_p, ds_c, "d/dscale", ctx)
     assert torch.isfinite(dx_p).all() and torch.isfinite(ds_p), ctx
     check(op, poisoned, -1, seed=seed, scale=scale, mask=mask, context=ctx)
+
+
+# --------------------------------------------------------------------------------------------------
+# Section 5's exception: logsumexp of a row holding +inf and no NaN is +inf, as eager torch.logsumexp gives,
+# and its gradient is torch's, exp(z - lse) * g: NaN at the +inf entries, 0 at the others. On every path:
+# the rows kernels, and the split kernels (rows of 40000: the forward's per-range partials and their
+# combination, the backward's finish kernel).
+# --------------------------------------------------------------------------------------------------
+
+INF, NAN = math.inf, math.nan
+# row: (torch.logsumexp(row), d/d row of torch.logsumexp(row)), as eager torch 2.13 gives them.
+TORCH_INF_ROWS = {
+    "finite_inf_finite": ((1.0, INF, 2.0), INF, (0.0, NAN, 0.0)),
+    "inf_inf": ((INF, INF), INF, (NAN, NAN)),
+    "inf_neg_inf": ((INF, -INF), INF, (NAN, 0.0)),
+    "inf_nan": ((INF, NAN), NAN, (NAN, NAN)),
+}
+# (row, length, dtype): length None, the row itself; else its values spread over that many columns. The split
+# kernels' handling of +inf does not depend on the dtype: fp32 only there, and the two rows that reach their
+# combination of partials with +inf in two ranges and with a NaN (the interpreter is slow; the other rows'
+# entries meet the split kernels in test_logsumexp_pos_inf_rows_match_oracle).
+INF_ROW_CASES = [pytest.param(row, None, dtype, id=f"{row}-rows-{dtype}") for row in TORCH_INF_ROWS
+                 for dtype in ("fp32", "fp16", "bf16")]
+INF_ROW_CASES += [pytest.param(row, 40000, "fp32", id=f"{row}-split-fp32") for row in ("inf_inf", "inf_nan")]
+DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where the other is NaN (whatever the NaN's sign or payload)."""
+    a, b = a.detach().double(), b.detach().double()
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+@pytest.mark.parametrize("row,n,dtype_name", INF_ROW_CASES)
+def test_logsumexp_of_inf_rows_is_torchs(backend, row, n, dtype_name):
+    values, lse, grad = TORCH_INF_ROWS[row]
+    dtype = DTYPE_NAMES[dtype_name]
+    if n is None:
+        x = torch.tensor(values, dtype=dtype)
+    else:  # the values far apart (in different split ranges), finite logits between them
+        x = torch.linspace(-3.0, 3.0, n, dtype=torch.float64).to(dtype)
+        at = torch.arange(len(values)) * (n // len(values)) + 5
+        x[at] = torch.tensor(values, dtype=dtype)
+    ctx = f"{backend} {values} in {x.shape[0]} columns, {dtype}"
+    xs = x.clone().requires_grad_(True)
+    y = safeops.logsumexp(xs, 0)
+    (dx,) = torch.autograd.grad(y, xs)
+    xt = x.clone().requires_grad_(True)
+    yt = torch.logsumexp(xt, 0)
+    (dxt,) = torch.autograd.grad(yt, xt)
+    assert same_values(yt.double(), torch.tensor(lse)), f"eager torch changed: {yt}; {ctx}"
+    assert same_values(y, yt), f"logsumexp {y.item()}, torch gives {yt.item()}; {ctx}"
+    assert same_values(dx, dxt), f"d/dx {dx[dx != dxt]}, torch gives {dxt[dx != dxt]}; {ctx}"
+    if n is None:
+        assert same_values(dx, torch.tensor(grad)), f"d/dx {dx.tolist()}; {ctx}"
+
+
+# (row length, dtype): short rows, and long rows (forward and backward both split) in fp32 only, as the split
+# kernels' handling of +inf does not depend on the dtype.
+POS_INF_CASES = [pytest.param(37, FP32.values[0], id="rows-fp32"),
+                 pytest.param(37, BF16.values[0], id="rows-bf16"),
+                 pytest.param(40000, FP32.values[0], id="split-fp32")]
+
+
+@pytest.mark.parametrize("n,dtype", POS_INF_CASES)
+@given(seed=seeds())
+def test_logsumexp_pos_inf_rows_match_oracle(backend, n, dtype, seed):
+    """+inf at random positions (several in a row, sometimes in one block or range) among finite, -inf and
+    masked entries: +inf with torch's gradient; +inf and NaN: NaN; a masked-out +inf is no +inf of its row
+    (section 5: masks select). Rows without an included +inf keep the bits they have without it."""
+    x = seed.randn(6, n, dtype=torch.float64, std=input_std(backend, dtype, 3.0))
+    x[1][seed.rand(n) < 0.2] = -INF
+    mask = seed.mask(6, n, keep=0.8)
+    for r in (0, 1, 2, 3):
+        k = int(seed.randint(1, 4))
+        at = seed.randint(0, n, k)
+        if seed.rand() < 0.5:  # neighbours: the same block of a row, the same range of a split row
+            at = (at[:1] + torch.arange(k)) % n
+        x[r, at] = INF
+        mask[r, at] = r != 3  # row 3: every +inf masked out, a finite row
+    x[2, int(seed.randint(0, n))] = NAN
+    mask[2] = True  # row 2: +inf and NaN, both included: NaN
+    x = x.to(dtype)  # rows 4, 5: finite
+    scale = torch.tensor(seed.uniform(0.5, 2.0))
+    ctx = f"{backend} {dtype} N={n}; {seed}"
+    # Against the float64 oracle: the +inf rows exactly, the finite ones within bounds. (The NaN row is
+    # checked below: the oracle's gradient holds no NaN at non-finite inputs, which it takes as constants.)
+    # Long rows: only the +inf row among finite, -inf and masked entries, and the masked-out +inf (the
+    # interpreter is slow).
+    number, inf_rows = ([0, 1, 3, 4, 5], 2) if n < 1000 else ([1, 3], 1)
+    y, dx = check("logsumexp", x[number], -1, seed=seed, scale=scale, mask=mask[number], context=ctx)
+    assert (y[:inf_rows] == INF).all() and torch.isfinite(y[inf_rows:]).all(), f"{y}; {ctx}"
+    included_inf = mask[number][:inf_rows] & (x[number][:inf_rows] == INF)
+    d = dx[:inf_rows]
+    assert d[included_inf].isnan().all() and (d[~included_inf] == 0).all(), f"d/dx {d}; {ctx}"
+    if n >= 1000:
+        return
+    clean = torch.where(torch.isfinite(x) | (x == -INF), x, torch.zeros_like(x))
+    g = seed.randn(6, dtype=dtype)
+    y_bad, _, dx_bad, _ = run("logsumexp", x, -1, seed=seed, scale=scale.item(), mask=mask, grad=g)
+    y_ok, _, dx_ok, _ = run("logsumexp", clean, -1, seed=seed, scale=scale.item(), mask=mask, grad=g)
+    # +inf and NaN: NaN, and a NaN gradient, as torch.logsumexp gives.
+    assert y_bad[2].isnan() and dx_bad[2].isnan().all(), f"the NaN row: {y_bad[2]}, {dx_bad[2]}; {ctx}"
+    # The other rows: the bits they have in a batch without any +inf or NaN (section 5: never leaks).
+    assert_same_bits(y_bad[3:], y_ok[3:], "rows without an included +inf", ctx)
+    assert_same_bits(dx_bad[3:], dx_ok[3:], "gradients of rows without an included +inf", ctx)
+
+
+@pytest.mark.parametrize("scale_kind", ["float", "tensor"])
+@pytest.mark.parametrize("scale", [2.0, -1.0, 0.0], ids=["overflow", "negative", "zero"])
+def test_logsumexp_inf_from_the_scale(backend, scale, scale_kind):
+    """z = fp32(x) * scale is what is +inf or NaN: finite x that overflow to +inf (scale 2), -inf x turned
+    +inf by a negative scale, 0 * inf = NaN (scale 0); as torch.logsumexp(x * scale) gives."""
+    x = torch.tensor([[3e38, 1.0, -2.0],  # scale 2: +inf
+                      [1e38, 2e38, 0.5],  # scale 2: +inf
+                      [-INF, 1.0, 2.0],  # scale -1: +inf; scale 0: NaN
+                      [INF, 1.0, 2.0],  # scale 2: +inf; scale 0: NaN
+                      [1.0, 2.0, 3.0]])
+    s = torch.tensor(scale) if scale_kind == "tensor" else scale
+    ctx = f"{backend} scale {scale} ({scale_kind})"
+    g = torch.tensor([1.0, -0.5, 2.0, 0.25, -1.0])
+    y, _, dx, dscale = run("logsumexp", x, -1, seed=None, scale=s, grad=g)
+    xt = x.clone().requires_grad_(True)
+    st = torch.tensor(scale, requires_grad=True)
+    yt = torch.logsumexp(xt * st, -1)
+    dxt, dst = torch.autograd.grad(yt, [xt, st], g)
+    assert same_values(y.isnan(), yt.isnan()) and same_values(y.isinf(), yt.isinf()), f"{y} vs {yt}; {ctx}"
+    assert same_values(dx.isnan(), dxt.isnan()) and same_values(dx == 0, dxt == 0), f"{dx} vs {dxt}; {ctx}"
+    if scale_kind == "tensor":
+        assert same_values(dscale.isnan(), dst.isnan()), f"d/dscale {dscale} vs {dst}; {ctx}"
+    # The rows that are not NaN against the float64 oracle: +inf ones exactly, finite ones within bounds.
+    # (A NaN row's gradient is promised only to stay in its row.)
+    number = ~yt.isnan()
+    check("logsumexp", x[number], -1, seed=S.Seed(0), scale=s, context=ctx)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -12,6 +12,13 @@ Numerics (docs/contract.md): each logit becomes ONE fp32 value ``z = fp32(x) * s
 row sum ``l = sum(exp(z - m))`` are written as separate fp32 values, and the backward recomputes
 ``p = exp(z - m) / l`` from the input with the same instruction sequence.
 
+logsumexp of a row holding +inf and no NaN is +inf, as torch.logsumexp gives (contract section 5): its
+kernels (``LSE``, a constexpr, so the softmax and log-softmax code is untouched) count an entry equal to a
++inf max as ``exp(0) = 1``, the value every other row's max gets, where ``exp(inf - inf)`` would be NaN. Such
+a row then has ``l`` = its number of +inf entries and ``m + log(l) = +inf``; a NaN still makes ``l`` NaN. The
+backward needs nothing of its own: ``p = exp(z - m) / l`` is NaN at the +inf entries and 0 elsewhere, the
+gradient torch gives.
+
 Loaded values become fp32 through ``to_f32`` and results are rounded to their dtype through ``cast``
 (``safeops.kernels.convert``): plain casts on the GPU, exact ones for bf16 under Triton's interpreter, whose
 own bf16 casts truncate and get subnormals wrong.
@@ -25,6 +32,7 @@ import triton.language as tl
 from safeops.kernels.convert import cast, to_f32
 
 NEG_INF = tl.constexpr(float("-inf"))
+POS_INF = tl.constexpr(float("inf"))
 # Nothing that changes with the number of rows is specialised by value (the row count, batch sizes, batch
 # strides; their alignment is stated by the launcher instead): a row alone and the same row in a batch then
 # run the same compiled kernel, hence the same reduction order (contract section 6).
@@ -118,6 +126,16 @@ def _safe_max(m):
 
 
 @triton.jit
+def _exp_shifted(z, m_safe, LSE: tl.constexpr):
+    """exp(z - m). LSE (logsumexp): an entry equal to a +inf max gives exp(0) = 1, not exp(inf - inf) = NaN
+    (see the module docstring); for every other entry it is exp(z - m) bit for bit."""
+    if LSE:
+        return tl.exp(tl.where(z == POS_INF, 0.0, z - m_safe))
+    else:
+        return tl.exp(z - m_safe)
+
+
+@triton.jit
 def _log_sum(l):
     # log of the row sum, once per row, in fp64 so it is correctly rounded to fp32 on every Triton
     # version (fp32 tl.log lowers to an approximate lg2 on some); log_softmax of a dominating logit
@@ -138,27 +156,30 @@ def _probabilities(z, m_safe, inv_l):
 
 @triton.jit
 def _combine_partials(ws_max_ptr, ws_sum_ptr, base, n_splits, SPLITS: tl.constexpr,
-                      VOLATILE: tl.constexpr = False):
+                      VOLATILE: tl.constexpr = False, LSE: tl.constexpr = False):
     """Row max and sum from per-split partials, in a fixed order (deterministic, batch-invariant).
 
-    VOLATILE reads around L1, for partials other programs of the same launch have just written.
+    VOLATILE reads around L1, for partials other programs of the same launch have just written. LSE: see
+    `_exp_shifted` (a split whose max is +inf keeps its sum).
     """
     idx = tl.arange(0, SPLITS)
     ok = idx < n_splits
     pm = tl.load(ws_max_ptr + base + idx, mask=ok, other=NEG_INF, volatile=VOLATILE)
     ps = tl.load(ws_sum_ptr + base + idx, mask=ok, other=0.0, volatile=VOLATILE)
     m = tl.max(pm, 0)
-    l = tl.sum(tl.where(ok, ps * tl.exp(pm - _safe_max(m)), 0.0), 0)
+    l = tl.sum(tl.where(ok, ps * _exp_shifted(pm, _safe_max(m), LSE), 0.0), 0)
     return m, l
 
 
 @triton.jit
-def _online_step(m, l, z):
-    """Folds a block of logits into a running (max, sum) with a guarded rescale (contract section 4)."""
+def _online_step(m, l, z, LSE: tl.constexpr = False):
+    """Folds a block of logits into a running (max, sum) with a guarded rescale (contract section 4).
+
+    LSE: see `_exp_shifted` (a running max already +inf keeps its sum)."""
     m_new = tl.maximum(m, tl.max(z, 0))
     m_new_safe = _safe_max(m_new)
     # exp(-inf - 0) = 0, never exp(-inf - -inf) = NaN.
-    l = l * tl.exp(m - m_new_safe) + tl.sum(tl.exp(z - m_new_safe), 0)
+    l = l * _exp_shifted(m, m_new_safe, LSE) + tl.sum(_exp_shifted(z, m_new_safe, LSE), 0)
     return m_new, l
 
 
@@ -209,7 +230,7 @@ def softmax_fwd_rows_kernel(
 
     m = tl.max(z, 1)
     m_safe = _safe_max(m)
-    e = tl.exp(z - m_safe[:, None])
+    e = _exp_shifted(z, m_safe[:, None], KIND == 2)
     l = tl.sum(e, 1)
     tl.store(row_max_ptr + rows, m, mask=row_ok)
     tl.store(row_sum_ptr + rows, l, mask=row_ok)
@@ -346,8 +367,10 @@ def softmax_fwd_partial_kernel(
     sm0, sm1, sm2, smn,
     scale_value, n_splits, cols_per_split,
     SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
-    XA: tl.constexpr, MA: tl.constexpr, BLOCK_N: tl.constexpr,
+    XA: tl.constexpr, MA: tl.constexpr, BLOCK_N: tl.constexpr, LSE: tl.constexpr = False,
 ):
+    """Each range's (max, sum) partial. LSE for logsumexp (see `_exp_shifted`); softmax and log-softmax
+    share the kernel without it."""
     pid = tl.program_id(0)
     row = pid // n_splits
     split = pid % n_splits
@@ -364,7 +387,7 @@ def softmax_fwd_partial_kernel(
         cols = c + lanes
         x, z = _logits(x_base + _col_offsets(cols, sxn, WIDE), m_base + _col_offsets(cols, smn, WIDE),
                        cols < limit, scale, SCALE_MODE, HAS_MASK)
-        m, l = _online_step(m, l, z)
+        m, l = _online_step(m, l, z, LSE)
     tl.store(ws_max_ptr + pid, m)
     tl.store(ws_sum_ptr + pid, l)
 
@@ -384,7 +407,8 @@ def softmax_fwd_finish_kernel(
     pid = tl.program_id(0)
     row = pid // n_splits
     split = pid % n_splits
-    m, l = _combine_partials(ws_max_ptr, ws_sum_ptr, row.to(tl.int64) * n_splits, n_splits, SPLITS)
+    m, l = _combine_partials(ws_max_ptr, ws_sum_ptr, row.to(tl.int64) * n_splits, n_splits, SPLITS,
+                             False, KIND == 2)
     if split == 0:
         tl.store(row_max_ptr + row, m)
         tl.store(row_sum_ptr + row, l)

@@ -464,7 +464,7 @@ def _forward_general(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_
         *rows.args("x"), *rows.args("mask"),
         scale_value, sc.n_splits, sc.cols_per_split,
         SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, WIDE=common["WIDE"], BLOCK_N=sc.block_n,
-        XA=al["XA"], MA=al["MA"], **_launch_options(sc),
+        XA=al["XA"], MA=al["MA"], LSE=kind == 2, **_launch_options(sc),
     )
     k.softmax_fwd_finish_kernel[grid](
         x_, out_, mask_arg, scale_ptr, ws_max, ws_sum, row_max, row_sum,
