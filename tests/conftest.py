@@ -34,8 +34,12 @@ import strategies
 
 # torch's test helpers (tests/test_opinfo.py imports them) register their own hypothesis profiles and load
 # one when first imported: 10 random examples with the function-scoped-fixture health check on, for every
-# test collected after them. Importing them here first lets the profile below be the one that stays.
-import torch.testing._internal.common_utils  # noqa: E402,F401  isort: skip
+# test collected after them. Importing them here first lets the profile below be the one that stays. They
+# need expecttest (a test extra); without it test_opinfo.py skips and nothing else loads them.
+try:
+    import torch.testing._internal.common_utils  # noqa: E402,F401  isort: skip
+except ImportError:
+    pass
 
 # Function-scoped fixtures (backend, monkeypatch, tmp_path) are shared by a test's examples: the fixtures
 # used with @given set state that every example wants (a backend) or that an example resets itself.
