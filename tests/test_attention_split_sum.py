@@ -4,14 +4,16 @@ When the dk/dv kernel splits a kv head's query group over SPLIT programs, each w
 launch adds each kv head's SPLIT partials in a fixed order (j = 0, 1, ... from +0) and rounds once to dk's /
 dv's dtype and layout. Checked here, against an fp32 emulation of that order written with torch adds and
 against a float64 sum, on dense (contiguous and (B, S, H, D)-transposed) and packed layouts, splits 2 to 8,
-unequal and padded head dims, signed zeros and partials that cancel. fp32 / fp16 results run under the
-interpreter; bf16 (whose cast the interpreter truncates) on the GPU.
+unequal and padded head dims, signed zeros and partials that cancel, for fp32, fp16 and bf16 results under
+the interpreter (the kernel rounds through ``safeops.kernels.convert.cast``, exact there) and on the GPU.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from strategies import seeds
 
 from safeops.ops import attention_launch as L
 
@@ -99,10 +101,12 @@ def _check(device, dtypes, seed):
                         assert (got[..., :c] == 0).all() and not torch.signbit(got[..., :c]).any(), label
 
 
+@given(seed=seeds())
 def test_split_sum_bits_interpreter(triton_backend, seed):
-    _check("cpu", (torch.float32, torch.float16), seed.value)
+    _check("cpu", (torch.float32, torch.float16, torch.bfloat16), seed.value)
 
 
+@given(seed=seeds())
 def test_split_sum_order_is_visible(seed):
     """The emulated order is not any order: adding the partials last to first changes bits at split 8."""
     dkp, _, _, _ = make_case(1, 2, 64, 32, 32, 8, torch.float32, "cpu", False, seed=seed.value)
@@ -114,5 +118,6 @@ def test_split_sum_order_is_visible(seed):
 
 
 @pytest.mark.gpu
+@given(seed=seeds())
 def test_split_sum_bits_gpu(seed):
     _check("cuda", (torch.float32, torch.float16, torch.bfloat16), seed.value)
