@@ -3,7 +3,7 @@
 Contract section 1 at the instruction level (as tests/test_kernels_ptx.py for the softmax family): with fp
 fusion off no f32 multiply and add may become an fma, so every f32 mul/add/sub carries ``.rn`` and no
 ``fma.rn.f32`` appears; with fusion on the same compile must show some, so the check can fail. It also
-shows that every configuration the launcher uses on the GPU compiles for sm_90 (the lane-sum tree of
+shows that every configuration the launcher uses on the GPU compiles for sm_90 (the row-sum tree over
 4096 lanes included).
 """
 

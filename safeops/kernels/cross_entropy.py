@@ -20,11 +20,11 @@ the launcher compiles with ``enable_fp_fusion=False``. The row max ``m`` and sum
 (``W = sum_c w_c``, ``C`` without weights), and ``lse = m + log(l)`` only for the z-loss.
 
 Fixed order, whatever the layout (section 6): the per-lane sums are elementwise adds in column-block order,
-and the lanes are then added in one fixed pairwise tree (:func:`_lane_sum`), so no sum depends on how Triton
-distributes a tile over threads (which follows the memory layout); the row max is exact in any order. The
-block width depends on the row length only, so a row's bits do not depend on the batch, its position or the
-strides. The ``sum``/``mean`` reductions over rows run in one program with the same per-lane-then-tree
-order (no atomics).
+and the lanes are then added in one fixed pairwise tree (``safeops.kernels.reduce.row_sum_tree``), so no sum
+depends on how Triton distributes a tile over threads (which follows the memory layout); the row max is
+exact in any order. The block width depends on the row length only, so a row's bits do not depend on the
+batch, its position or the strides. The ``sum``/``mean`` reductions over rows run in one program with the
+same per-lane-then-tree order (no atomics).
 
 Backward, one write of the gradient: ``dz_c = p_c A - B [c == t] - K w_c`` with ``p = exp(z - m) / l``
 recomputed from the logits and the saved ``m``, ``l``, and per-row ``A``, ``B``, ``K`` from the incoming
@@ -39,25 +39,14 @@ import triton
 import triton.language as tl
 
 from safeops.kernels.convert import cast, to_f32
+from safeops.kernels.reduce import row_sum_tree
+from safeops.kernels.softmax import _col_offsets, _safe_max
 
 NEG_INF = tl.constexpr(float("-inf"))
 # The row count and the row strides are not specialised by value (their alignment is stated by the launcher,
 # ALIGN): a row alone and the same row in a batch run the same compiled kernel. The class stride is (a unit
 # stride gives vector loads); that changes how a tile is spread over threads, which no result depends on.
 ROW_ARGS = ["n_rows", "B2", "s1", "s2", "d1", "d2"]
-
-
-@triton.jit
-def _lane_sum(x, R: tl.constexpr, N: tl.constexpr):
-    """Sum over axis 1 of an (R, N) fp32 tile, N a power of two up to 2**16: columns (0 + 1), (2 + 3), ...,
-    then those sums pairwise, and so on (the tree of ``safeops.kernels.reduce.row_sum_tree``). Every step is
-    an elementwise add of two halves, which means the same in every layout and under the interpreter."""
-    tl.static_assert(N <= 65536, "_lane_sum: at most 2**16 lanes")
-    for level in tl.static_range(16):  # unrolled at compile time: each level halves the lanes
-        if (N >> level) >= 2:
-            a, b = tl.split(tl.reshape(x, (R, (N >> level) // 2, 2)))
-            x = a + b
-    return tl.reshape(x, (R,))
 
 
 @triton.jit
@@ -72,21 +61,6 @@ def _row_starts(x_ptr, rows, B2, s1, s2, ROW_DIMS: tl.constexpr, ALIGN: tl.const
     if ALIGN > 1:
         offsets = tl.multiple_of(offsets, ALIGN)
     return x_ptr + offsets
-
-
-@triton.jit
-def _col_offsets(cols, stride, WIDE: tl.constexpr):
-    # 32-bit per-element offsets unless a row's span can pass 2**31 (the launcher sets WIDE).
-    if WIDE:
-        return cols.to(tl.int64) * stride
-    else:
-        return cols * stride
-
-
-@triton.jit
-def _safe_max(m):
-    # An empty row has m = -inf, and -inf - -inf would be NaN (contract section 4).
-    return tl.where(m == NEG_INF, 0.0, m)
 
 
 @triton.jit
@@ -144,7 +118,7 @@ def cross_entropy_fwd_kernel(
             s_acc += tl.where(valid, d, 0.0)
         m = m_new
 
-    l = _lane_sum(l_acc, BLOCK_M, BLOCK_N)
+    l = row_sum_tree(l_acc, BLOCK_M, BLOCK_N)
     tl.store(row_max_ptr + rows, m, mask=row_ok)
     tl.store(row_sum_ptr + rows, l, mask=row_ok)
     m_safe = _safe_max(m)
@@ -162,7 +136,7 @@ def cross_entropy_fwd_kernel(
             w_sum = tl.load(weight_sum_ptr)
         else:
             w_sum = n_classes
-        smooth = w_sum * ((m_safe - shift) + log_l) - _lane_sum(s_acc, BLOCK_M, BLOCK_N)
+        smooth = w_sum * ((m_safe - shift) + log_l) - row_sum_tree(s_acc, BLOCK_M, BLOCK_N)
         ce += smooth_scale * smooth
     # An empty row (all logits -inf): log-softmax is -inf everywhere (section 4), so its loss is +inf.
     ce = tl.where(empty, float("inf"), ce)
@@ -205,12 +179,12 @@ def cross_entropy_reduce_kernel(
             acc_n += counted.to(tl.int32)
             if HAS_WEIGHT:
                 acc_w += tl.load(weight_ptr + t, mask=good, other=0.0)
-    ce = _lane_sum(tl.reshape(acc_ce, (1, BLOCK)), 1, BLOCK)
-    zl = _lane_sum(tl.reshape(acc_z, (1, BLOCK)), 1, BLOCK)
+    ce = row_sum_tree(tl.reshape(acc_ce, (1, BLOCK)), 1, BLOCK)
+    zl = row_sum_tree(tl.reshape(acc_z, (1, BLOCK)), 1, BLOCK)
     if MEAN:
         count = tl.sum(tl.reshape(acc_n, (1, BLOCK)), 1).to(tl.float32)  # integer adds: any order is exact
         if HAS_WEIGHT:
-            w_sum = _lane_sum(tl.reshape(acc_w, (1, BLOCK)), 1, BLOCK)
+            w_sum = row_sum_tree(tl.reshape(acc_w, (1, BLOCK)), 1, BLOCK)
         else:
             w_sum = count
         # A mean over nothing is 0 (contract section 10), never 0 / 0.

@@ -26,9 +26,9 @@ def _halve(x, R: tl.constexpr, N: tl.constexpr):
 
 @triton.jit
 def row_sum_tree(x, R: tl.constexpr, N: tl.constexpr):
-    """Sum over axis 1 of an (R, N) tensor, N a power of two up to 256, as a fixed pairwise tree."""
-    tl.static_assert(N <= 256, "row_sum_tree: at most 256 columns")
-    for level in tl.static_range(8):  # unrolled at compile time: each level halves the columns
+    """Sum over axis 1 of an (R, N) tensor, N a power of two up to 2**16, as a fixed pairwise tree."""
+    tl.static_assert(N <= 65536, "row_sum_tree: at most 2**16 columns")
+    for level in tl.static_range(16):  # unrolled at compile time: each level halves the columns
         if (N >> level) >= 2:
             x = _halve(x, R, N >> level)
     return tl.reshape(x, (R,))
