@@ -1,14 +1,28 @@
 """Splits the test files into N shards of about equal run time, for .ci/run's parallel pytest processes.
 
-The weights are the seconds each file took in one CI-profile run on a 2-core machine (.ci/durations.txt,
-refreshed by hand when it drifts: `pytest --durations=0` summed per file); a file not listed counts as the
-median. Greedy, longest first, into the lightest shard. Prints one line of space-separated paths per shard.
+The weights are the seconds each file took in one CI run on a 2-core machine (.ci/durations.txt, refreshed
+by hand when it drifts: each .ci/run ends with `shard.py --report` over its shards' JUnit files, which
+prints the lines of that file); a file not listed counts as the median. Greedy, longest first, into the
+lightest shard. Prints one line of space-separated paths per shard.
 """
 import os
 import statistics
 import sys
 
 root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if len(sys.argv) > 1 and sys.argv[1] == "--report":
+    import collections
+    import xml.etree.ElementTree as ET
+
+    seconds = collections.Counter()
+    for path in sys.argv[2:]:
+        for case in ET.parse(path).iter("testcase"):
+            module = case.get("classname", "").split(".")
+            name = "/".join(module[:2]) if module[:1] == ["tests"] else module[0]
+            seconds[f"{name}.py"] += float(case.get("time", 0.0))
+    for name, t in sorted(seconds.items(), key=lambda item: -item[1]):
+        print(f"{name} {t:.1f}")
+    sys.exit(0)
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 weights = {}
 with open(os.path.join(root, ".ci", "durations.txt")) as f:
