@@ -24,7 +24,18 @@ NEG_INF = float("-inf")
 
 
 def _leaves(*ts):
-    return [t.detach().clone().requires_grad_(True) for t in ts]
+    return [None if t is None else t.detach().clone().requires_grad_(True) for t in ts]
+
+
+def assert_sequence_matches(pairs, backend: str, b: int, seed, *, equal_nan: bool = False) -> None:
+    """(packed, per-sequence call) pairs of sequence ``b``: the same bits on the Triton kernels (same kernels,
+    same configuration), within fp32 rounding of each other on the reference."""
+    for i, (a, e) in enumerate(pairs):
+        if backend == "triton":
+            assert torch.equal(a, e), f"sequence {b} output {i}; {seed}"
+        else:
+            close = torch.allclose(a, e, atol=1e-6, rtol=1e-5, equal_nan=equal_nan)
+            assert close, f"sequence {b} output {i}; {seed}"
 
 
 def _run(q, k, v, grad_out=None, **options):
@@ -395,12 +406,7 @@ def test_varlen_matches_per_sequence(backend, seed, options):
                  (leaves[0].grad[qs_], ql.grad[0].transpose(0, 1)),
                  (leaves[1].grad[ks_], kl.grad[0].transpose(0, 1)),
                  (leaves[2].grad[ks_], vl.grad[0].transpose(0, 1))]
-        for i, (a, e) in enumerate(pairs):
-            if backend == "triton":  # same kernels, same configuration: the same bits
-                assert torch.equal(a, e), f"sequence {b} output {i}; {seed}"
-            else:
-                close = torch.allclose(a, e, atol=1e-6, rtol=1e-5, equal_nan=True)
-                assert close, f"sequence {b} output {i}; {seed}"
+        assert_sequence_matches(pairs, backend, b, seed, equal_nan=True)
 
 
 @given(seed=seeds())

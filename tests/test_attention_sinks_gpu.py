@@ -12,42 +12,15 @@ import oracle
 import pytest
 import torch
 from hypothesis import given
-from hypothesis import strategies as st
+from test_attention_gpu import DEV, _shipped_settings, rngs  # noqa: F401  (_shipped_settings: autouse)
 
 import safeops
-from safeops import _config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-DEV = "cuda"
 NEG_INF = float("-inf")
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-
-
-class Rng:
-    """A drawn seed and a CUDA generator on it; ``Rng(n)`` in a falsifying example replays it."""
-
-    def __init__(self, value: int):
-        self.value = value
-        self.gen = torch.Generator(device=DEV).manual_seed(value)
-
-    def __repr__(self):
-        return f"Rng({self.value})"
-
-    def randn(self, *shape, dtype=torch.float32, std=1.0):
-        return (torch.randn(shape, generator=self.gen, device=DEV) * std).to(dtype)
-
-
-def rngs():
-    return st.integers(0, 2**31 - 1).map(Rng)
-
-
-@pytest.fixture(autouse=True)
-def _shipped_settings(monkeypatch):
-    monkeypatch.setenv("SAFEOPS_BACKEND", "auto")
-    monkeypatch.delenv("SAFEOPS_GLUON", raising=False)
-    assert _config.fp_fusion is False, "safeops._config.fp_fusion must be False (the shipped setting)"
 
 
 def _run(q, k, v, sinks, g=None, **options):
