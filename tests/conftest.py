@@ -15,15 +15,11 @@ Random inputs come from Hypothesis (``@given``; strategies and a drawn seed for 
 
 A failing example prints its arguments; a tensor's values are ``Seed(n)`` in it, so
 ``@hypothesis.example(..., seed=Seed(n))`` on the test replays it.
-
-The ``seed`` fixture (a fresh seed per test, ``SAFEOPS_TEST_SEED=n`` to replay) is what tests not yet on
-Hypothesis use.
 """
 
 import safeops  # noqa: F401, I001  (must be first, see the module docstring)
 
 import os
-import secrets
 import sys
 
 import pytest
@@ -73,7 +69,6 @@ if sys.version_info[:2] == (3, 11):
     @pytest.hookimpl(tryfirst=True)
     def pytest_pyfunc_call(pyfuncitem):
         return _roomy(lambda: _call_test_function(pyfuncitem))
-SEED_ENV = "SAFEOPS_TEST_SEED"
 
 
 def pytest_configure(config):
@@ -164,31 +159,6 @@ def triton_backend(monkeypatch) -> str:
 def reference_backend(monkeypatch) -> str:
     monkeypatch.setenv("SAFEOPS_BACKEND", "reference")
     return "reference"
-
-
-# --------------------------------------------------------------------------------------------------
-# The seed fixture of the tests not on Hypothesis: a fresh seed per test, reproducible from the failure
-# --------------------------------------------------------------------------------------------------
-
-Seed = strategies.Seed
-
-
-@pytest.fixture
-def seed(request) -> Seed:
-    value = int(os.environ[SEED_ENV]) if SEED_ENV in os.environ else secrets.randbits(31)
-    request.node.user_properties.append(("seed", value))
-    request.node._safeops_seed = value
-    print(f"{request.node.nodeid}: seed={value}")
-    return Seed(value)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item, call):
-    report = yield
-    value = getattr(item, "_safeops_seed", None)
-    if value is not None and report.failed:
-        report.sections.append(("safeops seed", f"{SEED_ENV}={value} pytest '{item.nodeid}'"))
-    return report
 
 
 # --------------------------------------------------------------------------------------------------

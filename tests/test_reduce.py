@@ -1,7 +1,7 @@
-"""safeops.kernels.reduce.row_sum_tree: the fixed pairwise order of additions, checked bit for bit against
-the same tree evaluated with numpy float32 adds (an independent emulation of the documented order), on the
-interpreter here and on the GPU, where the input's memory layout (contiguous rows, or a transposed view
-whose rows Triton lays out along the other dimension) must not change a bit."""
+"""safeops.kernels.reduce.row_sum_tree: the fixed order of additions (the columns folded in halves),
+checked bit for bit against the same tree evaluated with numpy float32 adds (an independent emulation of the
+documented order), on the interpreter here and on the GPU, where the input's memory layout (contiguous rows,
+or a transposed view whose rows Triton lays out along the other dimension) must not change a bit."""
 
 from __future__ import annotations
 
@@ -31,11 +31,12 @@ def _row_sum_kernel(x_ptr, out_ptr, s_r, s_c, R: tl.constexpr, N: tl.constexpr):
     tl.store(out_ptr + rows, row_sum_tree(x, R, N))
 
 
-def _pairwise(x: np.ndarray) -> np.ndarray:
-    """Columns (0 + 1), (2 + 3), ..., then the pair sums the same way, in float32."""
+def _halvings(x: np.ndarray) -> np.ndarray:
+    """Column j plus column j + n/2 for j < n/2, then the same on those sums, in float32."""
     x = x.astype(np.float32)
     while x.shape[1] > 1:
-        x = (x[:, 0::2] + x[:, 1::2]).astype(np.float32)
+        half = x.shape[1] // 2
+        x = (x[:, :half] + x[:, half:]).astype(np.float32)
     return x[:, 0]
 
 
@@ -46,13 +47,13 @@ def _values(r: int, n: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("n", [1, 2, 16, 64, 256])
+@pytest.mark.parametrize("n", [1, 2, 16, 64, 256, 4096])
 @pytest.mark.parametrize("layout", ["rows", "transposed"])
 @given(seed=seeds())
 def test_row_sum_tree_order(dev, n, layout, seed):
     r = 32
     x = _values(r, n, seed.value)
-    expected = torch.from_numpy(_pairwise(x.numpy()))
+    expected = torch.from_numpy(_halvings(x.numpy()))
     # "transposed": an (r, n) view with row stride 1, which Triton lays out along the rows.
     src = x.to(dev) if layout == "rows" else x.t().contiguous().to(dev).t()
     out = torch.empty(r, device=dev)
