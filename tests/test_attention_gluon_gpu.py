@@ -16,7 +16,7 @@ softcap or window). Skipped without such a GPU (the device check's reason is the
   forward (its bits differ; both pass the oracle).
 
 The whole attention suite (tests/test_attention_gpu.py) runs with this path as the default as well, CUDA
-graph capture included. ``SAFEOPS_TEST_SEED=<int>`` replays the random inputs of a failure.
+graph capture included. A failure's random inputs are the ``Rng(n)`` in its falsifying example.
 """
 
 from __future__ import annotations

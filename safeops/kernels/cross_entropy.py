@@ -20,7 +20,7 @@ the launcher compiles with ``enable_fp_fusion=False``. The row max ``m`` and sum
 (``W = sum_c w_c``, ``C`` without weights), and ``lse = m + log(l)`` only for the z-loss.
 
 Fixed order, whatever the layout (section 6): the per-lane sums are elementwise adds in column-block order,
-and the lanes are then added in one fixed pairwise tree (``safeops.kernels.reduce.row_sum_tree``), so no sum
+and the lanes are then added in one fixed tree (``safeops.kernels.reduce.row_sum_tree``), so no sum
 depends on how Triton distributes a tile over threads (which follows the memory layout); the row max is
 exact in any order. The block width depends on the row length only, so a row's bits do not depend on the
 batch, its position or the strides. The ``sum``/``mean`` reductions over rows run in one program with the
