@@ -10,6 +10,11 @@
 `SAFEOPS_GLUON` (also read on every call): ``1`` (default) lets a CUDA attention forward that the Gluon
 kernel takes run it (``safeops.attention_backend`` says which path a call takes and why); ``0`` keeps
 every forward on the Triton kernels.
+
+`SAFEOPS_GLUON_BWD` (read on every call): which CUDA attention backwards compute dk / dv with the Gluon
+kernel (dq stays on the Triton kernel): ``auto`` (default) those it takes at the head dims where it
+measured faster than the Triton dk/dv kernel, ``1`` every one it takes, ``0`` none. ``SAFEOPS_GLUON=0``
+turns it off too.
 """
 
 from __future__ import annotations
@@ -45,6 +50,20 @@ def gluon_enabled() -> bool:
     if value in ("0", "off", "false", "no"):
         return False
     raise ValueError(f"SAFEOPS_GLUON must be 1 (on, the default) or 0 (off), got {value!r}")
+
+
+def gluon_bwd_mode() -> str:
+    """SAFEOPS_GLUON_BWD, with SAFEOPS_GLUON: ``"auto"``, ``"on"`` or ``"off"`` (see the module docstring)."""
+    value = os.environ.get("SAFEOPS_GLUON_BWD", "auto").strip().lower() or "auto"
+    if value in ("1", "on", "true", "yes"):
+        mode = "on"
+    elif value in ("0", "off", "false", "no"):
+        mode = "off"
+    elif value == "auto":
+        mode = "auto"
+    else:
+        raise ValueError(f"SAFEOPS_GLUON_BWD must be auto (the default), 1 (on) or 0 (off), got {value!r}")
+    return mode if gluon_enabled() else "off"
 
 
 def use_triton(x: torch.Tensor) -> bool:

@@ -403,8 +403,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
 
 
 def attention_backend(q, k, v, *, attn_mask=None, is_causal=False, scale=None, softcap=None, window=None,
-                      return_lse=False, precision=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None
-                      ) -> tuple[str, str]:
+                      return_lse=False, precision=None, sinks=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                      backward=False) -> tuple[str, str]:
     """Which kernel runs the forward of ``safeops.attention(q, k, v, **options)`` (with ``cu_seqlens_q`` and
     ``cu_seqlens_k``: of ``safeops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)``), and
     why: ``(path, reason)``, the path one of
@@ -419,8 +419,14 @@ def attention_backend(q, k, v, *, attn_mask=None, is_causal=False, scale=None, s
     The forward asks the same check. Its answer depends on the dtype, the head dims, the device, the
     options and the settings (``SAFEOPS_BACKEND``, ``SAFEOPS_GLUON=0`` turns the Gluon path off), never on
     the batch size, the number or lengths of the sequences or the memory layout: a row's kernel, and so its
-    bits, does not change with what else is in the batch. The backward runs the Triton kernels whatever
-    the forward ran (the reference on the reference path). The arguments are checked as ``attention`` /
+    bits, does not change with what else is in the batch.
+
+    ``backward=True`` answers for the backward instead, whatever the forward ran: ``"gluon"`` where dk / dv
+    come from the warp-specialized Gluon kernel (CUDA, sm_90, bf16 / fp16, dense (not packed), no mask,
+    softcap or window; head dim 128, or 64 with ``SAFEOPS_GLUON_BWD=1``; dq and the sinks' gradient stay on
+    the Triton kernel), e.g. ``("gluon", "bf16 causal D=128 on sm_90: Gluon dk / dv, Triton dq")``, else
+    ``"triton"`` with the reason, or ``"reference"``. For MHA both dk / dv kernels give the same bits.
+    The arguments are checked as ``attention`` /
     ``attention_varlen`` check them (the same errors); nothing is computed and the device is not
     synchronized.
     """
@@ -446,7 +452,8 @@ def attention_backend(q, k, v, *, attn_mask=None, is_causal=False, scale=None, s
     _, softcap, left, right, _ = _attention_options(q, scale, softcap, window, is_causal, return_lse,
                                                     precision)
     sinks = _attention_sinks(sinks, q, q.shape[1])
-    return _ops_attention.path(q, k, v, mask, cu_seqlens_q, is_causal, softcap, left, right, sinks)
+    return _ops_attention.path(q, k, v, mask, cu_seqlens_q, is_causal, softcap, left, right, sinks,
+                               backward=bool(backward))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -313,3 +313,110 @@ def test_empty_problems_launch_nothing(monkeypatch, recorded):
     q, k, v = _qkv(b=0)
     o, m, l = L.forward(q, k, v, None, 0, None, None, 64, 64, False, 0.125, None, -1, -1, 0)
     assert not recorded and o.shape == q.shape and m.shape == (0, 2, 64)
+
+
+# ------------------------------------------------------------------------------------------------------
+# The backward's dk / dv path (safeops.kernels.attention_gluon_bwd) and its launch.
+# ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("make", "options", "env", "reason"),
+    [
+        (dict(d=64), {}, "auto", "head dim 64: the Triton dk/dv kernel measured as fast"),
+        (dict(d=256), {}, "1", "head dim 256: the Gluon backward has head dims 64, 128"),
+        (dict(d=128, dtype=torch.float32), {}, "auto", "the Gluon backward takes bf16 or fp16, not float32"),
+        (dict(d=128, dv=64), {}, "auto", "v's head dim 64 is not q's 128"),
+        (dict(d=128), {"softcap": 30.0}, "auto", "the Gluon backward does not take softcap"),
+        (dict(d=128), {"attn_mask": torch.zeros(64, 64)}, "auto",
+         "the Gluon backward does not take an attention mask"),
+        (dict(d=128), {"window": (16, None)}, "auto", "the Gluon backward does not take a sliding window"),
+        (dict(d=128), {}, "0", "SAFEOPS_GLUON_BWD=0 keeps dk / dv on the Triton kernel"),
+    ],
+)
+def test_backward_reasons(make, options, env, reason, monkeypatch):
+    _on_hopper(monkeypatch)
+    monkeypatch.setenv("SAFEOPS_GLUON_BWD", env)
+    q, k, v = _qkv(**make)
+    path, why = safeops.attention_backend(q, k, v, backward=True, **options)
+    assert path == "triton" and reason in why, (path, why)
+
+
+def test_backward_answers(monkeypatch):
+    q, k, v = _qkv(d=128)
+    assert safeops.attention_backend(q, k, v, backward=True) == (
+        "triton", "the Gluon kernel needs a CUDA device; q is on cpu")
+    _on_hopper(monkeypatch)
+    assert safeops.attention_backend(q, k, v, is_causal=True, backward=True) == (
+        "gluon", "bf16 causal D=128 on sm_90: Gluon dk / dv, Triton dq")
+    assert safeops.attention_backend(q, k, v, is_causal=True)[0] == "gluon"  # the forward's answer
+    sinks = torch.zeros(2)
+    assert safeops.attention_backend(q, k, v, sinks=sinks, backward=True)[0] == "gluon"
+    p = torch.zeros(64, 2, 128, dtype=BF16)
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    answer = safeops.attention_backend(p, p, p, cu_seqlens_q=cu, cu_seqlens_k=cu, backward=True)
+    assert answer == ("triton", "the Gluon backward does not take packed (varlen) sequences")
+    monkeypatch.setenv("SAFEOPS_GLUON_BWD", "1")
+    q64, k64, v64 = _qkv(d=64, dtype=torch.float16)
+    assert safeops.attention_backend(q64, k64, v64, backward=True) == (
+        "gluon", "fp16 non-causal D=64 on sm_90: Gluon dk / dv, Triton dq")
+    monkeypatch.setenv("SAFEOPS_GLUON", "0")
+    assert safeops.attention_backend(q, k, v, backward=True) == (
+        "triton", "SAFEOPS_GLUON=0 keeps dk / dv on the Triton kernel")
+    monkeypatch.setenv("SAFEOPS_GLUON", "1")
+    with L.config_override(dkdv=L.AttnConfig(64, 64, 4, 2)):
+        assert safeops.attention_backend(q, k, v, backward=True) == (
+            "triton", "a Triton dk/dv configuration is forced (attention_launch.config_override)")
+    monkeypatch.setenv("SAFEOPS_GLUON_BWD", "perhaps")
+    with pytest.raises(ValueError, match="SAFEOPS_GLUON_BWD must be auto"):
+        safeops.attention_backend(q, k, v, backward=True)
+
+
+def test_backward_answer_depends_on_no_size_or_layout(monkeypatch):
+    _on_hopper(monkeypatch)
+    shapes = [(1, 2, 2, 64, 64), (7, 2, 2, 64, 64), (3, 8, 2, 1, 5000), (2, 4, 1, 333, 200)]
+    for dtype in (BF16, torch.float16):
+        for d in (64, 128):
+            for options in ({}, {"is_causal": True}):
+                answers = set()
+                for b, hq, hkv, sq, sk in shapes:
+                    q, k, v = _qkv(d, dtype, b, hq, hkv, sq, sk)
+                    answers.add(safeops.attention_backend(q, k, v, backward=True, **options))
+                    bshd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+                    answers.add(safeops.attention_backend(*bshd, backward=True, **options))
+                assert len(answers) == 1, (dtype, d, options, answers)
+                assert next(iter(answers))[0] == ("gluon" if d == 128 else "triton")
+
+
+@pytest.mark.parametrize("sq", [150, 151, 1])
+def test_backward_launch_matches_the_compiled_signature(sq, monkeypatch, recorded):
+    """dk / dv through a Gluon launch whose arguments are, in order, of the types the offline test compiles
+    (KB.signature) with its constexprs; dq from the (interpreted) Triton kernel. Row statistics of a length
+    that is not a multiple of 4 are padded copies (their row stride must be 16-byte aligned for TMA)."""
+    from safeops.kernels import attention_gluon_bwd as KB
+
+    _on_hopper(monkeypatch)
+    d = 128
+    q = torch.randn(2, sq, 4, d).to(BF16).transpose(1, 2)  # (B, S, H, D) memory
+    k, v = (torch.randn(2, 2, 120, d).to(BF16) for _ in range(2))
+    o = torch.randn(2, 4, sq, d).to(BF16)
+    m = torch.randn(2, 4, sq)
+    l = torch.rand(2, 4, sq) + 1
+    options = (None, 0, None, None, sq, 120, True, 0.1, None, -1, 0, 0)
+    dq, dk, dv = L.backward(o, q, k, v, o, m, l, *options)
+    ((grid, kwargs, args),) = recorded
+    cfg = KB.BWD_CONFIGS[d]
+    assert _arg_kinds(args) == list(KB.signature(cfg, d, "bfloat16").values())
+    assert {n: kwargs[n] for n in KB.constexprs(cfg, True)} == KB.constexprs(cfg, True)
+    assert kwargs["num_warps"] == 4 and kwargs["enable_fp_fusion"] is False
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, m_desc, l_desc, delta_desc = args[:9]
+    assert q_desc.base is q and k_desc.base is k and v_desc.base is v and do_desc.base is o  # in place
+    assert dk_desc.base is dk and dv_desc.base is dv
+    assert q_desc.shape == [2, 4, sq, d]
+    assert all(a == b for a, b, n in zip(q_desc.strides, q.stride(), q.shape, strict=True) if n > 1)
+    assert m_desc.shape == [2, 4, sq] and (m_desc.base is m) == (sq % 4 == 0)
+    assert torch.equal(m_desc.base, m) and torch.equal(l_desc.base, l)
+    assert m_desc.strides[-1] == 1 and all(s % 4 == 0 for s in m_desc.strides[:-1])
+    n_blocks = -(-120 // cfg.block_n)
+    c1, _, scale_ds = L.constants(0.1, None)
+    assert args[9:] == (c1, scale_ds, 4, 2, args[13], sq, 120, n_blocks, n_blocks * 2 * 2)
+    assert grid == (n_blocks * 2 * 2,)

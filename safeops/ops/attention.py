@@ -43,16 +43,21 @@ def _runs_reference(q: torch.Tensor) -> bool:
     return q.dtype == torch.float64 or not _config.use_triton(q)
 
 
-def path(q, k, v, mask, cu_q, is_causal: bool, softcap, wl: int, wr: int, sinks=None) -> tuple[str, str]:
+def path(q, k, v, mask, cu_q, is_causal: bool, softcap, wl: int, wr: int, sinks=None,
+         backward: bool = False) -> tuple[str, str]:
     """(``"reference"`` / ``"triton"`` / ``"gluon"``, why): the forward's path as ``_forward_impl`` and
     ``attention_launch.forward`` choose it, by the same two checks (``_runs_reference``, then
-    ``attention_launch.gluon_reason``); safeops.attention_backend reports it."""
+    ``attention_launch.gluon_reason``); with ``backward`` the backward's dk / dv path as
+    ``attention_launch.backward`` chooses it (``gluon_bwd_reason``). safeops.attention_backend reports it."""
     if _runs_reference(q):
         if q.dtype == torch.float64:
             return "reference", "float64 inputs run the float64 reference"
         if _config.backend_name() == "reference":
             return "reference", "SAFEOPS_BACKEND=reference"
         return "reference", f"{q.device.type} tensors run the pure-torch reference (SAFEOPS_BACKEND=auto)"
+    if backward:
+        why = attention_launch.gluon_bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr)
+        return ("triton", why) if why else ("gluon", attention_gluon.describe_bwd(q, is_causal))
     why = attention_launch.gluon_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, sinks=sinks)
     if why:
         return "triton", why

@@ -119,7 +119,8 @@ def describe(q: torch.Tensor, is_causal: bool, varlen: bool) -> str:
 def settings() -> tuple:
     """What the path choice and the Gluon plans depend on beyond ``attention_launch.forward``'s plan keys
     (its plans are dropped when any of it changes)."""
-    return _config.gluon_enabled(), PERSISTENT, L2_CHUNK_BYTES, reason, Plan, device_reason
+    return (_config.gluon_enabled(), _config.gluon_bwd_mode(), PERSISTENT, L2_CHUNK_BYTES, reason, Plan,
+            device_reason, bwd_reason)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -307,3 +308,129 @@ def warm_cache(jobs: list[tuple] | None = None, workers: int = 8) -> list[str]:
             except Exception as e:  # noqa: BLE001 - reported; the launch compiles it again
                 failed.append(f"{job}: {type(e).__name__}: {str(e)[:300]}")
     return failed
+
+
+# ------------------------------------------------------------------------------------------------------
+# The backward's dK / dV (``safeops.kernels.attention_gluon_bwd``); dQ and delta come from the Triton dq
+# kernel, launched first by ``attention_launch``.
+# ------------------------------------------------------------------------------------------------------
+
+_bwd_kernels = None
+
+
+def bwd_kernels():
+    """The Gluon backward kernel module, imported on first use."""
+    global _bwd_kernels
+    if _bwd_kernels is None:
+        from ..kernels import attention_gluon_bwd as module
+
+        _bwd_kernels = module
+    return _bwd_kernels
+
+
+def bwd_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_causal: bool, softcap,
+               wl: int, wr: int, grad_dtype: torch.dtype | None = None) -> str:
+    """``""`` if the Gluon dK / dV kernel computes this backward's dk and dv, else why not, in words. Like
+    :func:`reason` it reads dtypes, head dims, the device, the options and the settings only. Sinks need
+    nothing here (the saved statistics include them; the Triton dq kernel computes their gradient)."""
+    mode = _config.gluon_bwd_mode()
+    if mode == "off":
+        off = "SAFEOPS_GLUON=0" if not _config.gluon_enabled() else "SAFEOPS_GLUON_BWD=0"
+        return f"{off} keeps dk / dv on the Triton kernel"
+    if grad_dtype is not None and grad_dtype != q.dtype:
+        return f"the Gluon backward writes dk / dv in the inputs' dtype, not {grad_dtype}"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"the Gluon backward takes bf16 or fp16, not {str(q.dtype).removeprefix('torch.')}"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return "the Gluon backward needs q, k and v in one dtype"
+    if cu_q is not None:
+        return "the Gluon backward does not take packed (varlen) sequences"
+    if mask is not None:
+        return "the Gluon backward does not take an attention mask"
+    if softcap is not None:
+        return "the Gluon backward does not take softcap"
+    if wl >= 0 or (wr >= 0 and not is_causal):
+        return "the Gluon backward does not take a sliding window"
+    d, dv = q.shape[-1], v.shape[-1]
+    configs = bwd_kernels().BWD_CONFIGS
+    if d not in configs:
+        return f"head dim {d}: the Gluon backward has head dims {', '.join(map(str, sorted(configs)))}"
+    if dv != d:
+        return f"v's head dim {dv} is not q's {d}: the Gluon backward needs them equal"
+    if mode == "auto" and d not in bwd_kernels().AUTO_HEAD_DIMS:
+        return (f"head dim {d}: the Triton dk/dv kernel measured as fast (bench/RESULTS.md); "
+                "SAFEOPS_GLUON_BWD=1 runs the Gluon one")
+    return device_reason(q.device)
+
+
+def describe_bwd(q: torch.Tensor, is_causal: bool) -> str:
+    """What the Gluon backward runs, in words (for a problem :func:`bwd_reason` accepts)."""
+    dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
+    causal = "causal" if is_causal else "non-causal"
+    return f"{dtype} {causal} D={q.shape[-1]} on {_arch(q.device.index)}: Gluon dk / dv, Triton dq"
+
+
+def _stat_view(t: torch.Tensor) -> torch.Tensor:
+    """A (B, H, S) fp32 statistic as TMA reads it: its row stride a multiple of 16 bytes. Otherwise a copy
+    padded to S rounded up to 4, the padding l = 0 (p = 0) and m = delta = 0; the rows past S are read as
+    zeros by TMA either way."""
+    s = t.shape[-1]
+    if t.is_contiguous() and s % 4 == 0 and t.data_ptr() % 16 == 0:
+        return t
+    padded = torch.zeros(*t.shape[:-1], -(-s // 4) * 4, dtype=t.dtype, device=t.device)
+    padded[..., :s] = t
+    return padded[..., :s]
+
+
+class BwdPlan:
+    """The Gluon dK / dV launch of one backward signature (shapes, strides, dtypes, alignment, options)."""
+
+    __slots__ = ("cfg", "block_shapes", "layouts", "stat_layout", "args", "launch", "copy", "scratch")
+
+    def __init__(self, q, k, v, grad, causal: bool, c1: float, scale_ds: float):
+        from ._launch import KernelLaunch
+
+        K = bwd_kernels()
+        batch, hq, sq, d = q.shape
+        hkv, sk = k.shape[1], k.shape[2]
+        cfg = self.cfg = K.BWD_CONFIGS[d]
+        dtype = "bfloat16" if q.dtype == torch.bfloat16 else "float16"
+        shapes = K.block_shapes(cfg, d)
+        self.block_shapes = [shapes[n] for n in ("q", "k", "v", "do", "dk", "dv")]
+        self.layouts = [K.shared_layout(s[2], d, dtype) for s in self.block_shapes]
+        self.stat_layout = K.stat_layout(cfg)
+        self.copy = tuple(not _tma_ok(t, False) for t in (q, k, v, grad))
+        dk_like = torch.empty_like(k, device="meta")
+        self.scratch = not (dk_like.stride(-1) == 1 and all(
+            s > 0 and s % (16 // k.element_size()) == 0 for s in _view4(dk_like, False)[1][:-1]))
+        n_n_blocks = triton.cdiv(sk, cfg.block_n)
+        n_tiles = n_n_blocks * batch * hkv
+        if n_tiles >= 2**31:
+            raise ValueError(f"k: {n_tiles} key tiles, more than the 2**31 - 1 the launch grid allows")
+        qdo_bytes = 2 * (hq // hkv) * max(sq, 1) * d * q.element_size()  # one kv head's Q and dO
+        head_group = max(1, min(batch * hkv, L2_CHUNK_BYTES // qdo_bytes))
+        self.args = (c1, scale_ds, hq, hq // hkv, head_group, sq, sk, n_n_blocks, n_tiles)
+        kwargs = dict(K.constexprs(cfg, causal), **K.LAUNCH_OPTIONS, enable_fp_fusion=_config.fp_fusion)
+        self.launch = KernelLaunch(K.attn_bwd_dkdv_gluon_kernel, (n_tiles,), kwargs)
+
+    def __call__(self, q, k, v, grad, m, l, delta, dk, dv) -> None:
+        """Writes dk and dv (k's and v's shapes and dtype; any layout)."""
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        tensors = [_copy(t) if c else t for t, c in zip((q, k, v, grad), self.copy, strict=True)]
+        dk_ = torch.empty(k.shape, dtype=k.dtype, device=k.device) if self.scratch else dk
+        dv_ = torch.empty(v.shape, dtype=v.dtype, device=v.device) if self.scratch else dv
+        tensors += [dk_, dv_]
+        descs = [TensorDescriptor(t, *_view4(t, False), block, layout) for t, block, layout
+                 in zip(tensors, self.block_shapes, self.layouts, strict=True)]
+        stat_block = [1, 1, self.cfg.block_m]
+        for t in (m, l, delta):
+            t = _stat_view(t)
+            shape = list(t.shape)
+            # A dimension of size 1 other than the last is never stepped along: a valid stride (16 bytes).
+            strides = [s if n > 1 else 4 for n, s in zip(shape[:-1], t.stride()[:-1], strict=True)] + [1]
+            descs.append(TensorDescriptor(t, shape, strides, stat_block, self.stat_layout))
+        self.launch(*descs, *self.args)
+        if dk_ is not dk:
+            dk.copy_(dk_)
+            dv.copy_(dv_)

@@ -481,6 +481,12 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
         BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, NUM_STAGES=qc.num_stages, USE_TMA=_use_tma(qc, k_, v_),
         EVEN=_even(p, qc), **_sinks_constexpr(sinks), **_launch_options(qc), record=record,
     )
+    if not gluon_bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype):
+        _gluon_dkdv(q_, k_, v_, g_, row_max, row_sum, delta, dk_, dv_, is_causal, c1, scale_ds)
+        for result, written in ((dq, dq_), (dk, dk_), (dv, dv_)):
+            if written is not result:
+                result.copy_(written)
+        return (dq, dk, dv) if sinks is None else (dq, dk, dv, sinks_gradient(dsink_rows, p.varlen))
     kv = config("dkdv", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
     split = dkdv_split(p.hq // p.hkv, k.numel() + v.numel())
     dkp, dvp = dk_, dv_
@@ -652,6 +658,29 @@ def gluon_forward(q, k, v, causal: bool = False, scale: float | None = None, *,
         plan = _gluon_plans[key] = _gluon.Plan(q, k, v, None, q.shape[2], k.shape[2], causal, c1,
                                                persistent=persistent, config=config)
     return plan(q, k, v)
+
+
+def gluon_bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype=None) -> str:
+    """The backward's path choice for dk / dv: ``""`` when the Gluon dK / dV kernel computes them
+    (``attention_gluon.bwd_reason``), unless a Triton dk/dv configuration is forced (``config_override``)."""
+    if "dkdv" in _override:
+        return "a Triton dk/dv configuration is forced (attention_launch.config_override)"
+    return _gluon.bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype)
+
+
+_gluon_bwd_plans: dict = {}
+
+
+def _gluon_dkdv(q, k, v, grad, row_max, row_sum, delta, dk, dv, causal: bool, c1: float, scale_ds: float):
+    """dk and dv through the Gluon kernel (one ``attention_gluon.BwdPlan`` per signature)."""
+    key = tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16, t.device) for t in (q, k, v, grad, dk)) + (
+        causal, c1, scale_ds, _gluon.settings(), _config.fp_fusion)
+    plan = _gluon_bwd_plans.get(key)
+    if plan is None:
+        if len(_gluon_bwd_plans) >= 256:
+            _gluon_bwd_plans.clear()
+        plan = _gluon_bwd_plans[key] = _gluon.BwdPlan(q, k, v, grad, causal, c1, scale_ds)
+    plan(q, k, v, grad, row_max, row_sum, delta, dk, dv)
 
 
 def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale, softcap, wl, wr, precision,

@@ -1,0 +1,319 @@
+"""Attention backward dK / dV for Hopper (sm_90) in Gluon (Triton 3.6), warp-specialized.
+
+Only Gluon code and the torch-free description of its launch configurations live here (the offline sm_90
+compile test runs in a Python without torch); ``safeops.ops.attention_gluon`` builds the descriptors and
+launches. dQ and delta = rowsum(dO * O) come from the Triton dq kernel (``safeops.kernels.attention``),
+launched first; this kernel replaces the Triton dk/dv kernel for the problems the Gluon path takes.
+
+Structure (one CTA per (key block of ``NUM_WG * 64`` keys, kv head)):
+
+- a 1-warp producer partition loads the CTA's K and V rows once, then, for each query head of the kv head's
+  group and each query block that can see the keys, Q and dO blocks of ``BLOCK_M`` rows by TMA into a
+  ``NUM_STAGES``-deep ring (Q and dO with their own ``ready`` barriers, so S^T can start before dO lands);
+- ``NUM_WG`` consumer warpgroups (the default partition and the workers), each owning 64 keys: per query
+  block S^T = K Q^T and dP^T = V dO^T by async wgmma from shared memory, P^T and dS^T in registers, then
+  dV += P^T dO and dK += dS^T Q with P^T / dS^T as register A operands. The two warpgroups share the Q /
+  dO ring and run independently otherwise, so one's exponentials overlap the other's products.
+- with ``CAUSAL`` the CTAs are numbered longest first (key block 0 of every head of a chunk of heads first).
+
+Numerics: those of the Triton dk/dv kernel (CONTRACT.md sections 1-4), with the saved per-row ``m`` (base-2
+row max) and ``l`` (row sum) kept apart:
+
+    z  = s * C1                 ONE fp32 multiply, C1 = fp32(scale * log2(e)) from the host
+    z  = -inf where excluded    a select (causal), never an add
+    base = (m == -inf ? 0 : m);  inv_l = (l == 0 ? 0 : 1 / l)
+    p  = exp2(min(z - base, 0)) * inv_l        (min: p <= 1 whatever the recomputed product rounds to)
+    dV += p^T dO;  dS = p * (dP - delta);  dK += dS^T Q;  dK *= scale
+
+launched with ``enable_fp_fusion=False`` (a PTX test checks no f32 fma). P and dS enter the tensor cores in
+the input dtype. Each key's sums run over the query blocks in a fixed order (heads of the group, then query
+blocks ascending), no atomics: deterministic, and batch-invariant.
+"""
+
+from dataclasses import dataclass
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.language import PropagateNan as _PropagateNan
+
+NEG_INF = gl.constexpr(float("-inf"))
+NAN_ALL = gl.constexpr(_PropagateNan.ALL)  # min(NaN, 0) is NaN: a NaN score stays NaN
+SIZE_ARGS = ["n_heads", "group", "head_group", "seqlen_q", "seqlen_k", "n_n_blocks", "n_tiles"]
+BLOCK_N_WG = 64  # keys per consumer warpgroup: one m64 wgmma row block (Python side)
+LOADER_REGS = gl.constexpr(24)
+
+
+@dataclass(frozen=True)
+class GluonBwdConfig:
+    block_m: int  # query rows per step (the S^T tile is 64 keys x block_m queries per warpgroup)
+    num_stages: int  # depth of the Q / dO ring
+    num_wg: int = 2  # consumer warpgroups: keys per CTA = num_wg * 64
+    consumer_regs: int = 240
+
+    @property
+    def block_n(self) -> int:
+        return self.num_wg * BLOCK_N_WG
+
+
+# head dim -> configuration (bf16 and fp16, causal or not). D=64: 64-query steps (128 spilled and measured
+# slower); D=128: a 3-deep Q / dO ring (166 KB of shared memory) measured 1-3% faster than 2 (RESULTS.md).
+BWD_CONFIGS: dict[int, GluonBwdConfig] = {
+    64: GluonBwdConfig(block_m=64, num_stages=3),
+    128: GluonBwdConfig(block_m=64, num_stages=3),
+}
+# Head dims whose backward takes this kernel by default (SAFEOPS_GLUON_BWD=auto): where it measured faster
+# than the Triton dk/dv kernel on the H200. D=64 runs it only with SAFEOPS_GLUON_BWD=1.
+AUTO_HEAD_DIMS = (128,)
+HEAD_DIMS = tuple(BWD_CONFIGS)
+DTYPES = ("bfloat16", "float16")
+_GL_DTYPES = {"bfloat16": gl.bfloat16, "float16": gl.float16}
+_SHORT = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def shared_layout(rows: int, head_dim: int, dtype: str) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], _GL_DTYPES[dtype])
+
+
+def stat_layout(cfg: GluonBwdConfig) -> gl.NVMMASharedLayout:
+    """The shared layout of a (1, 1, block_m) block of fp32 row statistics (unswizzled)."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, cfg.block_m], gl.float32)
+
+
+def block_shapes(cfg: GluonBwdConfig, head_dim: int) -> dict[str, list[int]]:
+    """TMA block shapes of the q / k / v / do / dk / dv descriptors over (B, H, S, D) tensors."""
+    qb = [1, 1, cfg.block_m, head_dim]
+    kb = [1, 1, BLOCK_N_WG, head_dim]
+    return {"q": qb, "k": kb, "v": kb, "do": qb, "dk": kb, "dv": kb}
+
+
+def constexprs(cfg: GluonBwdConfig, causal: bool) -> dict:
+    return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs)
+
+
+LAUNCH_OPTIONS = {"num_warps": 4}
+
+
+def signature(cfg: GluonBwdConfig, head_dim: int, dtype: str) -> dict[str, str]:
+    """Runtime argument types as Triton's compiler spells them (offline compiles), in argument order."""
+    types = {}
+    for name, shape in block_shapes(cfg, head_dim).items():
+        layout = shared_layout(shape[2], head_dim, dtype)
+        types[f"{name}_desc"] = f"tensordesc<{_SHORT[dtype]}[{', '.join(map(str, shape))}],{layout!r}>"
+    stat = [1, 1, cfg.block_m]
+    layout = stat_layout(cfg)
+    for name in ("m", "l", "delta"):
+        types[f"{name}_desc"] = f"tensordesc<fp32[{', '.join(map(str, stat))}],{layout!r}>"
+    types.update(C1="fp32", scale_ds="fp32")
+    types.update({name: "i32" for name in SIZE_ARGS})
+    return {name: types[name] for name in attn_bwd_dkdv_gluon_kernel.arg_names if name in types}
+
+
+# ------------------------------------------------------------------------------------------------------
+# The kernel.
+# ------------------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _tile_coords(tile, sizes, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(n0, b, hk, first query block, query blocks) of CTA ``tile``. Causal: kv heads in chunks of
+    ``head_group``; inside a chunk key blocks from the first (sees every query) on, heads innermost.
+    Otherwise a kv head's key blocks are adjacent (they share its Q / dO in L2). Query i sees key j iff
+    j <= i (top-left aligned, as the Triton path)."""
+    C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
+    n_bh = n_tiles // n_n_blocks
+    if CAUSAL:
+        chunk = tile // (head_group * n_n_blocks)
+        r = tile % (head_group * n_n_blocks)
+        heads_here = gl.minimum(head_group, n_bh - chunk * head_group)
+        n_block = r // heads_here
+        bh = chunk * head_group + r % heads_here
+    else:
+        n_block = tile % n_n_blocks
+        bh = tile // n_n_blocks
+    n_kv = n_heads // group
+    n0 = n_block * BLOCK_N
+    n_m = gl.cdiv(seqlen_q, BLOCK_M)
+    lo = 0
+    if CAUSAL:
+        lo = gl.minimum(n0 // BLOCK_M, n_m)
+    return n0, bh // n_kv, bh % n_kv, lo, n_m
+
+
+@gluon.jit
+def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
+    C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
+    n0, b, hk, lo, n_m = _tile_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL)
+    mbarrier.expect(kv_ready, 2 * NUM_WG * k_desc.block_type.nbytes)
+    for w in gl.static_range(NUM_WG):
+        tma.async_copy_global_to_shared(k_desc, [b, hk, n0 + w * BLOCK_N_WG, 0], kv_ready, k_smem.index(w))
+        tma.async_copy_global_to_shared(v_desc, [b, hk, n0 + w * BLOCK_N_WG, 0], kv_ready, v_smem.index(w))
+    c = 0
+    for g in range(group):
+        h = hk * group + g
+        for mb in range(lo, n_m):
+            slot = c % NUM_STAGES
+            mbarrier.wait(q_empty.index(slot), ((c // NUM_STAGES) & 1) ^ 1)
+            ready = q_ready.index(slot)
+            mbarrier.expect(ready, q_desc.block_type.nbytes + 2 * m_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, h, mb * BLOCK_M, 0], ready, q_smem.index(slot))
+            tma.async_copy_global_to_shared(m_desc, [b, h, mb * BLOCK_M], ready, m_smem.index(slot))
+            tma.async_copy_global_to_shared(l_desc, [b, h, mb * BLOCK_M], ready, l_smem.index(slot))
+            ready = do_ready.index(slot)
+            mbarrier.expect(ready, do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [b, h, mb * BLOCK_M, 0], ready, do_smem.index(slot))
+            tma.async_copy_global_to_shared(delta_desc, [b, h, mb * BLOCK_M], ready, delta_smem.index(slot))
+            c += 1
+
+
+@gluon.jit
+def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, s_layout: gl.constexpr, a_layout: gl.constexpr,
+          MASKED: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """One query block of a consumer warpgroup: S^T and dP^T, P^T and dS^T, dV += P^T dO, dK += dS^T Q.
+    ``c``: the block's ring position; ``MASKED``: apply the causal select, query i seeing key j iff
+    j <= i, where ``q_minus_k`` = (the block's first query) - (the warpgroup's first key)."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per query (a column of S^T)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # per key
+    slot = c % NUM_STAGES
+    phase = (c // NUM_STAGES) & 1
+    q_s = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    do_s = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    s_zero = gl.zeros([BLOCK_N_WG, BLOCK_M], gl.float32, s_layout)
+    mbarrier.wait(q_ready.index(slot), phase)
+    st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(do_ready.index(slot), phase)
+    dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+    z = st * C1
+    if MASKED:
+        qi = gl.arange(0, BLOCK_M, layout=col_layout) + q_minus_k
+        z = gl.where(qi[None, :] >= gl.arange(0, BLOCK_N_WG, layout=row_layout)[:, None], z, NEG_INF)
+    # The row statistics come with Q (m, l) and dO (delta) through shared memory and are read where they
+    # are used (16 values per thread each: held across the step they would crowd the accumulators). Rows
+    # past seqlen_q read as 0 (TMA): l = 0 gives 1 / l = 0, so p = 0.
+    m = m_smem.index(slot).reshape([BLOCK_M]).load(col_layout)
+    e = gl.exp2(gl.minimum(z - gl.where(m == NEG_INF, 0.0, m)[None, :], 0.0, propagate_nan=NAN_ALL))
+    l = l_smem.index(slot).reshape([BLOCK_M]).load(col_layout)
+    pt = e * gl.where(l == 0.0, 0.0, 1.0 / gl.where(l == 0.0, 1.0, l))[None, :]
+    dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
+    # Both products are issued from registers once S^T and dP^T have retired: P^T and dS^T are then all
+    # that is live beside the accumulators.
+    delta = delta_smem.index(slot).reshape([BLOCK_M]).load(col_layout)
+    dst = pt * (dpt - delta[None, :])
+    p16 = gl.convert_layout(pt.to(dtype), a_layout)
+    ds16 = gl.convert_layout(dst.to(dtype), a_layout)
+    dv = warpgroup_mma(p16, do_s, dv, is_async=True)
+    dk = warpgroup_mma(ds16, q_s, dk, is_async=True)
+    dk, dv, p16, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p16, ds16))
+    mbarrier.arrive(q_empty.index(slot), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+              NUM_WG: gl.constexpr):
+    """Consumer warpgroup ``w``: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
+    C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    # wgmma register layouts of one warpgroup: S^T / dP^T (64 keys x BLOCK_M queries), dK / dV (64 x D).
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    n0, b, hk, lo, n_m = _tile_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL)
+    k0 = n0 + w * BLOCK_N_WG
+    dk = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, acc_layout)
+    k_w = k_smem.index(w).reshape([BLOCK_N_WG, HEAD_DIM])
+    v_w = v_smem.index(w).reshape([BLOCK_N_WG, HEAD_DIM])
+    mbarrier.wait(kv_ready, 0)
+    # Query blocks [lo, mid) reach above this warpgroup's diagonal (some of their queries precede some of
+    # its keys) and take the causal select; [mid, n_m) see every key. Two loops, so the unmasked steps carry
+    # no branch (and no select).
+    mid = lo
+    if CAUSAL:
+        mid = gl.minimum(gl.cdiv(k0 + BLOCK_N_WG - 1, BLOCK_M), n_m)
+    c = 0
+    for _g in range(group):
+        for mb in range(lo, mid):
+            dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, s_layout, a_layout, True,
+                           NUM_STAGES)
+            c += 1
+        for _mb in range(mid, n_m):
+            dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, 0, s_layout, a_layout, False, NUM_STAGES)
+            c += 1
+    # dK, dV out through this warpgroup's K and V buffers (dead now) and TMA (rows past seqlen_k dropped).
+    dk = dk * scale_ds
+    k_w.store(dk.to(dtype))
+    v_w.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, hk, k0, 0], k_smem.index(w))
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, k0, 0], v_smem.index(w))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _consumer0(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG)
+
+
+@gluon.jit
+def _consumer1(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG)
+
+
+@gluon.jit(do_not_specialize=SIZE_ARGS)
+def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, m_desc, l_desc, delta_desc,
+                               C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks,
+                               n_tiles, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+                               NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """dk, dv of key block / kv head ``program_id(0)`` of ``n_tiles`` = n_n_blocks x batch x kv heads.
+    Descriptors over (B, H, S, D): q / do (B, Hq, Sq, D), k / v / dk / dv (B, Hkv, Sk, D); m, l, delta
+    (B, Hq, Sq) contiguous fp32; kv head = q head // group."""
+    gl.static_assert(NUM_WG == 2)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape,
+                                        do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_WG] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_WG] + v_desc.block_type.shape, v_desc.layout)
+    m_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + m_desc.block_type.shape, m_desc.layout)
+    l_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + l_desc.block_type.shape, l_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + delta_desc.block_type.shape,
+                                           delta_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=NUM_WG)  # free once every consumer has read Q and dO
+    bufs = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+            q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem)
+    sizes = (C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles)
+    gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG)),
+                        (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG)),
+                        (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG))],
+                       [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -1,0 +1,173 @@
+"""GPU tests of the Gluon backward's dK / dV kernel (safeops.kernels.attention_gluon_bwd), the CUDA
+default for head dim 128 where ``safeops.attention_backend(..., backward=True)`` says "gluon" (sm_90, Triton
+3.6, bf16 / fp16, dense, no mask, softcap or window); head dim 64 with ``SAFEOPS_GLUON_BWD=1``. dq stays on
+the Triton kernel. Skipped without such a GPU (the device check's reason is the skip reason).
+
+- against the float64 oracle (tests/oracle.py): bf16 / fp16 x D 64 / 128 x causal or not, GQA and MQA with
+  partial blocks, Sq != Sk both ways, a sequence length that is not a multiple of 4 (the row statistics are
+  then padded for TMA);
+- bits (contract section 6): for MHA the same bits as the Triton dk/dv kernel (same blocks, same order);
+  100 reruns of the backward; batch invariance; a (B, S, H, D) memory layout and one TMA cannot read;
+- exact cases: keys that no query sees (causal, Sk > Sq) get dk = dv = 0 exactly; sinks (their gradient
+  comes from the Triton dq kernel; dk / dv from this one);
+- the path: attention_backend's answers, ``SAFEOPS_GLUON_BWD=0`` and ``SAFEOPS_GLUON=0``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_attention_gpu import DEV, Rng, check_oracle
+from test_attention_sinks_gpu import check_oracle as check_sinks_oracle
+
+import safeops
+from safeops.ops import attention_gluon as G
+from safeops.ops import attention_launch as L
+
+
+def _why_not() -> str:
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    return G.device_reason(torch.device("cuda", torch.cuda.current_device()))
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_why_not()), reason=_why_not() or "-")]
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+@pytest.fixture
+def rng(request):
+    """Inputs from a fixed seed per test (the same every run; the oracle checks hold for any draw)."""
+    import zlib
+
+    return Rng(zlib.crc32(request.node.name.encode()))
+
+
+@pytest.fixture(autouse=True)
+def _shipped_settings(monkeypatch):
+    monkeypatch.setenv("SAFEOPS_BACKEND", "auto")
+    monkeypatch.delenv("SAFEOPS_GLUON", raising=False)
+    monkeypatch.delenv("SAFEOPS_GLUON_BWD", raising=False)
+    L.clear_plans()
+    yield
+    L.clear_plans()
+
+
+def _grads(q, k, v, g, **options):
+    q_, k_, v_ = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = safeops.attention(q_, k_, v_, **options)
+    return torch.autograd.grad(out, (q_, k_, v_), g)
+
+
+def _gluon_ran(monkeypatch, q, k, v, **options):
+    """Asserts the backward of these inputs takes the Gluon dK / dV kernel (D=64 only when switched on)."""
+    if q.shape[-1] == 64:
+        monkeypatch.setenv("SAFEOPS_GLUON_BWD", "1")
+    path = safeops.attention_backend(q, k, v, backward=True, **options)
+    assert path[0] == "gluon", path
+
+
+def test_path_and_reasons(rng, monkeypatch):
+    q, k, v = (rng.randn(2, 4, 300, 128, dtype=BF16) for _ in range(3))
+    assert safeops.attention_backend(q, k, v, is_causal=True, backward=True) == (
+        "gluon", "bf16 causal D=128 on sm_90: Gluon dk / dv, Triton dq")
+    q64 = q[..., :64].contiguous()
+    path, why = safeops.attention_backend(q64, q64, q64, backward=True)
+    assert path == "triton" and why.startswith("head dim 64: the Triton dk/dv kernel"), why
+    mask = torch.ones(300, 300, dtype=torch.bool, device=DEV)
+    assert safeops.attention_backend(q, k, v, attn_mask=mask, backward=True) == (
+        "triton", "the Gluon backward does not take an attention mask")
+    assert safeops.attention_backend(q, k, v, window=(16, 0), backward=True) == (
+        "triton", "the Gluon backward does not take a sliding window")
+    monkeypatch.setenv("SAFEOPS_GLUON_BWD", "1")
+    assert safeops.attention_backend(q64, q64, q64, backward=True)[0] == "gluon"
+    monkeypatch.setenv("SAFEOPS_GLUON_BWD", "0")
+    assert safeops.attention_backend(q, k, v, backward=True) == (
+        "triton", "SAFEOPS_GLUON_BWD=0 keeps dk / dv on the Triton kernel")
+    monkeypatch.setenv("SAFEOPS_GLUON_BWD", "1")
+    monkeypatch.setenv("SAFEOPS_GLUON", "0")
+    assert safeops.attention_backend(q, k, v, backward=True) == (
+        "triton", "SAFEOPS_GLUON=0 keeps dk / dv on the Triton kernel")
+    monkeypatch.setenv("SAFEOPS_GLUON_BWD", "sometimes")
+    monkeypatch.delenv("SAFEOPS_GLUON")
+    with pytest.raises(ValueError, match="SAFEOPS_GLUON_BWD must be"):
+        safeops.attention_backend(q, k, v, backward=True)
+
+
+# (B, Hq, Hkv, Sq, Sk): MHA with partial blocks; GQA; MQA with Sq != Sk both ways (333: not a multiple of
+# 4, so the statistics are padded); one query row.
+SHAPES = [(2, 2, 2, 300, 300), (1, 4, 2, 200, 333), (1, 4, 1, 333, 77), (3, 2, 2, 1, 129)]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_matches_oracle(dtype, d, causal, rng, monkeypatch):
+    for b, hq, hkv, sq, sk in SHAPES:
+        q = rng.randn(b, hq, sq, d, dtype=dtype)
+        k, v = (rng.randn(b, hkv, sk, d, dtype=dtype) for _ in range(2))
+        _gluon_ran(monkeypatch, q, k, v, is_causal=causal)
+        check_oracle(q, k, v, rng, is_causal=causal)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_mha_same_bits_as_the_triton_kernel(d, causal, rng, monkeypatch):
+    """For MHA (no GQA split) the Gluon kernel sums the same blocks in the same order as the Triton dk/dv
+    kernel: the path choice changes no bit."""
+    for sq, sk in ((300, 300), (1000, 777), (64, 1000)):
+        q, g = (rng.randn(2, 3, sq, d, dtype=BF16) for _ in range(2))
+        k, v = (rng.randn(2, 3, sk, d, dtype=BF16) for _ in range(2))
+        monkeypatch.setenv("SAFEOPS_GLUON_BWD", "1")
+        _gluon_ran(monkeypatch, q, k, v, is_causal=causal)
+        gluon = _grads(q, k, v, g, is_causal=causal)
+        monkeypatch.setenv("SAFEOPS_GLUON_BWD", "0")
+        triton = _grads(q, k, v, g, is_causal=causal)
+        for name, a, b in zip("q k v".split(), gluon, triton, strict=True):
+            assert torch.equal(a, b), f"d{name} differs between the Gluon and the Triton dk/dv ({sq}, {sk})"
+
+
+def test_deterministic_over_100_reruns(rng):
+    q, g = (rng.randn(1, 8, 1000, 128, dtype=BF16) for _ in range(2))
+    k, v = (rng.randn(1, 2, 1000, 128, dtype=BF16) for _ in range(2))
+    first = _grads(q, k, v, g, is_causal=True)
+    for _ in range(100):
+        again = _grads(q, k, v, g, is_causal=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_batch_invariant_and_layout_independent(causal, rng):
+    q, g = (rng.randn(3, 4, 500, 128, dtype=FP16) for _ in range(2))
+    k, v = (rng.randn(3, 2, 500, 128, dtype=FP16) for _ in range(2))
+    whole = _grads(q, k, v, g, is_causal=causal)
+    alone = _grads(q[1:2], k[1:2], v[1:2], g[1:2], is_causal=causal)
+    for a, b in zip(whole, alone, strict=True):
+        assert torch.equal(a[1:2], b)
+    # (B, S, H, D) memory (TMA reads it in place), and a head-dim slice of a wider tensor (16-byte rows
+    # that TMA cannot stride over evenly: copied first)
+    bshd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, g)]
+    wide = [torch.cat([t, t[..., :4]], dim=-1)[..., :128] for t in (q, k, v, g)]
+    for tensors in (bshd, wide):
+        other = _grads(*tensors, is_causal=causal)
+        for a, b in zip(whole, other, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_keys_no_query_sees_get_zero(rng):
+    """Causal with Sk > Sq: keys past the last query (top-left alignment) get dk = dv = 0 exactly."""
+    q, g = (rng.randn(2, 4, 100, 128, dtype=BF16) for _ in range(2))
+    k, v = (rng.randn(2, 4, 300, 128, dtype=BF16) for _ in range(2))
+    _, dk, dv = _grads(q, k, v, g, is_causal=True)
+    assert torch.equal(dk[:, :, 100:], torch.zeros_like(dk[:, :, 100:]))
+    assert torch.equal(dv[:, :, 100:], torch.zeros_like(dv[:, :, 100:]))
+    check_oracle(q, k, v, rng, is_causal=True)
+
+
+def test_sinks(rng):
+    q = rng.randn(2, 4, 300, 128, dtype=BF16)
+    k, v = (rng.randn(2, 2, 300, 128, dtype=BF16) for _ in range(2))
+    sinks = rng.randn(4, std=2.0)
+    assert safeops.attention_backend(q, k, v, is_causal=True, sinks=sinks, backward=True)[0] == "gluon"
+    check_sinks_oracle(q, k, v, sinks, rng, is_causal=True)
