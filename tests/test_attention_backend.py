@@ -420,3 +420,37 @@ def test_backward_launch_matches_the_compiled_signature(sq, monkeypatch, recorde
     c1, _, scale_ds = L.constants(0.1, None)
     assert args[9:] == (c1, scale_ds, 4, 2, args[13], sq, 120, n_blocks, n_blocks * 2 * 2)
     assert grid == (n_blocks * 2 * 2,)
+
+
+def test_gluon_dq_launch_matches_the_compiled_signature(monkeypatch, recorded):
+    """With ``attention_gluon.GLUON_DQ`` on, the Triton dq kernel computes delta alone (interpreted here),
+    then the Gluon dQ launch has the arguments the offline test compiles (KB.dq_signature), then dK / dV."""
+    from safeops.kernels import attention_gluon_bwd as KB
+
+    _on_hopper(monkeypatch)
+    monkeypatch.setattr(G, "GLUON_DQ", True)
+    d, sq = 128, 130
+    q = torch.randn(1, 4, sq, d).to(BF16)
+    k, v = (torch.randn(1, 2, 90, d).to(BF16) for _ in range(2))
+    o, g = (torch.randn(1, 4, sq, d).to(BF16) for _ in range(2))
+    m, l = torch.randn(1, 4, sq), torch.rand(1, 4, sq) + 1
+    assert safeops.attention_backend(q, k, v, backward=True) == (
+        "gluon", "bf16 non-causal D=128 on sm_90: Gluon dq, dk / dv")
+    options = (None, 0, None, None, sq, 90, False, 0.1, None, -1, -1, 0)
+    dq, dk, dv = L.backward(g, q, k, v, o, m, l, *options)
+    (grid, kwargs, args), (_, _, dkdv_args) = recorded
+    cfg = KB.DQ_CONFIGS[d]
+    assert _arg_kinds(args) == list(KB.dq_signature(cfg, d, "bfloat16").values())
+    assert {n: kwargs[n] for n in KB.dq_constexprs(cfg, False)} == KB.dq_constexprs(cfg, False)
+    assert kwargs["enable_fp_fusion"] is False and kwargs["num_warps"] == 4
+    q_desc, k_desc, v_desc, do_desc, dq_desc = args[:5]
+    assert (q_desc.base, k_desc.base, v_desc.base, do_desc.base, dq_desc.base) == (q, k, v, g, dq)
+    assert k_desc.block_shape == [1, 1, cfg.block_n, d] and q_desc.block_shape == [1, 1, 64, d]
+    assert args[5] is m and args[6] is l
+    delta = args[7]  # from the delta-only Triton launch; dK / dV read the same tensor
+    assert torch.equal(dkdv_args[8].base, delta)
+    expected = (o.double() * g.double()).sum(-1)
+    torch.testing.assert_close(delta.double(), expected, rtol=1e-5, atol=1e-4)
+    n_m = -(-sq // cfg.block_m)
+    c1, _, scale_ds = L.constants(0.1, None)
+    assert args[8:] == (c1, scale_ds, 4, 2, sq, 90, n_m, n_m * 4) and grid == (n_m * 4,)

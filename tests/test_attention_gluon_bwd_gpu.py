@@ -171,3 +171,35 @@ def test_sinks(rng):
     sinks = rng.randn(4, std=2.0)
     assert safeops.attention_backend(q, k, v, is_causal=True, sinks=sinks, backward=True)[0] == "gluon"
     check_sinks_oracle(q, k, v, sinks, rng, is_causal=True)
+
+
+# The Gluon dQ kernel (attention_gluon.GLUON_DQ, off by default until measured): dq from it, delta from a
+# delta-only launch of the Triton dq kernel, dk / dv from the Gluon dK / dV kernel.
+
+@pytest.fixture
+def gluon_dq(monkeypatch):
+    monkeypatch.setattr(G, "GLUON_DQ", True)
+    L.clear_plans()
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_gluon_dq_matches_oracle(dtype, d, causal, rng, monkeypatch, gluon_dq):
+    for b, hq, hkv, sq, sk in SHAPES:
+        q = rng.randn(b, hq, sq, d, dtype=dtype)
+        k, v = (rng.randn(b, hkv, sk, d, dtype=dtype) for _ in range(2))
+        _gluon_ran(monkeypatch, q, k, v, is_causal=causal)
+        assert "Gluon dq" in safeops.attention_backend(q, k, v, is_causal=causal, backward=True)[1]
+        check_oracle(q, k, v, rng, is_causal=causal)
+
+
+def test_gluon_dq_deterministic_batch_invariant_and_sinks(rng, gluon_dq):
+    q, g = (rng.randn(3, 8, 700, 128, dtype=BF16) for _ in range(2))
+    k, v = (rng.randn(3, 2, 700, 128, dtype=BF16) for _ in range(2))
+    first = _grads(q, k, v, g, is_causal=True)
+    for _ in range(20):
+        assert all(torch.equal(a, b) for a, b in zip(first, _grads(q, k, v, g, is_causal=True), strict=True))
+    alone = _grads(q[2:], k[2:], v[2:], g[2:], is_causal=True)
+    assert all(torch.equal(a[2:], b) for a, b in zip(first, alone, strict=True))
+    check_sinks_oracle(q[:1, :4], k[:1, :1], v[:1, :1], rng.randn(4, std=2.0), rng, is_causal=True)

@@ -1,12 +1,13 @@
 """The Gluon attention kernels (safeops.kernels.attention_gluon: the forward;
-safeops.kernels.attention_gluon_bwd: the backward's dK / dV), checked without a GPU.
+safeops.kernels.attention_gluon_bwd: the backward's dK / dV and dQ), checked without a GPU.
 
-Every configuration the launcher can choose (bf16 / fp16 x each head dim of ``FWD_CONFIGS`` x causal or not
-x dense or packed (varlen); the GQA group, the sizes and the persistent grid are runtime values, not
-compile-time ones), and every dK / dV configuration (bf16 / fp16 x each head dim of ``BWD_CONFIGS`` x causal
-or not), is compiled for sm_90 exactly as ``safeops.ops.attention_gluon.Plan`` launches it (its
-constexprs, 4 warps, ``enable_fp_fusion=False``), in one subprocess pool with Triton 3.6 (the Gluon API the
-kernel is written for; the test skips without one), together with the fusion-on control. Then:
+Every configuration the launchers can choose (the forward: bf16 / fp16 x each head dim of ``FWD_CONFIGS``
+x causal or not x dense or packed (varlen); the backward's dK / dV and dQ: bf16 / fp16 x each head dim of
+``BWD_CONFIGS`` / ``DQ_CONFIGS`` x causal or not; the GQA group, the sizes and the persistent grid are
+runtime values, not compile-time ones) is compiled for sm_90 exactly as ``safeops.ops.attention_gluon``'s
+plans launch it (their constexprs, 4 warps, ``enable_fp_fusion=False``), in one subprocess pool with Triton
+3.6 (the Gluon API the kernels are written for; the test skips without one), together with a fusion-on
+control per kernel. Then:
 
 - contract section 1 at the instruction level: no f32 ``fma`` and every f32 mul / add / sub ``.rn`` in the
   PTX, so ``z2 = s * C1`` is rounded once and the same bits feed the row max and ``z2 - m``; with fp fusion
@@ -37,7 +38,7 @@ SMEM_LIMIT = 232448  # bytes: H100/H200 (sm_90) maximum dynamic shared memory pe
 # ptxas spill bytes allowed per kernel: none in the forward; the D=128 dK / dV kernel sits at its 240 / 248
 # register budgets (two 64 x 128 fp32 accumulators per thread) and spills 8-84 bytes (stores + loads),
 # which this cap lets through and a regression past it does not.
-SPILL_CAP = {"fwd": 0, "bwd": 96}
+SPILL_CAP = {"fwd": 0, "bwd": 96, "dq": 0}
 KERNEL_FILE = os.path.join(sm90.ROOT, "safeops", "kernels", "attention_gluon.py")
 BWD_KERNEL_FILE = os.path.join(sm90.ROOT, "safeops", "kernels", "attention_gluon_bwd.py")
 
@@ -85,12 +86,19 @@ _SCRIPT = textwrap.dedent(
             # pointers of K.UNALIGNED_ARGS are not specialized).
             aligned = ("m_ptr", "l_ptr")
             loader_regs = K.LOADER_REGS
-        else:  # the backward's dK / dV: every tensor argument is a TMA descriptor
+        elif kind == "bwd":  # the backward's dK / dV: every tensor argument is a TMA descriptor
             cfg = KB.BWD_CONFIGS[d]
             fn = KB.attn_bwd_dkdv_gluon_kernel
             constexprs = KB.constexprs(cfg, causal)
             sig = KB.signature(cfg, d, dtype)
             aligned = ()
+            loader_regs = KB.LOADER_REGS
+        else:  # the backward's dQ
+            cfg = KB.DQ_CONFIGS[d]
+            fn = KB.attn_bwd_dq_gluon_kernel
+            constexprs = KB.dq_constexprs(cfg, causal)
+            sig = KB.dq_signature(cfg, d, dtype)
+            aligned = ("m_ptr", "l_ptr", "delta_ptr")
             loader_regs = KB.LOADER_REGS
         sig.update({name: "constexpr" for name in constexprs})
         constants = {(fn.arg_names.index(name),): v for name, v in constexprs.items()}
@@ -133,10 +141,12 @@ _SCRIPT = textwrap.dedent(
 # and the persistent grid are runtime values.
 CONFIGS = [("fwd", dtype, d, causal, varlen) for dtype in K.DTYPES for d in K.HEAD_DIMS
            for causal in (False, True) for varlen in (False, True)] + [
-    ("bwd", dtype, d, causal, False) for dtype in KB.DTYPES for d in KB.HEAD_DIMS for causal in (False, True)]
+    (kind, dtype, d, causal, False) for kind in ("bwd", "dq") for dtype in KB.DTYPES for d in KB.HEAD_DIMS
+    for causal in (False, True)]
 # The contraction check's controls: one configuration of each kernel compiled with fp fusion on must show
 # f32 fma.
-FUSION_ON = [("fwd", "bfloat16", 128, True, False), ("bwd", "bfloat16", 128, False, False)]
+FUSION_ON = [("fwd", "bfloat16", 128, True, False), ("bwd", "bfloat16", 128, False, False),
+             ("dq", "bfloat16", 128, True, False)]
 
 
 def _compile(jobs: list[tuple]) -> list[dict]:

@@ -621,14 +621,15 @@ def attn_bwd_dq_kernel(
     VARLEN: tl.constexpr, PRECISION: tl.constexpr, REVERSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr = False, EVEN: tl.constexpr = False,
-    HAS_SINKS: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False, DELTA_ONLY: tl.constexpr = False,
 ):
     """dq of one query block, looping over the visible key blocks. First it computes delta = rowsum(dO * O) of
     its rows and stores it for the dk/dv kernel, which the launcher runs after this one (every query row
     belongs to exactly one program); with ``HAS_SINKS`` also ``p_sink * delta`` per row, into dsink_ptr
     (the stats' layout), for the sink's gradient. ``EVEN`` (the launcher's promise: not varlen, seqlen_q %
     BLOCK_M == 0 and seqlen_k % BLOCK_N == 0): every block is whole, so the steps need no bounds masks and,
-    without a right window, the masked tail [b, hi) is empty and not compiled."""
+    without a right window, the masked tail [b, hi) is empty and not compiled. ``DELTA_ONLY``: delta (and the
+    sinks' per-row terms) alone, for a dq computed by another kernel."""
     pid_m, pid_bh = _backward_program(n_bh)
     if pid_bh < 0:
         return
@@ -668,6 +669,8 @@ def attn_bwd_dq_kernel(
     if HAS_SINKS:  # p_sink from the saved stats, as every p; 0 in a row with l = 0 (inv_l = 0)
         p_sink = tl.exp2(_sink_score(sinks_ptr, pid_h) - base) * inv_l
         tl.store(dsink_ptr + st, p_sink * delta, mask=q_ok)
+    if DELTA_ONLY:
+        return
     k_ptrs = k_base + offs_n0[:, None] * sks + offs_d[None, :]
     v_ptrs = v_base + offs_n0[:, None] * svs + offs_dv[None, :]
     if USE_TMA:

@@ -317,3 +317,218 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
                         (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG)),
                         (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG))],
                        [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+# ------------------------------------------------------------------------------------------------------
+# dQ: the forward's shape (a query tile stays, key blocks stream), 3 products per block pair.
+# ------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GluonDqConfig:
+    block_n: int  # keys per step
+    num_stages: int  # depth of the K / V ring
+    num_wg: int = 2  # consumer warpgroups: query rows per CTA = num_wg * 64
+    consumer_regs: int = 240
+
+    @property
+    def block_m(self) -> int:
+        return self.num_wg * BLOCK_N_WG
+
+
+DQ_CONFIGS: dict[int, GluonDqConfig] = {
+    64: GluonDqConfig(block_n=128, num_stages=3),
+    128: GluonDqConfig(block_n=64, num_stages=3),
+}
+DQ_SIZE_ARGS = ["n_heads", "group", "seqlen_q", "seqlen_k", "n_m_blocks", "n_tiles"]
+
+
+def dq_block_shapes(cfg: GluonDqConfig, head_dim: int) -> dict[str, list[int]]:
+    """TMA block shapes of the q / k / v / do / dq descriptors over (B, H, S, D) tensors."""
+    qb = [1, 1, BLOCK_N_WG, head_dim]
+    kb = [1, 1, cfg.block_n, head_dim]
+    return {"q": qb, "k": kb, "v": kb, "do": qb, "dq": qb}
+
+
+def dq_constexprs(cfg: GluonDqConfig, causal: bool) -> dict:
+    return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs)
+
+
+def dq_signature(cfg: GluonDqConfig, head_dim: int, dtype: str) -> dict[str, str]:
+    """Runtime argument types of the dQ kernel as Triton's compiler spells them, in argument order."""
+    types = {}
+    for name, shape in dq_block_shapes(cfg, head_dim).items():
+        layout = shared_layout(shape[2], head_dim, dtype)
+        types[f"{name}_desc"] = f"tensordesc<{_SHORT[dtype]}[{', '.join(map(str, shape))}],{layout!r}>"
+    types.update(m_ptr="*fp32", l_ptr="*fp32", delta_ptr="*fp32", C1="fp32", scale_ds="fp32")
+    types.update({name: "i32" for name in DQ_SIZE_ARGS})
+    return {name: types[name] for name in attn_bwd_dq_gluon_kernel.arg_names if name in types}
+
+
+@gluon.jit
+def _dq_coords(tile, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(m0, b, h, hk, key blocks) of CTA ``tile``: query blocks of a head adjacent (they share its K / V in
+    L2); causal: the last query blocks (the most keys) first."""
+    C1, scale_ds, n_heads, group, seqlen_q, seqlen_k, n_m_blocks, n_tiles = sizes
+    m_block = tile % n_m_blocks
+    if CAUSAL:
+        m_block = n_m_blocks - 1 - m_block
+    bh = tile // n_m_blocks
+    m0 = m_block * BLOCK_M
+    h = bh % n_heads
+    hi = seqlen_k
+    if CAUSAL:
+        hi = gl.minimum(seqlen_k, m0 + BLOCK_M)
+    return m0, bh // n_heads, h, h // group, gl.cdiv(hi, BLOCK_N)
+
+
+@gluon.jit
+def _dq_producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+    (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, q_ready, k_ready, v_ready,
+     kv_empty, m_ptr, l_ptr, delta_ptr) = bufs
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
+    m0, b, h, hk, n_blocks = _dq_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_M_WG, BLOCK_N, CAUSAL)
+    for w in gl.static_range(NUM_WG):
+        mbarrier.expect(q_ready.index(w), 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + w * BLOCK_M_WG, 0], q_ready.index(w),
+                                        q_smem.index(w))
+        tma.async_copy_global_to_shared(do_desc, [b, h, m0 + w * BLOCK_M_WG, 0], q_ready.index(w),
+                                        do_smem.index(w))
+    for j in range(n_blocks):
+        slot = j % NUM_STAGES
+        mbarrier.wait(kv_empty.index(slot), ((j // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(slot),
+                                        k_smem.index(slot))
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(slot),
+                                        v_smem.index(slot))
+
+
+@gluon.jit
+def _dq_step(bufs, C1, q_w, do_w, base, delta, dq, j, limit, s_layout: gl.constexpr, a_layout: gl.constexpr,
+             MASKED: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Key block ``j`` of a consumer warpgroup: S = Q K^T and dP = dO V^T, e = exp2(z - base) (unnormalised;
+    1 / l is applied to dQ at the end, as the Triton dq kernel does), dS = e * (dP - delta), dQ += dS K.
+    ``MASKED``: keys at or past each row's ``limit`` get z = -inf (causal diagonal, keys past seqlen_k)."""
+    (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, q_ready, k_ready, v_ready,
+     kv_empty, m_ptr, l_ptr, delta_ptr) = bufs
+    BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    slot = j % NUM_STAGES
+    phase = (j // NUM_STAGES) & 1
+    k_s = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+    v_s = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+    s_zero = gl.zeros([BLOCK_M_WG, BLOCK_N], gl.float32, s_layout)
+    mbarrier.wait(k_ready.index(slot), phase)
+    s = warpgroup_mma(q_w, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(slot), phase)
+    dp = warpgroup_mma(do_w, v_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+    z = s * C1
+    if MASKED:
+        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        z = gl.where(keys[None, :] < limit[:, None], z, NEG_INF)
+    e = gl.exp2(gl.minimum(z - base[:, None], 0.0, propagate_nan=NAN_ALL))
+    dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+    ds16 = gl.convert_layout((e * (dp - delta[:, None])).to(dtype), a_layout)
+    dq = warpgroup_mma(ds16, k_s, dq, is_async=True)
+    dq, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds16))
+    mbarrier.arrive(kv_empty.index(slot), count=1)
+    return dq
+
+
+@gluon.jit
+def _dq_consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 NUM_WG: gl.constexpr):
+    """Consumer warpgroup ``w``: dQ of rows m0 + 64 w .. m0 + 64 w + 63."""
+    (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, q_ready, k_ready, v_ready,
+     kv_empty, m_ptr, l_ptr, delta_ptr) = bufs
+    C1, scale_ds, n_heads, group, seqlen_q, seqlen_k, n_m_blocks, n_tiles = sizes
+    BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    m0, b, h, hk, n_blocks = _dq_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_M_WG, BLOCK_N, CAUSAL)
+    r0 = m0 + w * BLOCK_M_WG
+    offs_m = r0 + gl.arange(0, BLOCK_M_WG, layout=row_layout)
+    ok = offs_m < seqlen_q
+    st = (b * n_heads + h).to(gl.int64) * seqlen_q + offs_m
+    # Two values per thread: the row statistics stay in registers for the whole tile. Rows past seqlen_q
+    # get base 0, 1 / l = 0 (their dQ is 0 and not stored).
+    m = gl.load(m_ptr + st, mask=ok, other=NEG_INF)
+    l = gl.load(l_ptr + st, mask=ok, other=0.0)
+    delta = gl.load(delta_ptr + st, mask=ok, other=0.0)
+    base = gl.where(m == NEG_INF, 0.0, m)
+    inv_l = gl.where(l == 0.0, 0.0, 1.0 / gl.where(l == 0.0, 1.0, l))
+    # Per row, the first key it does not see; blocks from ``full`` on reach past some row's limit.
+    if CAUSAL:
+        limit = gl.minimum(offs_m + 1, seqlen_k)
+        full = gl.minimum(r0 + 1, seqlen_k) // BLOCK_N
+    else:
+        limit = gl.full([BLOCK_M_WG], 0, gl.int32, row_layout) + seqlen_k
+        full = seqlen_k // BLOCK_N
+    full = gl.minimum(full, n_blocks)
+    dq = gl.zeros([BLOCK_M_WG, HEAD_DIM], gl.float32, acc_layout)
+    q_w = q_smem.index(w).reshape([BLOCK_M_WG, HEAD_DIM])
+    do_w = do_smem.index(w).reshape([BLOCK_M_WG, HEAD_DIM])
+    mbarrier.wait(q_ready.index(w), 0)
+    for j in range(0, full):
+        dq = _dq_step(bufs, C1, q_w, do_w, base, delta, dq, j, limit, s_layout, a_layout, False, NUM_STAGES)
+    for j in range(full, n_blocks):
+        dq = _dq_step(bufs, C1, q_w, do_w, base, delta, dq, j, limit, s_layout, a_layout, True, NUM_STAGES)
+    dq = dq * gl.convert_layout(inv_l * scale_ds, gl.SliceLayout(1, acc_layout))[:, None]
+    # dQ out through this warpgroup's Q buffer (Q is dead: every product has retired) and TMA.
+    q_w.store(dq.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [b, h, r0, 0], q_smem.index(w))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _dq_consumer0(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+    _dq_consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG)
+
+
+@gluon.jit
+def _dq_consumer1(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+    _dq_consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG)
+
+
+@gluon.jit(do_not_specialize=DQ_SIZE_ARGS)
+def attn_bwd_dq_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, m_ptr, l_ptr, delta_ptr, C1, scale_ds,
+                             n_heads, group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, CAUSAL: gl.constexpr,
+                             NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """dq of query tile ``program_id(0)`` of ``n_tiles`` = n_m_blocks x batch x query heads, from delta
+    (computed before, by the Triton dq kernel's delta-only launch). Descriptors over (B, H, S, D) views;
+    m, l, delta (B, Hq, Sq) contiguous fp32."""
+    gl.static_assert(NUM_WG == 2)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_WG] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_WG):
+        mbarrier.init(q_ready.index(i), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=NUM_WG)  # free once every consumer has read K and V
+    bufs = (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, q_ready, k_ready,
+            v_ready, kv_empty, m_ptr, l_ptr, delta_ptr)
+    sizes = (C1, scale_ds, n_heads, group, seqlen_q, seqlen_k, n_m_blocks, n_tiles)
+    gl.warp_specialize([(_dq_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG)),
+                        (_dq_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG)),
+                        (_dq_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG))],
+                       [4, 1], [CONSUMER_REGS, LOADER_REGS])

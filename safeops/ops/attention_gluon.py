@@ -120,7 +120,7 @@ def settings() -> tuple:
     """What the path choice and the Gluon plans depend on beyond ``attention_launch.forward``'s plan keys
     (its plans are dropped when any of it changes)."""
     return (_config.gluon_enabled(), _config.gluon_bwd_mode(), PERSISTENT, L2_CHUNK_BYTES, reason, Plan,
-            device_reason, bwd_reason)
+            device_reason, bwd_reason, GLUON_DQ, dq_reason)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -328,6 +328,11 @@ def bwd_kernels():
     return _bwd_kernels
 
 
+# The Gluon dQ kernel (``attn_bwd_dq_gluon_kernel``; delta then comes from a delta-only launch of the Triton
+# dq kernel). Off until it is measured on the GPU: benchmarks and tests switch it on.
+GLUON_DQ = False
+
+
 def bwd_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_causal: bool, softcap,
                wl: int, wr: int, grad_dtype: torch.dtype | None = None) -> str:
     """``""`` if the Gluon dK / dV kernel computes this backward's dk and dv, else why not, in words. Like
@@ -337,6 +342,22 @@ def bwd_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is
     if mode == "off":
         off = "SAFEOPS_GLUON=0" if not _config.gluon_enabled() else "SAFEOPS_GLUON_BWD=0"
         return f"{off} keeps dk / dv on the Triton kernel"
+    return _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, mode,
+                       bwd_kernels().BWD_CONFIGS)
+
+
+def dq_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_causal: bool, softcap,
+              wl: int, wr: int, grad_dtype: torch.dtype | None = None) -> str:
+    """``""`` if the Gluon dQ kernel computes this backward's dq (``GLUON_DQ`` on, and what
+    :func:`bwd_reason` asks of the inputs, at the head dims of ``DQ_CONFIGS``), else why not."""
+    mode = _config.gluon_bwd_mode()
+    if not GLUON_DQ or mode == "off":
+        return "the Gluon dq kernel is off (attention_gluon.GLUON_DQ: not measured yet)"
+    return _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, mode,
+                       bwd_kernels().DQ_CONFIGS)
+
+
+def _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, mode, configs) -> str:
     if grad_dtype is not None and grad_dtype != q.dtype:
         return f"the Gluon backward writes dk / dv in the inputs' dtype, not {grad_dtype}"
     if q.dtype not in (torch.bfloat16, torch.float16):
@@ -352,7 +373,6 @@ def bwd_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is
     if wl >= 0 or (wr >= 0 and not is_causal):
         return "the Gluon backward does not take a sliding window"
     d, dv = q.shape[-1], v.shape[-1]
-    configs = bwd_kernels().BWD_CONFIGS
     if d not in configs:
         return f"head dim {d}: the Gluon backward has head dims {', '.join(map(str, sorted(configs)))}"
     if dv != d:
@@ -363,11 +383,12 @@ def bwd_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is
     return device_reason(q.device)
 
 
-def describe_bwd(q: torch.Tensor, is_causal: bool) -> str:
+def describe_bwd(q: torch.Tensor, is_causal: bool, gluon_dq: bool = False) -> str:
     """What the Gluon backward runs, in words (for a problem :func:`bwd_reason` accepts)."""
     dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
     causal = "causal" if is_causal else "non-causal"
-    return f"{dtype} {causal} D={q.shape[-1]} on {_arch(q.device.index)}: Gluon dk / dv, Triton dq"
+    kernels = "Gluon dq, dk / dv" if gluon_dq else "Gluon dk / dv, Triton dq"
+    return f"{dtype} {causal} D={q.shape[-1]} on {_arch(q.device.index)}: {kernels}"
 
 
 def _stat_view(t: torch.Tensor) -> torch.Tensor:
@@ -434,3 +455,45 @@ class BwdPlan:
         if dk_ is not dk:
             dk.copy_(dk_)
             dv.copy_(dv_)
+
+
+class DqPlan:
+    """The Gluon dQ launch of one backward signature (shapes, strides, dtypes, alignment, options)."""
+
+    __slots__ = ("block_shapes", "layouts", "args", "launch", "copy", "scratch")
+
+    def __init__(self, q, k, v, grad, causal: bool, c1: float, scale_ds: float):
+        from ._launch import KernelLaunch
+
+        K = bwd_kernels()
+        batch, hq, sq, d = q.shape
+        hkv, sk = k.shape[1], k.shape[2]
+        cfg = K.DQ_CONFIGS[d]
+        dtype = "bfloat16" if q.dtype == torch.bfloat16 else "float16"
+        shapes = K.dq_block_shapes(cfg, d)
+        self.block_shapes = [shapes[n] for n in ("q", "k", "v", "do", "dq")]
+        self.layouts = [K.shared_layout(s[2], d, dtype) for s in self.block_shapes]
+        self.copy = tuple(not _tma_ok(t, False) for t in (q, k, v, grad))
+        dq_like = torch.empty_like(q, device="meta")
+        self.scratch = not (dq_like.stride(-1) == 1 and all(
+            s > 0 and s % (16 // q.element_size()) == 0 for s in _view4(dq_like, False)[1][:-1]))
+        n_m_blocks = triton.cdiv(sq, cfg.block_m)
+        n_tiles = n_m_blocks * batch * hq
+        if n_tiles >= 2**31:
+            raise ValueError(f"q: {n_tiles} query tiles, more than the 2**31 - 1 the launch grid allows")
+        self.args = (c1, scale_ds, hq, hq // hkv, sq, sk, n_m_blocks, n_tiles)
+        kwargs = dict(K.dq_constexprs(cfg, causal), **K.LAUNCH_OPTIONS, enable_fp_fusion=_config.fp_fusion)
+        self.launch = KernelLaunch(K.attn_bwd_dq_gluon_kernel, (n_tiles,), kwargs)
+
+    def __call__(self, q, k, v, grad, m, l, delta, dq) -> None:
+        """Writes dq (q's shape and dtype; any layout) from contiguous (B, H, S) fp32 m, l and delta."""
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        tensors = [_copy(t) if c else t for t, c in zip((q, k, v, grad), self.copy, strict=True)]
+        dq_ = torch.empty(q.shape, dtype=q.dtype, device=q.device) if self.scratch else dq
+        tensors.append(dq_)
+        descs = [TensorDescriptor(t, *_view4(t, False), block, layout) for t, block, layout
+                 in zip(tensors, self.block_shapes, self.layouts, strict=True)]
+        self.launch(*descs, m, l, delta, *self.args)
+        if dq_ is not dq:
+            dq.copy_(dq_)

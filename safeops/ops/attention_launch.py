@@ -469,7 +469,9 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
     c1, c2, scale_ds = constants(scale, softcap)
     block_d = max(block_dim(p.d), block_dim(p.dv))
 
-    # dq first: its programs also compute delta = rowsum(dO * O) of their rows, which dk/dv reads.
+    # dq first: its programs also compute delta = rowsum(dO * O) of their rows, which dk/dv reads (only delta
+    # where the Gluon dq kernel computes dq, after it).
+    gluon_dq = not _gluon.dq_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype)
     qc = config("dq", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
     n_m_blocks = _cdiv(p.max_q, qc.block_m)
     _launch(k_mod.attn_bwd_dq_kernel, _backward_grid(n_m_blocks, p.batch * p.hq, p.masked),
@@ -479,8 +481,11 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
         p.hq, p.batch * p.hq, p.max_q, p.max_k, n_m_blocks, p.window_left, p.window_right, c1, c2, scale_ds,
         **common, REVERSE=p.has_wr,
         BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, NUM_STAGES=qc.num_stages, USE_TMA=_use_tma(qc, k_, v_),
-        EVEN=_even(p, qc), **_sinks_constexpr(sinks), **_launch_options(qc), record=record,
+        EVEN=_even(p, qc), **_sinks_constexpr(sinks), **({"DELTA_ONLY": True} if gluon_dq else {}),
+        **_launch_options(qc), record=record,
     )
+    if gluon_dq:
+        _gluon_dq(q_, k_, v_, g_, row_max, row_sum, delta, dq_, is_causal, c1, scale_ds)
     if not gluon_bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype):
         _gluon_dkdv(q_, k_, v_, g_, row_max, row_sum, delta, dk_, dv_, is_causal, c1, scale_ds)
         for result, written in ((dq, dq_), (dk, dk_), (dv, dv_)):
@@ -681,6 +686,19 @@ def _gluon_dkdv(q, k, v, grad, row_max, row_sum, delta, dk, dv, causal: bool, c1
             _gluon_bwd_plans.clear()
         plan = _gluon_bwd_plans[key] = _gluon.BwdPlan(q, k, v, grad, causal, c1, scale_ds)
     plan(q, k, v, grad, row_max, row_sum, delta, dk, dv)
+
+
+def _gluon_dq(q, k, v, grad, row_max, row_sum, delta, dq, causal: bool, c1: float, scale_ds: float):
+    """dq through the Gluon kernel (one ``attention_gluon.DqPlan`` per signature)."""
+    tensors = (q, k, v, grad, dq)
+    key = ("dq",) + tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16, t.device) for t in tensors) + (
+        causal, c1, scale_ds, _gluon.settings(), _config.fp_fusion)
+    plan = _gluon_bwd_plans.get(key)
+    if plan is None:
+        if len(_gluon_bwd_plans) >= 256:
+            _gluon_bwd_plans.clear()
+        plan = _gluon_bwd_plans[key] = _gluon.DqPlan(q, k, v, grad, causal, c1, scale_ds)
+    plan(q, k, v, grad, row_max, row_sum, delta, dq)
 
 
 def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale, softcap, wl, wr, precision,
