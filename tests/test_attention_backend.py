@@ -275,13 +275,14 @@ def test_launch_matches_the_compiled_signature(dtype, d, varlen, monkeypatch, re
         assert m.shape == (2, 4, 150)
         n_m_blocks = -(-150 // cfg.block_m)
         sizes = (150, 120, n_m_blocks, n_m_blocks * 2 * 4)
-    assert args[9:17] == (L.constants(0.1, None)[0], 4, 2, args[12], *sizes)  # C1, heads, group, chunk, sizes
-    assert grid == (args[16],)  # one program per tile (attention_gluon.PERSISTENT is off)
+    assert args[9] is m  # no sinks: the m pointer stands in for sinks_ptr (not read)
+    assert args[10:18] == (L.constants(0.1, None)[0], 4, 2, args[13], *sizes)  # C1, heads, group, chunk, ...
+    assert grid == (args[17],)  # one program per tile (attention_gluon.PERSISTENT is off)
     # The kept plan: new tensors of the same layout get the same launch, descriptors rebased onto them.
     q2, k2, v2 = (t.clone(memory_format=torch.preserve_format) for t in (q, k, v))
     o2, m2, l2 = L.forward(q2, k2, v2, *options)
     (_, kwargs2, args2) = recorded[1]
-    assert kwargs2 == kwargs and args2[4:] == (m2, l2, o2, *args2[7:9], *args[9:])
+    assert kwargs2 == kwargs and args2[4:] == (m2, l2, o2, *args2[7:9], m2, *args[10:])
     for new, old, base in zip(args2[:4], args[:4], (q2, k2, v2, o2), strict=True):
         assert new.base is base and {**vars(new), "base": None} == {**vars(old), "base": None}
 
@@ -454,3 +455,30 @@ def test_gluon_dq_launch_matches_the_compiled_signature(monkeypatch, recorded):
     n_m = -(-sq // cfg.block_m)
     c1, _, scale_ds = L.constants(0.1, None)
     assert args[8:] == (c1, scale_ds, 4, 2, sq, 90, n_m, n_m * 4) and grid == (n_m * 4,)
+
+
+def test_gluon_sinks_launch_and_rows_without_keys(monkeypatch, recorded):
+    """With ``attention_gluon.GLUON_SINKS`` on, a forward with sinks takes the Gluon kernel with HAS_SINKS and
+    the sink logits as sinks_ptr; rows that see no key get the sink alone (m = zs2, l = 1, or 0 for a -inf
+    sink), the same statistics as the Triton path gives them."""
+    _on_hopper(monkeypatch)
+    sinks = torch.tensor([0.5, -1.0, float("-inf"), 3.0])
+    q, k, v = _qkv(hq=4, hkv=2, sq=100, sk=70)
+    assert safeops.attention_backend(q, k, v, sinks=sinks) == (
+        "triton", "the Gluon kernel does not take attention sinks")
+    monkeypatch.setattr(G, "GLUON_SINKS", True)
+    assert safeops.attention_backend(q, k, v, sinks=sinks, is_causal=True)[0] == "gluon"
+    options = (None, 0, None, None, 100, 70, True, 0.125, None, -1, 0, 0)
+    L.forward(q, k, v, *options, sinks=sinks)
+    ((grid, kwargs, args),) = recorded
+    cfg = K.FWD_CONFIGS[64]
+    assert kwargs["HAS_SINKS"] is True and args[9] is sinks
+    assert _arg_kinds(args) == list(K.signature(cfg, 64, "bfloat16").values())
+    no_keys = (None, 0, None, None, 100, 0, True, 0.125, None, -1, 0, 0)
+    o, m, l = L.forward(q, k[:, :, :0], v[:, :, :0], *no_keys, sinks=sinks)
+    assert len(recorded) == 1  # nothing to launch
+    monkeypatch.setenv("SAFEOPS_GLUON", "0")
+    o_t, m_t, l_t = L.forward(q, k[:, :, :0], v[:, :, :0], *no_keys, sinks=sinks)
+    assert torch.equal(o, torch.zeros_like(o)) and torch.equal(o, o_t)
+    assert torch.equal(m, m_t) and torch.equal(l, l_t)
+    assert l[0, :, 0].tolist() == [1.0, 1.0, 0.0, 1.0] and m[0, 2, 0] == float("-inf")

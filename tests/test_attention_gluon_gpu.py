@@ -275,3 +275,42 @@ def test_long_sequence_llama_layer(rng):
     expected = torch.softmax(z, -1) @ vv
     assert (out[:, :, rows].double() - expected).abs().max().item() <= 2**-7 * vv.abs().max().item()
     assert torch.allclose(lse[:, :, rows].double(), torch.logsumexp(z, -1), atol=1e-3)
+
+
+# Sinks in the Gluon forward (attention_gluon.GLUON_SINKS, off until this file has passed on a GPU).
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_sinks_match_oracle(dtype, d, causal, rng, monkeypatch):
+    from test_attention_sinks_gpu import check_oracle as check_sinks_oracle
+
+    monkeypatch.setattr(G, "GLUON_SINKS", True)
+    L.clear_plans()
+    for b, hq, hkv, sq, sk in SHAPES[:3]:
+        q = rng.randn(b, hq, sq, d, dtype=dtype)
+        k, v = (rng.randn(b, hkv, sk, d, dtype=dtype) for _ in range(2))
+        sinks = rng.randn(hq, std=3.0)
+        assert safeops.attention_backend(q, k, v, is_causal=causal, sinks=sinks)[0] == "gluon"
+        check_sinks_oracle(q, k, v, sinks, rng, is_causal=causal)
+
+
+def test_sinks_varlen_and_rows_without_keys(rng, monkeypatch):
+    """Packed sequences with sinks get their dense calls' bits; a sequence without keys gets out 0 and
+    lse = the sink (m = zs2, l = 1 as the Triton path leaves it)."""
+    monkeypatch.setattr(G, "GLUON_SINKS", True)
+    L.clear_plans()
+    lengths_q, lengths_k = [300, 70, 129], [300, 0, 64]
+    seqs, packed, cu_q, cu_k = _packed(rng, lengths_q, lengths_k, 4, 2, 128, BF16)
+    sinks = rng.randn(4, std=3.0)
+    out, lse = safeops.attention_varlen(*packed, cu_q, cu_k, is_causal=True, sinks=sinks, return_lse=True)
+    for b in range(3):
+        o, ls = safeops.attention(*seqs[b], is_causal=True, sinks=sinks, return_lse=True)
+        sl = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        assert torch.equal(out[sl], o[0].transpose(0, 1)) and torch.equal(lse[:, sl], ls[0]), (b, rng)
+    sl = slice(int(cu_q[1]), int(cu_q[2]))
+    assert (out[sl] == 0).all()
+    # lse of the sink alone: zs2 * ln 2 with zs2 = fp32(sink * fp32(log2 e)), as the Triton path gives it
+    log2e = torch.tensor(1.4426950408889634, dtype=torch.float32, device=DEV)
+    expected = ((sinks * log2e).double() * 0.6931471805599453).float()
+    assert torch.equal(lse[:, sl], expected[:, None].expand(4, 70))

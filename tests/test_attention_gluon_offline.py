@@ -2,12 +2,12 @@
 safeops.kernels.attention_gluon_bwd: the backward's dK / dV and dQ), checked without a GPU.
 
 Every configuration the launchers can choose (the forward: bf16 / fp16 x each head dim of ``FWD_CONFIGS``
-x causal or not x dense or packed (varlen); the backward's dK / dV and dQ: bf16 / fp16 x each head dim of
-``BWD_CONFIGS`` / ``DQ_CONFIGS`` x causal or not; the GQA group, the sizes and the persistent grid are
-runtime values, not compile-time ones) is compiled for sm_90 exactly as ``safeops.ops.attention_gluon``'s
-plans launch it (their constexprs, 4 warps, ``enable_fp_fusion=False``), in one subprocess pool with Triton
-3.6 (the Gluon API the kernels are written for; the test skips without one), together with a fusion-on
-control per kernel. Then:
+x causal or not x dense or packed (varlen) x sinks or not; the backward's dK / dV and dQ: bf16 / fp16 x
+each head dim of ``BWD_CONFIGS`` / ``DQ_CONFIGS`` x causal or not; the GQA group, the sizes and the
+persistent grid are runtime values, not compile-time ones) is compiled for sm_90 exactly as
+``safeops.ops.attention_gluon``'s plans launch it (their constexprs, 4 warps, ``enable_fp_fusion=False``),
+in one subprocess pool with Triton 3.6 (the Gluon API the kernels are written for; the test skips without
+one), together with a fusion-on control per kernel. Then:
 
 - contract section 1 at the instruction level: no f32 ``fma`` and every f32 mul / add / sub ``.rn`` in the
   PTX, so ``z2 = s * C1`` is rounded once and the same bits feed the row max and ``z2 - m``; with fp fusion
@@ -38,7 +38,7 @@ SMEM_LIMIT = 232448  # bytes: H100/H200 (sm_90) maximum dynamic shared memory pe
 # ptxas spill bytes allowed per kernel: none in the forward; the D=128 dK / dV kernel sits at its 240 / 248
 # register budgets (two 64 x 128 fp32 accumulators per thread) and spills 8-84 bytes (stores + loads),
 # which this cap lets through and a regression past it does not.
-SPILL_CAP = {"fwd": 0, "bwd": 96, "dq": 0}
+SPILL_CAP = {"fwd": 0, "fwd+sinks": 0, "bwd": 96, "dq": 0}
 KERNEL_FILE = os.path.join(sm90.ROOT, "safeops", "kernels", "attention_gluon.py")
 BWD_KERNEL_FILE = os.path.join(sm90.ROOT, "safeops", "kernels", "attention_gluon_bwd.py")
 
@@ -77,10 +77,10 @@ _SCRIPT = textwrap.dedent(
 
     def compile_one(job):
         kind, dtype, d, causal, varlen, fusion = job
-        if kind == "fwd":
+        if kind in ("fwd", "fwd+sinks"):
             cfg = K.FWD_CONFIGS[d]
             fn = K.attn_fwd_gluon_kernel
-            constexprs = K.constexprs(cfg, causal, varlen)
+            constexprs = K.constexprs(cfg, causal, varlen, kind == "fwd+sinks")
             sig = K.signature(cfg, d, dtype, varlen)
             # A torch allocation is 16-byte aligned: Triton's launch specializes the stats pointers so (the
             # pointers of K.UNALIGNED_ARGS are not specialized).
@@ -139,8 +139,8 @@ _SCRIPT = textwrap.dedent(
 
 # (kernel, dtype, head dim, causal, varlen): every kernel the launchers can launch. The GQA group, the sizes
 # and the persistent grid are runtime values.
-CONFIGS = [("fwd", dtype, d, causal, varlen) for dtype in K.DTYPES for d in K.HEAD_DIMS
-           for causal in (False, True) for varlen in (False, True)] + [
+CONFIGS = [(kind, dtype, d, causal, varlen) for kind in ("fwd", "fwd+sinks") for dtype in K.DTYPES
+           for d in K.HEAD_DIMS for causal in (False, True) for varlen in (False, True)] + [
     (kind, dtype, d, causal, False) for kind in ("bwd", "dq") for dtype in KB.DTYPES for d in KB.HEAD_DIMS
     for causal in (False, True)]
 # The contraction check's controls: one configuration of each kernel compiled with fp fusion on must show

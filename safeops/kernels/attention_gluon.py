@@ -53,12 +53,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 NEG_INF = gl.constexpr(float("-inf"))
+LOG2E = gl.constexpr(1.4426950408889634)
 # Values that change with the problem size are not specialised: one compiled kernel per configuration.
 SIZE_ARGS = ["n_heads", "group", "head_group", "seqlen_q", "seqlen_k", "n_m_blocks", "n_tiles",
              "o_stride_row", "o_stride_head"]
 # Pointers read only by the varlen kernel (dense launches pass the m pointer there): no alignment
 # specialisation, so an offset cu_seqlens tensor gets the same compiled kernel.
-UNALIGNED_ARGS = ["o_ptr", "cu_q_ptr", "cu_k_ptr"]
+UNALIGNED_ARGS = ["o_ptr", "cu_q_ptr", "cu_k_ptr", "sinks_ptr"]
 BLOCK_M_WG = 64  # query rows per consumer warpgroup: one m64 wgmma row block
 LOADER_REGS = gl.constexpr(24)  # registers per thread of the TMA producer warp (setmaxnreg)
 
@@ -111,10 +112,10 @@ def block_shapes(cfg: GluonFwdConfig, head_dim: int) -> dict[str, list[int]]:
     return {"q": qo, "k": kv, "v": kv, "o": qo}
 
 
-def constexprs(cfg: GluonFwdConfig, causal: bool, varlen: bool = False) -> dict:
+def constexprs(cfg: GluonFwdConfig, causal: bool, varlen: bool = False, sinks: bool = False) -> dict:
     """The kernel's constexpr arguments for one configuration (block shapes come with the descriptors)."""
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
-                PINGPONG=cfg.pingpong, VARLEN=varlen, SEPARATE_O=cfg.separate_o)
+                PINGPONG=cfg.pingpong, VARLEN=varlen, SEPARATE_O=cfg.separate_o, HAS_SINKS=sinks)
 
 
 LAUNCH_OPTIONS = {"num_warps": 4}  # the default partition is one consumer warpgroup
@@ -122,13 +123,15 @@ LAUNCH_OPTIONS = {"num_warps": 4}  # the default partition is one consumer warpg
 
 def signature(cfg: GluonFwdConfig, head_dim: int, dtype: str, varlen: bool = False) -> dict[str, str]:
     """The kernel's runtime argument types as Triton's compiler spells them (for offline compiles), in
-    argument order. Dense launches pass the (fp32) m pointer for the cu_seqlens pointers."""
+    argument order. Dense launches pass the (fp32) m pointer for the cu_seqlens pointers, and launches
+    without sinks the m pointer for the sinks'."""
     types = {}
     for name, shape in block_shapes(cfg, head_dim).items():
         layout = shared_layout(shape[2], head_dim, dtype)
         types[f"{name}_desc"] = f"tensordesc<{_SHORT[dtype]}[{', '.join(map(str, shape))}],{layout!r}>"
     cu = "*i32" if varlen else "*fp32"
-    types.update(m_ptr="*fp32", l_ptr="*fp32", o_ptr=f"*{_SHORT[dtype]}", cu_q_ptr=cu, cu_k_ptr=cu, C1="fp32")
+    types.update(m_ptr="*fp32", l_ptr="*fp32", o_ptr=f"*{_SHORT[dtype]}", cu_q_ptr=cu, cu_k_ptr=cu,
+                 sinks_ptr="*fp32", C1="fp32")
     types.update({name: "i32" for name in SIZE_ARGS})
     return {name: types[name] for name in attn_fwd_gluon_kernel.arg_names if name in types}
 
@@ -201,7 +204,7 @@ def _produce_tile(bufs, bc, h, hk, q_row, k_start, n_blocks, c, t, NUM_STAGES: g
     """One tile's loads: K_0, each consumer's Q rows (from row ``q_row``), then K_j before V_{j-1}, the order
     the consumers use. Returns the ring position and the Q phase after the tile."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
-     v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr) = bufs
+     v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr) = bufs
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     _load_block(k_desc, k_smem, k_ready, k_empty, bc, hk, k_start, c, NUM_STAGES)
@@ -221,10 +224,11 @@ def _produce_tile(bufs, bc, h, hk, q_row, k_start, n_blocks, c, t, NUM_STAGES: g
 
 @gluon.jit
 def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-              PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr):
+              PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
+              HAS_SINKS: gl.constexpr):
     """The TMA warp: every tile of this program, in order (``_produce_tile``)."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
-     v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr) = bufs
+     v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr) = bufs
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     n_tiles = sizes[7]
@@ -294,28 +298,42 @@ def _store_rows(o_ptr, out, row0, n_rows, h, o_stride_row, o_stride_head):
 
 
 @gluon.jit
-def _store_empty_rows(o_ptr, m_ptr, l_ptr, row0, n_rows, h, total_q, o_stride_row, o_stride_head, zeros):
-    """Empty rows (a packed sequence without keys): O = 0, m = -inf, l = 0 (contract section 4) for the
-    first ``n_rows`` rows of ``zeros``'s height, from packed row ``row0`` of head ``h``."""
+def _sink_score(sinks_ptr, h):
+    """zs2 of head ``h``'s sink: its fp32 logit times LOG2E, one multiply (as the Triton kernels)."""
+    return gl.load(sinks_ptr + h) * LOG2E
+
+
+@gluon.jit
+def _store_empty_rows(o_ptr, m_ptr, l_ptr, sinks_ptr, row0, n_rows, h, total_q, o_stride_row, o_stride_head,
+                      zeros, HAS_SINKS: gl.constexpr):
+    """Empty rows (a packed sequence without keys): O = 0, m = -inf, l = 0 (contract section 4), or with
+    sinks the sink alone (m = zs2, l = exp2(zs2 - guarded zs2)), for the first ``n_rows`` rows of
+    ``zeros``'s height, from packed row ``row0`` of head ``h``."""
     _store_rows(o_ptr, zeros, row0, n_rows, h, o_stride_row, o_stride_head)
     BLOCK_M: gl.constexpr = zeros.shape[0]
     row_layout: gl.constexpr = gl.SliceLayout(1, zeros.type.layout)
     offs = gl.arange(0, BLOCK_M, layout=row_layout)
     st = h.to(gl.int64) * total_q + row0 + offs
     ok = offs < n_rows
-    gl.store(m_ptr + st, gl.full([BLOCK_M], NEG_INF, gl.float32, row_layout), mask=ok)
-    gl.store(l_ptr + st, gl.zeros([BLOCK_M], gl.float32, row_layout), mask=ok)
+    if HAS_SINKS:
+        m = gl.full([BLOCK_M], 0.0, gl.float32, row_layout) + _sink_score(sinks_ptr, h)
+        l = gl.exp2(m - gl.where(m == NEG_INF, 0.0, m))
+    else:
+        m = gl.full([BLOCK_M], NEG_INF, gl.float32, row_layout)
+        l = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    gl.store(m_ptr + st, m, mask=ok)
+    gl.store(l_ptr + st, l, mask=ok)
 
 
 @gluon.jit
 def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n_blocks, q_start, rows_q,
                   rows_k, c, t, rounds, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                   NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr,
-                  SEPARATE_O: gl.constexpr):
+                  SEPARATE_O: gl.constexpr, HAS_SINKS: gl.constexpr):
     """Consumer warpgroup ``w``'s rows m0 + 64 w .. m0 + 64 w + 63 of one tile (n_blocks >= 1 key blocks):
     the online softmax, then O, m and l out. Returns (c, t, rounds) after the tile."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
-     v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr) = bufs
+     v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr) = bufs
     (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
      o_stride_head) = sizes
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
@@ -338,8 +356,12 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n
     else:
         limit = gl.full([BLOCK_M_WG], 0, gl.int32, row_layout) + rows_k
         full_end = rows_k
-    m_i = gl.full([BLOCK_M_WG], NEG_INF, gl.float32, row_layout)
-    l_i = gl.zeros([BLOCK_M_WG], gl.float32, row_layout)
+    if HAS_SINKS:  # the sink is each row's first score (no value): m = zs2, l = exp2(zs2 - guarded base)
+        m_i = gl.full([BLOCK_M_WG], 0.0, gl.float32, row_layout) + _sink_score(sinks_ptr, h)
+        l_i = gl.exp2(m_i - gl.where(m_i == NEG_INF, 0.0, m_i))
+    else:
+        m_i = gl.full([BLOCK_M_WG], NEG_INF, gl.float32, row_layout)
+        l_i = gl.zeros([BLOCK_M_WG], gl.float32, row_layout)
     o = gl.zeros([BLOCK_M_WG, HEAD_DIM], gl.float32, o_layout)
 
     mbarrier.wait(q_ready.index(w), t & 1)
@@ -429,10 +451,11 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n
 
 @gluon.jit
 def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr):
+              NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
+              HAS_SINKS: gl.constexpr):
     """Consumer warpgroup ``w``: rows m0 + 64 w .. m0 + 64 w + 63 of each tile of this program."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
-     v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr) = bufs
+     v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr) = bufs
     (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
      o_stride_head) = sizes
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
@@ -458,43 +481,46 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
                 if n_blocks > 0:
                     c, t, rounds = _consume_tile(w, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n_blocks,
                                                  q_start, rows_q, rows_k, c, t, rounds, CAUSAL, NUM_STAGES,
-                                                 NUM_WG, PINGPONG, VARLEN, SEPARATE_O)
+                                                 NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_SINKS)
                 else:  # a sequence without keys: its rows are empty, and nothing was loaded for them
-                    _store_empty_rows(o_ptr, m_ptr, l_ptr, q_start + m0 + w * BLOCK_M_WG,
+                    _store_empty_rows(o_ptr, m_ptr, l_ptr, sinks_ptr, q_start + m0 + w * BLOCK_M_WG,
                                       rows_q - m0 - w * BLOCK_M_WG, h, seqlen_q, o_stride_row, o_stride_head,
-                                      gl.zeros([BLOCK_M_WG, HEAD_DIM], dtype, o_layout))
+                                      gl.zeros([BLOCK_M_WG, HEAD_DIM], dtype, o_layout), HAS_SINKS)
         else:
             c, t, rounds = _consume_tile(w, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n_blocks, q_start,
                                          rows_q, rows_k, c, t, rounds, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG,
-                                         VARLEN, SEPARATE_O)
+                                         VARLEN, SEPARATE_O, HAS_SINKS)
     if SEPARATE_O:
         tma.store_wait(pendings=0)  # the last O store has read its buffer before the program ends
 
 
 @gluon.jit
 def _consumer0(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr):
-    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O)
+               PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
+               HAS_SINKS: gl.constexpr):
+    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_SINKS)
 
 
 @gluon.jit
 def _consumer1(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr):
-    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O)
+               PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
+               HAS_SINKS: gl.constexpr):
+    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_SINKS)
 
 
 @gluon.jit
 def _consumer2(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr):
-    _consumer(2, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O)
+               PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
+               HAS_SINKS: gl.constexpr):
+    _consumer(2, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_SINKS)
 
 
 @gluon.jit(do_not_specialize=SIZE_ARGS, do_not_specialize_on_alignment=UNALIGNED_ARGS)
-def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, C1,
-                          n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
-                          o_stride_head, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr,
+                          C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles,
+                          o_stride_row, o_stride_head, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                           NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-                          VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr):
+                          VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr, HAS_SINKS: gl.constexpr):
     """o, m, l of the query tiles program_id(0), program_id(0) + num_programs(0), ... of ``n_tiles`` =
     n_m_blocks x batch x heads. kv head = q head // group; ``head_group``: heads per chunk of the causal
     tile order (``_tile_coords``).
@@ -505,7 +531,8 @@ def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, c
     ((Tq, Hq, D)) and k / v ((Tk, Hkv, D)); sequence b is rows cu_q[b]:cu_q[b+1] of q and cu_k[b]:cu_k[b+1]
     of k / v; m and l are (Hq, Tq) contiguous and ``seqlen_q`` is Tq; o_ptr with its row and head strides
     takes the rows a TMA box store would write past a sequence's end; ``n_m_blocks`` covers the longest
-    sequence (tiles past a sequence's end do nothing)."""
+    sequence (tiles past a sequence's end do nothing). ``HAS_SINKS``: sinks_ptr holds the (Hq,) fp32 sink
+    logits, each row's first score (m, l include it); otherwise it is not read."""
     gl.static_assert(q_desc.block_type.shape[2] == 64)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -532,26 +559,26 @@ def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, c
     else:
         o_smem = q_smem  # O goes out through the Q buffers (Q is dead by then)
     bufs = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
-            k_empty, v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr)
+            k_empty, v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr)
     sizes = (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
              o_stride_head)
     # (The argument tuples are written out: a tuple assigned to a name turns its constexprs into tensors.)
     if NUM_WG == 2:
         gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O)),
+                                          SEPARATE_O, HAS_SINKS)),
                             (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O)),
+                                          SEPARATE_O, HAS_SINKS)),
                             (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                         SEPARATE_O))],
+                                         SEPARATE_O, HAS_SINKS))],
                            [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.static_assert(NUM_WG == 3)
         gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O)),
+                                          SEPARATE_O, HAS_SINKS)),
                             (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O)),
+                                          SEPARATE_O, HAS_SINKS)),
                             (_consumer2, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O)),
+                                          SEPARATE_O, HAS_SINKS)),
                             (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                         SEPARATE_O))],
+                                         SEPARATE_O, HAS_SINKS))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

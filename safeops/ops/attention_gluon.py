@@ -29,7 +29,7 @@ import functools
 import torch
 import triton
 
-from .. import _config
+from .. import _config, reference
 
 _kernels = None
 
@@ -40,6 +40,9 @@ PERSISTENT = False
 # Causal tiles run in chunks of heads whose K and V take about this many bytes (the H100 / H200 L2 is 50 MB),
 # so the programs running at once share K/V blocks in L2. Scheduling only: the bits do not depend on it.
 L2_CHUNK_BYTES = 32 << 20
+# Attention sinks in the Gluon forward (HAS_SINKS: each row's first score). Off until checked on a GPU: the
+# forward of a call with sinks then runs the Triton kernel, and attention_backend says so.
+GLUON_SINKS = False
 
 
 def kernels():
@@ -96,7 +99,7 @@ def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_cau
         return "the Gluon kernel does not take an attention mask"
     if softcap is not None:
         return "the Gluon kernel does not take softcap"
-    if sinks is not None:
+    if sinks is not None and not GLUON_SINKS:
         return "the Gluon kernel does not take attention sinks"
     if wl >= 0 or (wr >= 0 and not is_causal):
         return "the Gluon kernel does not take a sliding window"
@@ -120,7 +123,7 @@ def settings() -> tuple:
     """What the path choice and the Gluon plans depend on beyond ``attention_launch.forward``'s plan keys
     (its plans are dropped when any of it changes)."""
     return (_config.gluon_enabled(), _config.gluon_bwd_mode(), PERSISTENT, L2_CHUNK_BYTES, reason, Plan,
-            device_reason, bwd_reason, GLUON_DQ, dq_reason)
+            device_reason, bwd_reason, GLUON_DQ, dq_reason, GLUON_SINKS)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -167,7 +170,7 @@ class Plan:
                  "launch", "templates")
 
     def __init__(self, q, k, v, cu_q, max_q: int, max_k: int, causal: bool, c1: float, *,
-                 persistent: bool | None = None, config=None):
+                 persistent: bool | None = None, config=None, sinks: bool = False):
         """``c1``: fp32(scale * log2(e)), the Triton path's constant (``attention_launch.constants``), so
         both paths multiply the scores by the same bits."""
         from ._launch import KernelLaunch
@@ -208,7 +211,7 @@ class Plan:
         kv_bytes = 2 * max(max_k, 1) * d * k.element_size()  # one kv head's K and V, shared by a query group
         head_group = max(1, min(batch * hq, L2_CHUNK_BYTES * (hq // hkv) // kv_bytes))
         self.args = (c1, hq, hq // hkv, head_group, rows_q, rows_k, n_m_blocks, n_tiles)
-        kwargs = dict(K.constexprs(cfg, causal, varlen), **K.LAUNCH_OPTIONS,
+        kwargs = dict(K.constexprs(cfg, causal, varlen, sinks), **K.LAUNCH_OPTIONS,
                       enable_fp_fusion=_config.fp_fusion)
         self.launch = KernelLaunch(K.attn_fwd_gluon_kernel, grid, kwargs)
 
@@ -232,25 +235,33 @@ class Plan:
             descs.append(desc)
         return descs
 
-    def __call__(self, q, k, v, cu_q=None, cu_k=None):
+    def __call__(self, q, k, v, cu_q=None, cu_k=None, sinks=None):
+        """``sinks``: the (Hq,) fp32 sink logits of a plan made with ``sinks=True``, else None."""
         o = torch.empty_like(q)
         m = torch.empty(self.stat_shape, dtype=torch.float32, device=q.device)
         l = torch.empty(self.stat_shape, dtype=torch.float32, device=q.device)
         if self.empty == "rows":
             return o, m, l
-        if self.empty == "keys":
-            return o.zero_(), m.fill_(float("-inf")), l.zero_()
+        if self.empty == "keys":  # every row sees only the sink, if any (contract sections 4 and 9)
+            if sinks is None:
+                return o.zero_(), m.fill_(float("-inf")), l.zero_()
+            zs = reference.sink_scores(sinks, torch.float32)
+            zs = zs.view(-1, 1) if self.varlen else zs.view(1, -1, 1)
+            m.copy_(zs.expand(m.shape))
+            l.copy_(torch.exp2(zs - torch.where(zs == float("-inf"), 0.0, zs)).expand(l.shape))
+            return o.zero_(), m, l
         cq, ck, cv = self.copy
         q_ = _copy(q) if cq else q
         k_ = _copy(k) if ck else k
         v_ = _copy(v) if cv else v
         o_ = torch.empty(q.shape, dtype=q.dtype, device=q.device) if self.o_scratch else o
         q_desc, k_desc, v_desc, o_desc = self._descriptors((q_, k_, v_, o_))
+        sinks_arg = m if sinks is None else sinks
         if self.varlen:
-            self.launch(q_desc, k_desc, v_desc, o_desc, m, l, o_, cu_q, cu_k, *self.args, o_.stride(0),
-                        o_.stride(1))
+            self.launch(q_desc, k_desc, v_desc, o_desc, m, l, o_, cu_q, cu_k, sinks_arg, *self.args,
+                        o_.stride(0), o_.stride(1))
         else:
-            self.launch(q_desc, k_desc, v_desc, o_desc, m, l, o_, m, m, *self.args, 0, 0)
+            self.launch(q_desc, k_desc, v_desc, o_desc, m, l, o_, m, m, sinks_arg, *self.args, 0, 0)
         if o_ is not o:
             o.copy_(o_)
         return o, m, l
@@ -286,7 +297,7 @@ def _warm(job) -> tuple:
         descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout))
     stat = torch.empty(1, 256)
     cu = torch.zeros(2, dtype=torch.int32) if varlen else stat
-    K.attn_fwd_gluon_kernel.warmup(*descs, stat, stat, t, cu, cu, 0.5, 1, 1, 1, 256, 256, 2, 2, 0, 0,
+    K.attn_fwd_gluon_kernel.warmup(*descs, stat, stat, t, cu, cu, stat, 0.5, 1, 1, 1, 256, 256, 2, 2, 0, 0,
                                    grid=(1,), **K.constexprs(cfg, causal, varlen), **K.LAUNCH_OPTIONS,
                                    enable_fp_fusion=_config.fp_fusion)
     return job

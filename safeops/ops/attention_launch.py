@@ -717,8 +717,9 @@ def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale
         if not gluon_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, out_dtype, sinks):
             if len(plans) >= _PLANS_MAX:
                 plans.clear()
-            plan = plans[key] = _gluon.Plan(q, k, v, cu_q, max_q, max_k, is_causal, constants(scale, None)[0])
-            return plan(q, k, v, cu_q, cu_k)
+            plan = plans[key] = _gluon.Plan(q, k, v, cu_q, max_q, max_k, is_causal, constants(scale, None)[0],
+                                            sinks=sinks is not None)
+            return plan(q, k, v, cu_q, cu_k, sinks)
         record: list = []
         result = _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale,
                                   softcap, wl, wr, precision, out_dtype=out_dtype, sinks=sinks, record=record)
@@ -730,7 +731,7 @@ def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale
         return _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale, softcap,
                                 wl, wr, precision, out_dtype=out_dtype, sinks=sinks)
     if plan.__class__ is _gluon.Plan:
-        return plan(q, k, v, cu_q, cu_k)
+        return plan(q, k, v, cu_q, cu_k, sinks)
     device = q.device
     if plan.out_like_q:
         out = torch.empty_like(q)
