@@ -7,6 +7,8 @@ FLOPs: forward 4 * B * H * Sq * Sk * D (halved for causal), backward 2.5x the fo
 
 - safeops: ``torch.ops.safeops.attention_backward`` alone (dq with delta, dk/dv kernels) from saved tensors;
 - safeops, fusion on: the same kernels compiled with ``enable_fp_fusion=True``
+- safeops gluon dq (backward only): dq from the Gluon dQ kernel (``attention_gluon.GLUON_DQ``, off by
+  default until this measures it), where the backward's dk / dv take the Gluon kernel
   (``safeops._config.fp_fusion``), to measure what the contraction-free build costs (target < 3%); it is
   our variant, not a peer;
 - SDPA backends and FlexAttention: ``torch.autograd.grad`` of the output w.r.t. (q, k, v) on a retained
@@ -111,13 +113,28 @@ def fp_fusion(on: bool):
         _config.fp_fusion = saved
 
 
-def build_safeops(case: H.Case, t: dict, fusion: bool = False):
+@contextlib.contextmanager
+def gluon_dq(on: bool):
+    """The Gluon dQ kernel (safeops.ops.attention_gluon.GLUON_DQ, off by default) for the block."""
+    from safeops.ops import attention_gluon
+
+    saved = attention_gluon.GLUON_DQ
+    attention_gluon.GLUON_DQ = on
+    try:
+        yield
+    finally:
+        attention_gluon.GLUON_DQ = saved
+
+
+def build_safeops(case: H.Case, t: dict, fusion: bool = False, dq: bool = False):
     import safeops
 
     q, k, v, causal = t["q"], t["k"], t["v"], t["causal"]
     prec = PRECISION_NAMES[case.shape[5]] if case.dtype == torch.float32 else None
     scale = 1.0 / math.sqrt(q.shape[-1])
     if case.direction == "fwd":
+        if dq:
+            raise H.Refused("the Gluon dQ variant is a backward")
         def call():
             with fp_fusion(fusion):
                 return safeops.attention(q, k, v, is_causal=causal, precision=prec)
@@ -129,7 +146,7 @@ def build_safeops(case: H.Case, t: dict, fusion: bool = False):
                                                 0 if causal else -1, code)
 
     def backward():
-        with fp_fusion(fusion):
+        with fp_fusion(fusion), gluon_dq(dq):
             return torch.ops.safeops.attention_backward(t["g"], q, k, v, out, m, l, None, 0, None, None, s, s,
                                                         causal, scale, None, -1, 0 if causal else -1, code)[0]
     return backward
@@ -212,6 +229,7 @@ def build_benchmark(cases: list[H.Case], only: set[str] | None = None) -> H.Benc
     impls = [
         ("safeops", build_safeops, dict(role="ours")),
         ("safeops fusion on", lambda c, t: build_safeops(c, t, fusion=True), dict(role="variant")),
+        ("safeops gluon dq", lambda c, t: build_safeops(c, t, dq=True), dict(role="variant")),
         ("sdpa flash", sdpa_builder("FLASH_ATTENTION"), dict(tag="F")),
         ("sdpa cudnn", sdpa_builder("CUDNN_ATTENTION"), dict(tag="C")),
         ("sdpa efficient", sdpa_builder("EFFICIENT_ATTENTION"), dict(tag="E")),
@@ -227,7 +245,7 @@ def build_benchmark(cases: list[H.Case], only: set[str] | None = None) -> H.Benc
 
 # --quick's default set: the peers the issue's targets name (cuDNN, FlexAttention), SDPA flash, and our
 # fusion-on variant for the safety cost. SDPA efficient / math only in the full run.
-QUICK_IMPLS = {"safeops", "safeops fusion on", "sdpa cudnn", "sdpa flash", "flex"}
+QUICK_IMPLS = {"safeops", "safeops fusion on", "safeops gluon dq", "sdpa cudnn", "sdpa flash", "flex"}
 
 
 def _skip_slow_peers(bench: H.Benchmark) -> None:
