@@ -11,6 +11,7 @@
 #   sanitize  compute-sanitizer --tool memcheck over a small representative subset of the GPU tests
 #             (SAFEOPS_GPU_SMALL=1 shrinks their shapes; SANITIZE_K picks the tests)
 #   sanitize2 the same for the attention and fp8 cast+transpose GPU tests (SANITIZE2_ARGS adds -k etc.)
+#   gluon     memcheck, racecheck and synccheck over small Gluon-kernel GPU tests (GLUON_SAN_K picks them)
 #   bench     python3 bench/softmax.py --out $OUT     (softmax.csv, softmax.md, softmax.png)
 #   compile   python3 bench/compile.py                (a transformer block compiled stock vs safeops.register())
 #   attention python3 bench/attention.py --out $OUT   (attention.{csv,md,png}; ATTENTION_ARGS, e.g. --quick)
@@ -169,6 +170,17 @@ for s in "${STEPS[@]}"; do
             python3 -m pytest tests/test_attention_gpu.py tests/test_cast_transpose_gpu.py -q -rfEs \
             -p no:cacheprovider --maxfail=10 ${SANITIZE2_ARGS:-}
         ;;
+    gluon)
+        # The Gluon kernels (forward, the backward's dK / dV and dQ, sinks) under memcheck, racecheck and
+        # synccheck, on the small cases of their GPU tests (racecheck: compare any hazard with the baseline
+        # in shared/gluon/README.md, between the prologue and the warp_specialize entry).
+        for tool in memcheck racecheck synccheck; do
+            step "gluon-$tool" "$(limit_for "${T_GLUON_SAN:-200}")" compute-sanitizer --tool "$tool" \
+                --error-exitcode 99 --print-limit 10 python3 -m pytest -q -rfEs -p no:cacheprovider \
+                tests/test_attention_gluon_bwd_gpu.py tests/test_attention_gluon_gpu.py \
+                -k "${GLUON_SAN_K:-keys_no_query_sees or test_sinks and causal-128-bf16 or test_sinks and not oracle and not varlen or test_exact_rows and causal-128}"
+        done
+        ;;
     bench)
         lim=$(limit_for "${T_BENCH:-520}")
         # shellcheck disable=SC2086
@@ -196,7 +208,7 @@ for s in "${STEPS[@]}"; do
         step model "$(limit_for "${T_MODEL:-240}")" python3 bench/model.py --out "$OUT/model.md" ${MODEL_ARGS:-}
         ;;
     *)
-        log "unknown step '$s' (steps: info tests alltests sanitize sanitize2 bench compile attention cast model)"
+        log "unknown step '$s' (steps: info tests alltests sanitize sanitize2 gluon bench compile attention cast model)"
         SUMMARY+=("$s: unknown step")
         FAILED=1
         ;;
