@@ -1,6 +1,8 @@
-"""A model of the Gluon attention forward's mbarrier protocol (safeops/kernels/attention_gluon.py), run on
-random interleavings: the TMA producer, NUM_WG consumer warpgroups, the K / V rings, the Q buffers reused
-for O, the pingpong turns, and several tiles per program (the persistent grid).
+"""A model of the Gluon attention kernels' mbarrier protocols, run on random interleavings. The forward
+(safeops/kernels/attention_gluon.py): the TMA producer, NUM_WG consumer warpgroups, the K / V rings, the Q
+buffers reused for O, the pingpong turns, and several tiles per program (the persistent grid). The
+backward's dK / dV and dQ kernels (safeops/kernels/attention_gluon_bwd.py): one tile per program, a Q / dO
+or K / V ring released by both consumers.
 
 Each agent is a transcription of its partition's barrier operations, in the kernel's order; the checks are
 that no interleaving deadlocks, that a consumer always reads the block it expects, and that the producer
@@ -174,6 +176,117 @@ def simulate(tiles: list[int], stages: int, num_wg: int, pingpong: bool, seed: i
             del agents[name], state[name]
 
 
+def _run(agents: dict, in_flight: list, rnd: random.Random, what: str) -> None:
+    """Runs the agents (generators yielding ("wait", barrier, parity) or ("step",)) under a random schedule,
+    landing the TMA copies in flight after random delays; raises on deadlock."""
+    state = dict.fromkeys(agents, ("step",))
+    while agents:
+        for copy in list(in_flight):
+            copy[0] -= 1
+            if copy[0] <= 0:
+                in_flight.remove(copy)
+                copy[2][copy[3]] = copy[4]
+                copy[1].arrive()
+        runnable = [n for n, s in state.items() if s[0] == "step" or s[1].passes(s[2])]
+        if not runnable:
+            if in_flight:
+                continue
+            raise RuntimeError(f"deadlock: {what}")
+        name = rnd.choice(runnable)
+        try:
+            state[name] = next(agents[name])
+        except StopIteration:
+            del agents[name], state[name]
+
+
+def simulate_dkdv(steps: int, stages: int, num_wg: int, seed: int) -> None:
+    """The backward's dK / dV kernel (attention_gluon_bwd.attn_bwd_dkdv_gluon_kernel), one CTA: K and V once
+    (kv_ready), then ``steps`` query blocks (the group's heads x its query blocks) whose Q (+ m, l) and
+    dO (+ delta) land in a ``stages``-deep ring (q_ready / do_ready), released by every consumer (q_empty,
+    count num_wg) after both products that read them."""
+    rnd = random.Random(seed)
+    kv_ready = Barrier(1)
+    q_ready, do_ready = ([Barrier(1) for _ in range(stages)] for _ in range(2))
+    q_empty = [Barrier(num_wg) for _ in range(stages)]
+    kv, q_slot, do_slot = [None], [None] * stages, [None] * stages
+    readers = [set() for _ in range(stages)]
+    in_flight = []
+
+    def tma(bar, buf, idx, value):
+        in_flight.append([rnd.randint(1, 5), bar, buf, idx, value])
+
+    def producer():
+        tma(kv_ready, kv, 0, "kv")
+        for c in range(steps):
+            slot = c % stages
+            yield ("wait", q_empty[slot], ((c // stages) & 1) ^ 1)
+            assert not readers[slot], f"Q / dO slot {slot} refilled while {readers[slot]} read it"
+            tma(q_ready[slot], q_slot, slot, c)
+            yield ("step",)
+            tma(do_ready[slot], do_slot, slot, c)
+
+    def consumer(w):
+        yield ("wait", kv_ready, 0)
+        assert kv[0] == "kv"
+        for c in range(steps):
+            slot = c % stages
+            yield ("wait", q_ready[slot], (c // stages) & 1)
+            assert q_slot[slot] == c, f"consumer {w} step {c} found Q of step {q_slot[slot]}"
+            readers[slot].add(w)
+            yield ("wait", do_ready[slot], (c // stages) & 1)
+            assert do_slot[slot] == c, f"consumer {w} step {c} found dO of step {do_slot[slot]}"
+            yield ("step",)
+            readers[slot].discard(w)
+            q_empty[slot].arrive()
+
+    agents = {"producer": producer(), **{f"consumer {w}": consumer(w) for w in range(num_wg)}}
+    _run(agents, in_flight, rnd, f"dK/dV, {steps} steps, {stages} stages, {num_wg} consumers, seed {seed}")
+
+
+def simulate_dq(n_blocks: int, stages: int, num_wg: int, seed: int) -> None:
+    """The backward's dQ kernel (attn_bwd_dq_gluon_kernel), one CTA: each consumer's Q and dO once
+    (q_ready[w]), then ``n_blocks`` K / V blocks in a ``stages``-deep ring (k_ready / v_ready), released by
+    every consumer (kv_empty, count num_wg)."""
+    rnd = random.Random(seed)
+    q_ready = [Barrier(1) for _ in range(num_wg)]
+    k_ready, v_ready = ([Barrier(1) for _ in range(stages)] for _ in range(2))
+    kv_empty = [Barrier(num_wg) for _ in range(stages)]
+    q_buf, k_slot, v_slot = [None] * num_wg, [None] * stages, [None] * stages
+    readers = [set() for _ in range(stages)]
+    in_flight = []
+
+    def tma(bar, buf, idx, value):
+        in_flight.append([rnd.randint(1, 5), bar, buf, idx, value])
+
+    def producer():
+        for w in range(num_wg):
+            tma(q_ready[w], q_buf, w, ("q", w))
+        for j in range(n_blocks):
+            slot = j % stages
+            yield ("wait", kv_empty[slot], ((j // stages) & 1) ^ 1)
+            assert not readers[slot], f"K / V slot {slot} refilled while {readers[slot]} read it"
+            tma(k_ready[slot], k_slot, slot, j)
+            yield ("step",)
+            tma(v_ready[slot], v_slot, slot, j)
+
+    def consumer(w):
+        yield ("wait", q_ready[w], 0)
+        assert q_buf[w] == ("q", w)
+        for j in range(n_blocks):
+            slot = j % stages
+            yield ("wait", k_ready[slot], (j // stages) & 1)
+            assert k_slot[slot] == j, f"consumer {w} wanted K {j}, found {k_slot[slot]}"
+            readers[slot].add(w)
+            yield ("wait", v_ready[slot], (j // stages) & 1)
+            assert v_slot[slot] == j, f"consumer {w} wanted V {j}, found {v_slot[slot]}"
+            yield ("step",)
+            readers[slot].discard(w)
+            kv_empty[slot].arrive()
+
+    agents = {"producer": producer(), **{f"consumer {w}": consumer(w) for w in range(num_wg)}}
+    _run(agents, in_flight, rnd, f"dQ, {n_blocks} blocks, {stages} stages, {num_wg} consumers, seed {seed}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3000)
@@ -182,7 +295,9 @@ def main() -> None:
         rnd = random.Random(seed)
         tiles = [rnd.choice([0, 1, 2, 3, 4, 5, 6]) for _ in range(rnd.randint(1, 5))]
         simulate(tiles, rnd.randint(1, 4), rnd.choice([2, 3]), rnd.random() < 0.7, seed, rnd.random() < 0.5)
-    print(f"{runs} random schedules: no deadlock, no hazard")
+        simulate_dkdv(rnd.randint(0, 12), rnd.randint(1, 4), 2, seed)
+        simulate_dq(rnd.randint(0, 12), rnd.randint(1, 4), 2, seed)
+    print(f"{runs} random schedules of the forward, the dK / dV and the dQ kernels: no deadlock, no hazard")
 
 
 if __name__ == "__main__":
