@@ -267,7 +267,7 @@ def test_launch_matches_the_compiled_signature(dtype, d, varlen, monkeypatch, re
     if varlen:
         assert q_desc.shape == [1, 4, 150, d] and q_desc.strides[1:] == [d, 4 * d, 1]
         assert k_desc.shape == [1, 2, 120, d] and m.shape == (4, 150)
-        assert args[7] is cu_q and args[8] is cu_k and args[-2:] == (o.stride(0), o.stride(1))
+        assert args[7] is cu_q and args[8] is cu_k and args[-3:] == (o.stride(0), o.stride(1), 0)
         n_m_blocks = -(-100 // cfg.block_m)
         sizes = (150, 100, n_m_blocks, n_m_blocks * 2 * 4)  # seqlen_q = Tq (the stats' head stride)
     else:
@@ -482,3 +482,27 @@ def test_gluon_sinks_launch_and_rows_without_keys(monkeypatch, recorded):
     assert torch.equal(o, torch.zeros_like(o)) and torch.equal(o, o_t)
     assert torch.equal(m, m_t) and torch.equal(l, l_t)
     assert l[0, :, 0].tolist() == [1.0, 1.0, 0.0, 1.0] and m[0, 2, 0] == float("-inf")
+
+
+def test_gluon_window_reasons_and_launch(monkeypatch, recorded):
+    """With ``attention_gluon.GLUON_WINDOW`` on, a left window (causal or not) takes the Gluon kernel with
+    HAS_WL and the window as its last argument; a right bound without causal, or head dim 256, does not."""
+    _on_hopper(monkeypatch)
+    q, k, v = _qkv(sq=100, sk=70)
+    assert safeops.attention_backend(q, k, v, is_causal=True, window=(16, None)) == (
+        "triton", "the Gluon kernel does not take a sliding window")
+    monkeypatch.setattr(G, "GLUON_WINDOW", True)
+    assert safeops.attention_backend(q, k, v, is_causal=True, window=(16, None))[0] == "gluon"
+    assert safeops.attention_backend(q, k, v, window=(16, None))[0] == "gluon"
+    assert safeops.attention_backend(q, k, v, window=(16, 16)) == (
+        "triton", "the Gluon kernel does not take a sliding window with a right bound")
+    q2, k2, v2 = _qkv(d=256, sq=100, sk=70)
+    assert safeops.attention_backend(q2, k2, v2, window=(16, None)) == (
+        "triton", "head dim 256: the Gluon kernel takes a sliding window at head dims 64 and 128")
+    options = (None, 0, None, None, 100, 70, True, 0.125, None, 16, 0, 0)
+    L.forward(q, k, v, *options)
+    ((grid, kwargs, args),) = recorded
+    assert kwargs["HAS_WL"] is True and kwargs["HAS_SINKS"] is False and args[-1] == 16
+    assert _arg_kinds(args) == list(K.signature(K.FWD_CONFIGS[64], 64, "bfloat16").values())
+    L.forward(q, k, v, None, 0, None, None, 100, 70, True, 0.125, None, -1, 0, 0)
+    assert recorded[1][1]["HAS_WL"] is False and recorded[1][2][-1] == 0

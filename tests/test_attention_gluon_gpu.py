@@ -314,3 +314,48 @@ def test_sinks_varlen_and_rows_without_keys(rng, monkeypatch):
     log2e = torch.tensor(1.4426950408889634, dtype=torch.float32, device=DEV)
     expected = ((sinks * log2e).double() * 0.6931471805599453).float()
     assert torch.equal(lse[:, sl], expected[:, None].expand(4, 70))
+
+
+# A left sliding window in the Gluon forward (attention_gluon.GLUON_WINDOW, off until this has passed on a
+# GPU): the oracle, packed == dense bits, rows that see no key, and with sinks (gpt-oss's layers).
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_window_matches_oracle(dtype, d, causal, rng, monkeypatch):
+    monkeypatch.setattr(G, "GLUON_WINDOW", True)
+    L.clear_plans()
+    for (b, hq, hkv, sq, sk), left in zip(SHAPES, (17, 128, 200, 0), strict=True):
+        q = rng.randn(b, hq, sq, d, dtype=dtype)
+        k, v = (rng.randn(b, hkv, sk, d, dtype=dtype) for _ in range(2))
+        window = (left, None)
+        assert safeops.attention_backend(q, k, v, is_causal=causal, window=window)[0] == "gluon"
+        check_oracle(q, k, v, rng, grads=sq < 300, is_causal=causal, window=window)
+
+
+def test_window_rows_without_keys_varlen_and_sinks(rng, monkeypatch):
+    """Non-causal with a left window: rows past Sk + window see no key (out 0, lse -inf; with sinks the
+    sink); packed sequences get their dense calls' bits; window + sinks against the oracle."""
+    from test_attention_sinks_gpu import check_oracle as check_sinks_oracle
+
+    monkeypatch.setattr(G, "GLUON_WINDOW", True)
+    monkeypatch.setattr(G, "GLUON_SINKS", True)
+    L.clear_plans()
+    q = rng.randn(1, 2, 500, 64, dtype=BF16)
+    k, v = (rng.randn(1, 2, 100, 64, dtype=BF16) for _ in range(2))
+    out, lse = safeops.attention(q, k, v, window=(50, None), return_lse=True)
+    assert (out[:, :, 150:] == 0).all() and (lse[:, :, 150:] == NEG_INF).all()
+    check_oracle(q, k, v, rng, grads=False, window=(50, None))
+    lengths_q, lengths_k = [300, 70, 129], [300, 0, 64]
+    seqs, packed, cu_q, cu_k = _packed(rng, lengths_q, lengths_k, 4, 2, 128, BF16)
+    out, lse = safeops.attention_varlen(*packed, cu_q, cu_k, is_causal=True, window=(100, None),
+                                        return_lse=True)
+    for b in range(3):
+        o, ls = safeops.attention(*seqs[b], is_causal=True, window=(100, None), return_lse=True)
+        sl = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        assert torch.equal(out[sl], o[0].transpose(0, 1)) and torch.equal(lse[:, sl], ls[0]), (b, rng)
+    q = rng.randn(2, 4, 300, 64, dtype=BF16)
+    k, v = (rng.randn(2, 2, 300, 64, dtype=BF16) for _ in range(2))
+    sinks = rng.randn(4, std=3.0)
+    assert safeops.attention_backend(q, k, v, is_causal=True, window=(128, None), sinks=sinks)[0] == "gluon"
+    check_sinks_oracle(q, k, v, sinks, rng, is_causal=True, window=(128, None))

@@ -2,12 +2,13 @@
 safeops.kernels.attention_gluon_bwd: the backward's dK / dV and dQ), checked without a GPU.
 
 Every configuration the launchers can choose (the forward: bf16 / fp16 x each head dim of ``FWD_CONFIGS``
-x causal or not x dense or packed (varlen) x sinks or not; the backward's dK / dV and dQ: bf16 / fp16 x
-each head dim of ``BWD_CONFIGS`` / ``DQ_CONFIGS`` x causal or not; the GQA group, the sizes and the
-persistent grid are runtime values, not compile-time ones) is compiled for sm_90 exactly as
-``safeops.ops.attention_gluon``'s plans launch it (their constexprs, 4 warps, ``enable_fp_fusion=False``),
-in one subprocess pool with Triton 3.6 (the Gluon API the kernels are written for; the test skips without
-one), together with a fusion-on control per kernel. Then:
+x causal or not x dense or packed (varlen) x sinks or not x a left window or not; the backward's dK / dV
+and dQ: bf16 / fp16 x each head dim of ``BWD_CONFIGS`` / ``DQ_CONFIGS`` x causal or not; a variant whose
+switch is off in bf16 only; the GQA group, the sizes and the persistent grid are runtime values, not
+compile-time ones) is compiled for sm_90 exactly as ``safeops.ops.attention_gluon``'s plans launch it
+(their constexprs, 4 warps, ``enable_fp_fusion=False``), in one subprocess pool with Triton 3.6 (the Gluon
+API the kernels are written for; the test skips without one), together with a fusion-on control per
+kernel. Then:
 
 - contract section 1 at the instruction level: no f32 ``fma`` and every f32 mul / add / sub ``.rn`` in the
   PTX, so ``z2 = s * C1`` is rounded once and the same bits feed the row max and ``z2 - m``; with fp fusion
@@ -33,12 +34,13 @@ import sm90
 
 from safeops.kernels import attention_gluon as K
 from safeops.kernels import attention_gluon_bwd as KB
+from safeops.ops import attention_gluon as G
 
 SMEM_LIMIT = 232448  # bytes: H100/H200 (sm_90) maximum dynamic shared memory per block
 # ptxas spill bytes allowed per kernel: none in the forward; the D=128 dK / dV kernel sits at its 240 / 248
 # register budgets (two 64 x 128 fp32 accumulators per thread) and spills 8-84 bytes (stores + loads),
 # which this cap lets through and a regression past it does not.
-SPILL_CAP = {"fwd": 0, "fwd+sinks": 0, "bwd": 96, "dq": 0}
+SPILL_CAP = {"fwd": 0, "fwd+sinks": 0, "fwd+window": 0, "fwd+sinks+window": 0, "bwd": 96, "dq": 0}
 KERNEL_FILE = os.path.join(sm90.ROOT, "safeops", "kernels", "attention_gluon.py")
 BWD_KERNEL_FILE = os.path.join(sm90.ROOT, "safeops", "kernels", "attention_gluon_bwd.py")
 
@@ -77,10 +79,11 @@ _SCRIPT = textwrap.dedent(
 
     def compile_one(job):
         kind, dtype, d, causal, varlen, fusion = job
-        if kind in ("fwd", "fwd+sinks"):
+        if kind.startswith("fwd"):  # "fwd", "fwd+sinks", "fwd+window", "fwd+sinks+window"
             cfg = K.FWD_CONFIGS[d]
             fn = K.attn_fwd_gluon_kernel
-            constexprs = K.constexprs(cfg, causal, varlen, kind == "fwd+sinks")
+            flags = kind.split("+")[1:]
+            constexprs = K.constexprs(cfg, causal, varlen, "sinks" in flags, "window" in flags)
             sig = K.signature(cfg, d, dtype, varlen)
             # A torch allocation is 16-byte aligned: Triton's launch specializes the stats pointers so (the
             # pointers of K.UNALIGNED_ARGS are not specialized).
@@ -139,9 +142,22 @@ _SCRIPT = textwrap.dedent(
 
 # (kernel, dtype, head dim, causal, varlen): every kernel the launchers can launch. The GQA group, the sizes
 # and the persistent grid are runtime values.
-CONFIGS = [(kind, dtype, d, causal, varlen) for kind in ("fwd", "fwd+sinks") for dtype in K.DTYPES
-           for d in K.HEAD_DIMS for causal in (False, True) for varlen in (False, True)] + [
-    (kind, dtype, d, causal, False) for kind in ("bwd", "dq") for dtype in KB.DTYPES for d in KB.HEAD_DIMS
+FWD_KINDS = ("fwd", "fwd+sinks", "fwd+window", "fwd+sinks+window")
+
+
+def _dtypes(kind: str) -> tuple[str, ...]:
+    """Both dtypes for what the launchers can choose now; a kernel variant its switch keeps off
+    (attention_gluon.GLUON_SINKS / GLUON_WINDOW / GLUON_DQ) in bf16 only (fp16 is the same code), until the
+    switch is turned on."""
+    off = {"sinks": not G.GLUON_SINKS, "window": not G.GLUON_WINDOW, "dq": not G.GLUON_DQ}
+    gated = any(off.get(flag, False) for flag in kind.split("+"))
+    return ("bfloat16",) if gated else K.DTYPES
+
+
+CONFIGS = [(kind, dtype, d, causal, varlen) for kind in FWD_KINDS for dtype in _dtypes(kind)
+           for d in (K.WINDOW_HEAD_DIMS if "window" in kind else K.HEAD_DIMS) for causal in (False, True)
+           for varlen in (False, True)] + [
+    (kind, dtype, d, causal, False) for kind in ("bwd", "dq") for dtype in _dtypes(kind) for d in KB.HEAD_DIMS
     for causal in (False, True)]
 # The contraction check's controls: one configuration of each kernel compiled with fp fusion on must show
 # f32 fma.

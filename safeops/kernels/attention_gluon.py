@@ -56,7 +56,7 @@ NEG_INF = gl.constexpr(float("-inf"))
 LOG2E = gl.constexpr(1.4426950408889634)
 # Values that change with the problem size are not specialised: one compiled kernel per configuration.
 SIZE_ARGS = ["n_heads", "group", "head_group", "seqlen_q", "seqlen_k", "n_m_blocks", "n_tiles",
-             "o_stride_row", "o_stride_head"]
+             "o_stride_row", "o_stride_head", "window_left"]
 # Pointers read only by the varlen kernel (dense launches pass the m pointer there): no alignment
 # specialisation, so an offset cu_seqlens tensor gets the same compiled kernel.
 UNALIGNED_ARGS = ["o_ptr", "cu_q_ptr", "cu_k_ptr", "sinks_ptr"]
@@ -95,6 +95,8 @@ FWD_CONFIGS: dict[int, GluonFwdConfig] = {
     256: GluonFwdConfig(block_n=64, num_stages=2, consumer_regs=240),
 }
 HEAD_DIMS = tuple(FWD_CONFIGS)
+# Head dims with a sliding-window build (HAS_WL): at 256 the window's per-row bounds made ptxas spill.
+WINDOW_HEAD_DIMS = (64, 128)
 DTYPES = ("bfloat16", "float16")
 _GL_DTYPES = {"bfloat16": gl.bfloat16, "float16": gl.float16}
 _SHORT = {"bfloat16": "bf16", "float16": "fp16"}
@@ -112,10 +114,13 @@ def block_shapes(cfg: GluonFwdConfig, head_dim: int) -> dict[str, list[int]]:
     return {"q": qo, "k": kv, "v": kv, "o": qo}
 
 
-def constexprs(cfg: GluonFwdConfig, causal: bool, varlen: bool = False, sinks: bool = False) -> dict:
-    """The kernel's constexpr arguments for one configuration (block shapes come with the descriptors)."""
+def constexprs(cfg: GluonFwdConfig, causal: bool, varlen: bool = False, sinks: bool = False,
+               window: bool = False) -> dict:
+    """The kernel's constexpr arguments for one configuration (block shapes come with the descriptors).
+    ``window``: a left window bound (row i sees keys from i - window_left on)."""
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
-                PINGPONG=cfg.pingpong, VARLEN=varlen, SEPARATE_O=cfg.separate_o, HAS_SINKS=sinks)
+                PINGPONG=cfg.pingpong, VARLEN=varlen, SEPARATE_O=cfg.separate_o, HAS_SINKS=sinks,
+                HAS_WL=window)
 
 
 LAUNCH_OPTIONS = {"num_warps": 4}  # the default partition is one consumer warpgroup
@@ -142,7 +147,7 @@ def signature(cfg: GluonFwdConfig, head_dim: int, dtype: str, varlen: bool = Fal
 
 @gluon.jit
 def _tile_coords(tile, sizes, cu_q_ptr, cu_k_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
+                 CAUSAL: gl.constexpr, VARLEN: gl.constexpr, HAS_WL: gl.constexpr):
     """Where tile number ``tile`` is: (m0, bc, b, h, hk, n_blocks, q_start, k_start, rows_q, rows_k) = its
     first query row in its sequence, the batch coordinate of its TMA boxes, its sequence, query head and kv
     head, its key blocks, and the first row and the length of its sequence in q and in k. Dense: bc = b, the
@@ -155,7 +160,7 @@ def _tile_coords(tile, sizes, cu_q_ptr, cu_k_ptr, BLOCK_M: gl.constexpr, BLOCK_N
     short ones fill the tail. Otherwise the query blocks of one head are adjacent (they share K/V in L2).
     Query row i sees key j iff j <= i (top-left aligned within each sequence, as the Triton path)."""
     (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
-     o_stride_head) = sizes
+     o_stride_head, window_left) = sizes
     n_bh = n_tiles // n_m_blocks
     if CAUSAL:
         chunk = tile // (head_group * n_m_blocks)
@@ -184,7 +189,12 @@ def _tile_coords(tile, sizes, cu_q_ptr, cu_k_ptr, BLOCK_M: gl.constexpr, BLOCK_N
     hi = rows_k
     if CAUSAL:
         hi = gl.minimum(rows_k, m0 + BLOCK_M)
-    return m0, bc, b, h, h // group, gl.cdiv(hi, BLOCK_N), q_start, k_start, rows_q, rows_k
+    n_blocks = gl.cdiv(hi, BLOCK_N)
+    lo = 0
+    if HAS_WL:  # the tile's first row sees keys from m0 - window_left on; at least one block (all masked
+        # when no row of the tile sees a key, which gives them the empty rows' results)
+        lo = gl.maximum(gl.minimum(gl.maximum(m0 - window_left, 0) // BLOCK_N, n_blocks - 1), 0)
+    return m0, bc, b, h, h // group, lo, n_blocks, q_start, k_start, rows_q, rows_k
 
 
 @gluon.jit
@@ -199,33 +209,36 @@ def _load_block(desc, bufs, ready, empty, b, hk, n0, count, NUM_STAGES: gl.const
 
 
 @gluon.jit
-def _produce_tile(bufs, bc, h, hk, q_row, k_start, n_blocks, c, t, NUM_STAGES: gl.constexpr,
+def _produce_tile(bufs, bc, h, hk, q_row, k_start, lo, n_blocks, c, t, NUM_STAGES: gl.constexpr,
                   NUM_WG: gl.constexpr):
-    """One tile's loads: K_0, each consumer's Q rows (from row ``q_row``), then K_j before V_{j-1}, the order
-    the consumers use. Returns the ring position and the Q phase after the tile."""
+    """One tile's loads of key blocks lo .. n_blocks - 1: K_lo, each consumer's Q rows (from row ``q_row``),
+    then K_j before V_{j-1}, the order the consumers use. Returns the ring position and the Q phase after
+    the tile."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
      v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr) = bufs
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    _load_block(k_desc, k_smem, k_ready, k_empty, bc, hk, k_start, c, NUM_STAGES)
+    _load_block(k_desc, k_smem, k_ready, k_empty, bc, hk, k_start + lo * BLOCK_N, c, NUM_STAGES)
     for w in gl.static_range(NUM_WG):
         mbarrier.wait(q_empty.index(w), (t & 1) ^ 1)
         mbarrier.expect(q_ready.index(w), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [bc, h, q_row + w * BLOCK_M_WG, 0], q_ready.index(w),
                                         q_smem.index(w))
-    for j in range(1, n_blocks):
-        _load_block(k_desc, k_smem, k_ready, k_empty, bc, hk, k_start + j * BLOCK_N, c + j, NUM_STAGES)
-        _load_block(v_desc, v_smem, v_ready, v_empty, bc, hk, k_start + (j - 1) * BLOCK_N, c + j - 1,
+    n = n_blocks - lo
+    for i in range(1, n):
+        j = lo + i
+        _load_block(k_desc, k_smem, k_ready, k_empty, bc, hk, k_start + j * BLOCK_N, c + i, NUM_STAGES)
+        _load_block(v_desc, v_smem, v_ready, v_empty, bc, hk, k_start + (j - 1) * BLOCK_N, c + i - 1,
                     NUM_STAGES)
-    _load_block(v_desc, v_smem, v_ready, v_empty, bc, hk, k_start + (n_blocks - 1) * BLOCK_N,
-                c + n_blocks - 1, NUM_STAGES)
-    return c + n_blocks, t + 1
+    _load_block(v_desc, v_smem, v_ready, v_empty, bc, hk, k_start + (n_blocks - 1) * BLOCK_N, c + n - 1,
+                NUM_STAGES)
+    return c + n, t + 1
 
 
 @gluon.jit
 def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
               PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-              HAS_SINKS: gl.constexpr):
+              HAS_SINKS: gl.constexpr, HAS_WL: gl.constexpr):
     """The TMA warp: every tile of this program, in order (``_produce_tile``)."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
      v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr) = bufs
@@ -235,27 +248,34 @@ def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_W
     c = 0  # K/V blocks loaded so far (ring position, across this program's tiles)
     t = 0  # tiles loaded so far (phase of the Q barriers)
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        m0, bc, b, h, hk, n_blocks, q_start, k_start, rows_q, rows_k = _tile_coords(
-            tile, sizes, cu_q_ptr, cu_k_ptr, NUM_WG * BLOCK_M_WG, BLOCK_N, CAUSAL, VARLEN)
+        m0, bc, b, h, hk, lo, n_blocks, q_start, k_start, rows_q, rows_k = _tile_coords(
+            tile, sizes, cu_q_ptr, cu_k_ptr, NUM_WG * BLOCK_M_WG, BLOCK_N, CAUSAL, VARLEN, HAS_WL)
         if VARLEN:
             # A tile past its sequence's end loads nothing, nor does one of a sequence without keys (its
             # consumers write the empty rows directly): the consumers skip the same tiles.
             if m0 < rows_q:
                 if n_blocks > 0:
-                    c, t = _produce_tile(bufs, bc, h, hk, q_start + m0, k_start, n_blocks, c, t, NUM_STAGES,
-                                         NUM_WG)
+                    c, t = _produce_tile(bufs, bc, h, hk, q_start + m0, k_start, lo, n_blocks, c, t,
+                                         NUM_STAGES, NUM_WG)
         else:
-            c, t = _produce_tile(bufs, bc, h, hk, m0, k_start, n_blocks, c, t, NUM_STAGES, NUM_WG)
+            c, t = _produce_tile(bufs, bc, h, hk, m0, k_start, lo, n_blocks, c, t, NUM_STAGES, NUM_WG)
 
 
 @gluon.jit
-def _softmax_block(s, m_i, l_i, n0, offs_n0, limit, C1, masked):
+def _softmax_block(s, m_i, l_i, n0, offs_n0, limit, start, C1, masked, masked_start, HAS_WL: gl.constexpr):
     """One key block of the online softmax (the contract's arithmetic, as in the Triton forward):
     returns (p, m_new, l_new, alpha). ``limit``: per row, the first key it does not see (keys >= limit get
-    -inf by select); ``masked``: whether some key of the block can be at or past some row's limit."""
+    -inf by select); ``masked``: whether some key of the block can be at or past some row's limit. With
+    ``HAS_WL`` also keys before each row's ``start`` (its sliding window's first key) where
+    ``masked_start`` says the block reaches before some row's start."""
     z = s * C1
-    if masked:
-        z = gl.where((n0 + offs_n0)[None, :] < limit[:, None], z, NEG_INF)
+    keys = (n0 + offs_n0)[None, :]
+    if HAS_WL:
+        if masked or masked_start:
+            z = gl.where((keys < limit[:, None]) & (keys >= start[:, None]), z, NEG_INF)
+    else:
+        if masked:
+            z = gl.where(keys < limit[:, None], z, NEG_INF)
     m_new = gl.maximum(m_i, gl.max(z, 1))
     # Guarded rescale: while a row has seen only excluded keys, m_new = -inf and the base is 0, so neither
     # exp2(m_i - base) nor exp2(z - base) is -inf - -inf.
@@ -305,7 +325,7 @@ def _sink_score(sinks_ptr, h):
 
 @gluon.jit
 def _store_empty_rows(o_ptr, m_ptr, l_ptr, sinks_ptr, row0, n_rows, h, total_q, o_stride_row, o_stride_head,
-                      zeros, HAS_SINKS: gl.constexpr):
+                      zeros, HAS_SINKS: gl.constexpr, HAS_WL: gl.constexpr):
     """Empty rows (a packed sequence without keys): O = 0, m = -inf, l = 0 (contract section 4), or with
     sinks the sink alone (m = zs2, l = exp2(zs2 - guarded zs2)), for the first ``n_rows`` rows of
     ``zeros``'s height, from packed row ``row0`` of head ``h``."""
@@ -326,16 +346,16 @@ def _store_empty_rows(o_ptr, m_ptr, l_ptr, sinks_ptr, row0, n_rows, h, total_q, 
 
 
 @gluon.jit
-def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n_blocks, q_start, rows_q,
-                  rows_k, c, t, rounds, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, lo, n_blocks, q_start,
+                  rows_q, rows_k, c, t, rounds, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                   NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr,
-                  SEPARATE_O: gl.constexpr, HAS_SINKS: gl.constexpr):
-    """Consumer warpgroup ``w``'s rows m0 + 64 w .. m0 + 64 w + 63 of one tile (n_blocks >= 1 key blocks):
-    the online softmax, then O, m and l out. Returns (c, t, rounds) after the tile."""
+                  SEPARATE_O: gl.constexpr, HAS_SINKS: gl.constexpr, HAS_WL: gl.constexpr):
+    """Consumer warpgroup ``w``'s rows m0 + 64 w .. m0 + 64 w + 63 of one tile (key blocks lo .. n_blocks - 1,
+    at least one): the online softmax, then O, m and l out. Returns (c, t, rounds) after the tile."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
      v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr) = bufs
     (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
-     o_stride_head) = sizes
+     o_stride_head, window_left) = sizes
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -356,6 +376,10 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n
     else:
         limit = gl.full([BLOCK_M_WG], 0, gl.int32, row_layout) + rows_k
         full_end = rows_k
+    # HAS_WL: per row also the first key it sees (i - window_left); a block needs the select where it
+    # starts before the largest row's first key.
+    start = offs_m - window_left
+    full_start = r0 + BLOCK_M_WG - 1 - window_left
     if HAS_SINKS:  # the sink is each row's first score (no value): m = zs2, l = exp2(zs2 - guarded base)
         m_i = gl.full([BLOCK_M_WG], 0.0, gl.float32, row_layout) + _sink_score(sinks_ptr, h)
         l_i = gl.exp2(m_i - gl.where(m_i == NEG_INF, 0.0, m_i))
@@ -367,7 +391,7 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n
     mbarrier.wait(q_ready.index(w), t & 1)
     q = q_smem.index(w).reshape([BLOCK_M_WG, HEAD_DIM])
 
-    # Block 0: S_0 = Q K_0^T and its softmax.
+    # Block lo: S_lo = Q K_lo^T and its softmax.
     slot = c % NUM_STAGES
     mbarrier.wait(k_ready.index(slot), (c // NUM_STAGES) & 1)
     _turn_wait(turn, w, rounds, PINGPONG)
@@ -377,13 +401,15 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n
     rounds += 1
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     mbarrier.arrive(k_empty.index(slot), count=1)
-    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, 0, offs_n0, limit, C1, BLOCK_N > full_end)
+    n0 = lo * BLOCK_N
+    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, n0, offs_n0, limit, start, C1, n0 + BLOCK_N > full_end,
+                                        HAS_WL and n0 < full_start, HAS_WL)
     p = gl.convert_layout(p.to(dtype), p_layout)
 
     # Block j: issue S_j = Q K_j^T, rescale O, issue O += P_{j-1} V_{j-1}; the softmax of S_j runs while
     # the PV product is on the tensor cores.
-    for j in range(1, n_blocks):
-        kc = c + j
+    for j in range(lo + 1, n_blocks):
+        kc = c + j - lo
         kslot = kc % NUM_STAGES
         vslot = (kc - 1) % NUM_STAGES
         mbarrier.wait(k_ready.index(kslot), (kc // NUM_STAGES) & 1)
@@ -398,7 +424,8 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         mbarrier.arrive(k_empty.index(kslot), count=1)
         n0 = j * BLOCK_N
-        p_next, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, n0, offs_n0, limit, C1, n0 + BLOCK_N > full_end)
+        p_next, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, n0, offs_n0, limit, start, C1,
+                                                 n0 + BLOCK_N > full_end, HAS_WL and n0 < full_start, HAS_WL)
         # P_{j-1} is a register operand of the PV wgmma: keep it alive until that wgmma has retired.
         o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
         mbarrier.arrive(v_empty.index(vslot), count=1)
@@ -408,7 +435,7 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n
         mbarrier.arrive(q_empty.index(w), count=1)
 
     # The last block's PV.
-    vc = c + n_blocks - 1
+    vc = c + n_blocks - lo - 1
     vslot = vc % NUM_STAGES
     o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
     mbarrier.wait(v_ready.index(vslot), (vc // NUM_STAGES) & 1)
@@ -446,18 +473,18 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n
     if not SEPARATE_O:
         tma.store_wait(pendings=0)
         mbarrier.arrive(q_empty.index(w), count=1)  # the producer may load the next tile's Q rows
-    return c + n_blocks, t + 1, rounds
+    return c + n_blocks - lo, t + 1, rounds
 
 
 @gluon.jit
 def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-              HAS_SINKS: gl.constexpr):
+              HAS_SINKS: gl.constexpr, HAS_WL: gl.constexpr):
     """Consumer warpgroup ``w``: rows m0 + 64 w .. m0 + 64 w + 63 of each tile of this program."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
      v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr) = bufs
     (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
-     o_stride_head) = sizes
+     o_stride_head, window_left) = sizes
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -474,22 +501,22 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
     t = 0  # tiles consumed (Q barrier phase)
     rounds = 0  # MMA turns taken (pingpong barrier phase)
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        m0, bc, b, h, hk, n_blocks, q_start, k_start, rows_q, rows_k = _tile_coords(
-            tile, sizes, cu_q_ptr, cu_k_ptr, NUM_WG * BLOCK_M_WG, BLOCK_N, CAUSAL, VARLEN)
+        m0, bc, b, h, hk, lo, n_blocks, q_start, k_start, rows_q, rows_k = _tile_coords(
+            tile, sizes, cu_q_ptr, cu_k_ptr, NUM_WG * BLOCK_M_WG, BLOCK_N, CAUSAL, VARLEN, HAS_WL)
         if VARLEN:
             if m0 < rows_q:  # the producer skips the same tiles
                 if n_blocks > 0:
-                    c, t, rounds = _consume_tile(w, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n_blocks,
+                    c, t, rounds = _consume_tile(w, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, lo, n_blocks,
                                                  q_start, rows_q, rows_k, c, t, rounds, CAUSAL, NUM_STAGES,
-                                                 NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_SINKS)
+                                                 NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_SINKS, HAS_WL)
                 else:  # a sequence without keys: its rows are empty, and nothing was loaded for them
                     _store_empty_rows(o_ptr, m_ptr, l_ptr, sinks_ptr, q_start + m0 + w * BLOCK_M_WG,
                                       rows_q - m0 - w * BLOCK_M_WG, h, seqlen_q, o_stride_row, o_stride_head,
-                                      gl.zeros([BLOCK_M_WG, HEAD_DIM], dtype, o_layout), HAS_SINKS)
+                                      gl.zeros([BLOCK_M_WG, HEAD_DIM], dtype, o_layout), HAS_SINKS, HAS_WL)
         else:
-            c, t, rounds = _consume_tile(w, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, n_blocks, q_start,
+            c, t, rounds = _consume_tile(w, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, lo, n_blocks, q_start,
                                          rows_q, rows_k, c, t, rounds, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG,
-                                         VARLEN, SEPARATE_O, HAS_SINKS)
+                                         VARLEN, SEPARATE_O, HAS_SINKS, HAS_WL)
     if SEPARATE_O:
         tma.store_wait(pendings=0)  # the last O store has read its buffer before the program ends
 
@@ -497,30 +524,32 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
 @gluon.jit
 def _consumer0(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-               HAS_SINKS: gl.constexpr):
-    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_SINKS)
+               HAS_SINKS: gl.constexpr, HAS_WL: gl.constexpr):
+    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_SINKS, HAS_WL)
 
 
 @gluon.jit
 def _consumer1(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-               HAS_SINKS: gl.constexpr):
-    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_SINKS)
+               HAS_SINKS: gl.constexpr, HAS_WL: gl.constexpr):
+    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_SINKS, HAS_WL)
 
 
 @gluon.jit
 def _consumer2(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-               HAS_SINKS: gl.constexpr):
-    _consumer(2, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_SINKS)
+               HAS_SINKS: gl.constexpr, HAS_WL: gl.constexpr):
+    _consumer(2, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_SINKS, HAS_WL)
 
 
 @gluon.jit(do_not_specialize=SIZE_ARGS, do_not_specialize_on_alignment=UNALIGNED_ARGS)
 def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr,
                           C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles,
-                          o_stride_row, o_stride_head, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+                          o_stride_row, o_stride_head, window_left, CAUSAL: gl.constexpr,
+                          NUM_STAGES: gl.constexpr,
                           NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-                          VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr, HAS_SINKS: gl.constexpr):
+                          VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr, HAS_SINKS: gl.constexpr,
+                          HAS_WL: gl.constexpr):
     """o, m, l of the query tiles program_id(0), program_id(0) + num_programs(0), ... of ``n_tiles`` =
     n_m_blocks x batch x heads. kv head = q head // group; ``head_group``: heads per chunk of the causal
     tile order (``_tile_coords``).
@@ -532,7 +561,9 @@ def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, c
     of k / v; m and l are (Hq, Tq) contiguous and ``seqlen_q`` is Tq; o_ptr with its row and head strides
     takes the rows a TMA box store would write past a sequence's end; ``n_m_blocks`` covers the longest
     sequence (tiles past a sequence's end do nothing). ``HAS_SINKS``: sinks_ptr holds the (Hq,) fp32 sink
-    logits, each row's first score (m, l include it); otherwise it is not read."""
+    logits, each row's first score (m, l include it); otherwise it is not read. ``HAS_WL``: query row i
+    sees keys from i - window_left on (a sliding window, as the Triton kernels' left bound); a tile's key
+    blocks start at its first row's window."""
     gl.static_assert(q_desc.block_type.shape[2] == 64)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -561,24 +592,24 @@ def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, c
     bufs = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
             k_empty, v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr)
     sizes = (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
-             o_stride_head)
+             o_stride_head, window_left)
     # (The argument tuples are written out: a tuple assigned to a name turns its constexprs into tensors.)
     if NUM_WG == 2:
         gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_SINKS)),
+                                          SEPARATE_O, HAS_SINKS, HAS_WL)),
                             (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_SINKS)),
+                                          SEPARATE_O, HAS_SINKS, HAS_WL)),
                             (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                         SEPARATE_O, HAS_SINKS))],
+                                         SEPARATE_O, HAS_SINKS, HAS_WL))],
                            [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.static_assert(NUM_WG == 3)
         gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_SINKS)),
+                                          SEPARATE_O, HAS_SINKS, HAS_WL)),
                             (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_SINKS)),
+                                          SEPARATE_O, HAS_SINKS, HAS_WL)),
                             (_consumer2, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_SINKS)),
+                                          SEPARATE_O, HAS_SINKS, HAS_WL)),
                             (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                         SEPARATE_O, HAS_SINKS))],
+                                         SEPARATE_O, HAS_SINKS, HAS_WL))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

@@ -43,6 +43,9 @@ L2_CHUNK_BYTES = 32 << 20
 # Attention sinks in the Gluon forward (HAS_SINKS: each row's first score). Off until checked on a GPU: the
 # forward of a call with sinks then runs the Triton kernel, and attention_backend says so.
 GLUON_SINKS = False
+# A left sliding-window bound in the Gluon forward (HAS_WL; causal or not, no right bound). Off until checked
+# on a GPU.
+GLUON_WINDOW = False
 
 
 def kernels():
@@ -101,7 +104,10 @@ def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_cau
         return "the Gluon kernel does not take softcap"
     if sinks is not None and not GLUON_SINKS:
         return "the Gluon kernel does not take attention sinks"
-    if wl >= 0 or (wr >= 0 and not is_causal):
+    if wr >= 0 and not is_causal:
+        bound = " with a right bound" if GLUON_WINDOW else ""
+        return f"the Gluon kernel does not take a sliding window{bound}"
+    if wl >= 0 and not GLUON_WINDOW:
         return "the Gluon kernel does not take a sliding window"
     d, dv = q.shape[-1], v.shape[-1]
     configs = kernels().FWD_CONFIGS
@@ -109,6 +115,8 @@ def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_cau
         return f"head dim {d}: the Gluon kernel has head dims {', '.join(map(str, sorted(configs)))}"
     if dv != d:
         return f"v's head dim {dv} is not q's {d}: the Gluon kernel needs them equal"
+    if wl >= 0 and d not in kernels().WINDOW_HEAD_DIMS:
+        return f"head dim {d}: the Gluon kernel takes a sliding window at head dims 64 and 128"
     return device_reason(q.device)
 
 
@@ -123,7 +131,7 @@ def settings() -> tuple:
     """What the path choice and the Gluon plans depend on beyond ``attention_launch.forward``'s plan keys
     (its plans are dropped when any of it changes)."""
     return (_config.gluon_enabled(), _config.gluon_bwd_mode(), PERSISTENT, L2_CHUNK_BYTES, reason, Plan,
-            device_reason, bwd_reason, GLUON_DQ, dq_reason, GLUON_SINKS)
+            device_reason, bwd_reason, GLUON_DQ, dq_reason, GLUON_SINKS, GLUON_WINDOW)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -167,10 +175,10 @@ class Plan:
     builds the descriptors and launches."""
 
     __slots__ = ("varlen", "copy", "o_scratch", "stat_shape", "empty", "block_shapes", "layouts", "args",
-                 "launch", "templates")
+                 "launch", "templates", "window")
 
     def __init__(self, q, k, v, cu_q, max_q: int, max_k: int, causal: bool, c1: float, *,
-                 persistent: bool | None = None, config=None, sinks: bool = False):
+                 persistent: bool | None = None, config=None, sinks: bool = False, window_left: int = -1):
         """``c1``: fp32(scale * log2(e)), the Triton path's constant (``attention_launch.constants``), so
         both paths multiply the scores by the same bits."""
         from ._launch import KernelLaunch
@@ -211,7 +219,8 @@ class Plan:
         kv_bytes = 2 * max(max_k, 1) * d * k.element_size()  # one kv head's K and V, shared by a query group
         head_group = max(1, min(batch * hq, L2_CHUNK_BYTES * (hq // hkv) // kv_bytes))
         self.args = (c1, hq, hq // hkv, head_group, rows_q, rows_k, n_m_blocks, n_tiles)
-        kwargs = dict(K.constexprs(cfg, causal, varlen, sinks), **K.LAUNCH_OPTIONS,
+        self.window = max(window_left, 0)  # not read without HAS_WL
+        kwargs = dict(K.constexprs(cfg, causal, varlen, sinks, window_left >= 0), **K.LAUNCH_OPTIONS,
                       enable_fp_fusion=_config.fp_fusion)
         self.launch = KernelLaunch(K.attn_fwd_gluon_kernel, grid, kwargs)
 
@@ -259,9 +268,10 @@ class Plan:
         sinks_arg = m if sinks is None else sinks
         if self.varlen:
             self.launch(q_desc, k_desc, v_desc, o_desc, m, l, o_, cu_q, cu_k, sinks_arg, *self.args,
-                        o_.stride(0), o_.stride(1))
+                        o_.stride(0), o_.stride(1), self.window)
         else:
-            self.launch(q_desc, k_desc, v_desc, o_desc, m, l, o_, m, m, sinks_arg, *self.args, 0, 0)
+            self.launch(q_desc, k_desc, v_desc, o_desc, m, l, o_, m, m, sinks_arg, *self.args, 0, 0,
+                        self.window)
         if o_ is not o:
             o.copy_(o_)
         return o, m, l
@@ -297,7 +307,7 @@ def _warm(job) -> tuple:
         descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout))
     stat = torch.empty(1, 256)
     cu = torch.zeros(2, dtype=torch.int32) if varlen else stat
-    K.attn_fwd_gluon_kernel.warmup(*descs, stat, stat, t, cu, cu, stat, 0.5, 1, 1, 1, 256, 256, 2, 2, 0, 0,
+    K.attn_fwd_gluon_kernel.warmup(*descs, stat, stat, t, cu, cu, stat, 0.5, 1, 1, 1, 256, 256, 2, 2, 0, 0, 0,
                                    grid=(1,), **K.constexprs(cfg, causal, varlen), **K.LAUNCH_OPTIONS,
                                    enable_fp_fusion=_config.fp_fusion)
     return job

@@ -718,7 +718,7 @@ def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale
             if len(plans) >= _PLANS_MAX:
                 plans.clear()
             plan = plans[key] = _gluon.Plan(q, k, v, cu_q, max_q, max_k, is_causal, constants(scale, None)[0],
-                                            sinks=sinks is not None)
+                                            sinks=sinks is not None, window_left=wl)
             return plan(q, k, v, cu_q, cu_k, sinks)
         record: list = []
         result = _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale,
