@@ -52,6 +52,11 @@ def gluon_enabled() -> bool:
     raise ValueError(f"SAFEOPS_GLUON must be 1 (on, the default) or 0 (off), got {value!r}")
 
 
+def gluon_bwd_setting() -> str:
+    """SAFEOPS_GLUON_BWD as set (unchecked): what plans depend on, read on every call without raising."""
+    return os.environ.get("SAFEOPS_GLUON_BWD", "")
+
+
 def gluon_bwd_mode() -> str:
     """SAFEOPS_GLUON_BWD, with SAFEOPS_GLUON: ``"auto"``, ``"on"`` or ``"off"`` (see the module docstring)."""
     value = os.environ.get("SAFEOPS_GLUON_BWD", "auto").strip().lower() or "auto"

@@ -506,3 +506,32 @@ def test_gluon_window_reasons_and_launch(monkeypatch, recorded):
     assert _arg_kinds(args) == list(K.signature(K.FWD_CONFIGS[64], 64, "bfloat16").values())
     L.forward(q, k, v, None, 0, None, None, 100, 70, True, 0.125, None, -1, 0, 0)
     assert recorded[1][1]["HAS_WL"] is False and recorded[1][2][-1] == 0
+
+
+def test_backward_settings_edge_cases(monkeypatch, recorded):
+    """A bad SAFEOPS_GLUON_BWD fails the backward's path choice only (forwards run); a forced Triton backward
+    configuration keeps dq off the Gluon kernel too; a backward whose dq the Gluon kernel computes keeps no
+    Triton plan (which would replay only the delta launch); clear_plans() drops the Gluon plans."""
+    _on_hopper(monkeypatch)
+    monkeypatch.setattr(G, "GLUON_DQ", True)
+    q, k, v = _qkv(d=128, hq=2, hkv=2, sq=64, sk=64)
+    o, g = torch.randn(1, 2, 64, 128).to(BF16), torch.randn(1, 2, 64, 128).to(BF16)
+    m, l = torch.randn(1, 2, 64), torch.rand(1, 2, 64) + 1
+    options = (None, 0, None, None, 64, 64, False, 0.1, None, -1, -1, 0)
+    monkeypatch.setenv("SAFEOPS_GLUON_BWD", "maybe")
+    L.forward(q, k, v, *options)  # the forward does not read it
+    with pytest.raises(ValueError, match="SAFEOPS_GLUON_BWD must be auto"):
+        L.backward(g, q, k, v, o, m, l, *options)
+    monkeypatch.setenv("SAFEOPS_GLUON_BWD", "auto")
+    with L.config_override(dkdv=L.AttnConfig(64, 64, 4, 2)):
+        assert L.gluon_dq_reason(q, k, v, None, None, False, None, -1, -1) == (
+            "a Triton backward configuration is forced (attention_launch.config_override)")
+    recorded.clear()
+    for _ in range(2):  # the second call launches the Gluon dQ and dK / dV kernels again
+        L.backward(g, q, k, v, o, m, l, *options)
+    kernels = [kw.get("CONSUMER_REGS") is not None and "NUM_WG" in kw for _, kw, _ in recorded]
+    assert len(recorded) == 4 and all(kernels)
+    assert all(p is L._GENERAL for p in L._bwd_plans.values())
+    assert L._gluon_bwd_plans
+    L.clear_plans()
+    assert not L._gluon_bwd_plans and not L._gluon_plans

@@ -57,7 +57,7 @@ def path(q, k, v, mask, cu_q, is_causal: bool, softcap, wl: int, wr: int, sinks=
         return "reference", f"{q.device.type} tensors run the pure-torch reference (SAFEOPS_BACKEND=auto)"
     if backward:
         why = attention_launch.gluon_bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr)
-        gluon_dq = not attention_gluon.dq_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr)
+        gluon_dq = not attention_launch.gluon_dq_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr)
         return ("triton", why) if why else ("gluon", attention_gluon.describe_bwd(q, is_causal, gluon_dq))
     why = attention_launch.gluon_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, sinks=sinks)
     if why:

@@ -130,7 +130,7 @@ def describe(q: torch.Tensor, is_causal: bool, varlen: bool) -> str:
 def settings() -> tuple:
     """What the path choice and the Gluon plans depend on beyond ``attention_launch.forward``'s plan keys
     (its plans are dropped when any of it changes)."""
-    return (_config.gluon_enabled(), _config.gluon_bwd_mode(), PERSISTENT, L2_CHUNK_BYTES, reason, Plan,
+    return (_config.gluon_enabled(), _config.gluon_bwd_setting(), PERSISTENT, L2_CHUNK_BYTES, reason, Plan,
             device_reason, bwd_reason, GLUON_DQ, dq_reason, GLUON_SINKS, GLUON_WINDOW)
 
 

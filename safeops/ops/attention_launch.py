@@ -471,7 +471,7 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
 
     # dq first: its programs also compute delta = rowsum(dO * O) of their rows, which dk/dv reads (only delta
     # where the Gluon dq kernel computes dq, after it).
-    gluon_dq = not _gluon.dq_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype)
+    gluon_dq = not gluon_dq_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype)
     qc = config("dq", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
     n_m_blocks = _cdiv(p.max_q, qc.block_m)
     _launch(k_mod.attn_bwd_dq_kernel, _backward_grid(n_m_blocks, p.batch * p.hq, p.masked),
@@ -545,6 +545,8 @@ _plans_settings: list = [None]
 def clear_plans() -> None:
     _fwd_plans.clear()
     _bwd_plans.clear()
+    _gluon_plans.clear()
+    _gluon_bwd_plans.clear()
     _plans_settings[0] = None
 
 
@@ -673,6 +675,14 @@ def gluon_bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype
     return _gluon.bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype)
 
 
+def gluon_dq_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype=None) -> str:
+    """The backward's path choice for dq: ``""`` when the Gluon dQ kernel computes it
+    (``attention_gluon.dq_reason``), unless a Triton dq or dk/dv configuration is forced."""
+    if "dq" in _override or "dkdv" in _override:
+        return "a Triton backward configuration is forced (attention_launch.config_override)"
+    return _gluon.dq_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype)
+
+
 _gluon_bwd_plans: dict = {}
 
 
@@ -759,6 +769,8 @@ def _backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype,
     else:
         return _GENERAL
     (dk_q, grid_q, args_q, kw_q), (dk_k, grid_k, args_k, kw_k) = record
+    if kw_q.get("DELTA_ONLY"):  # dq comes from the Gluon kernel, which a plan does not replay
+        return _GENERAL
     # dq's 12 leading tensors, then the sinks and their per-row buffer (tensors or None), then the scalars.
     dq_scalars, dkdv_scalars = _split_args(args_q[:12] + args_q[14:], 12), _split_args(args_k, 12)
     if dq_scalars is None or dkdv_scalars is None:
