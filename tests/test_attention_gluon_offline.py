@@ -4,11 +4,11 @@ safeops.kernels.attention_gluon_bwd: the backward's dK / dV and dQ), checked wit
 Every configuration the launchers can choose (the forward: bf16 / fp16 x each head dim of ``FWD_CONFIGS``
 x causal or not x dense or packed (varlen) x sinks or not x a left window or not; the backward's dK / dV
 and dQ: bf16 / fp16 x each head dim of ``BWD_CONFIGS`` / ``DQ_CONFIGS`` x causal or not; a variant whose
-switch is off in bf16 only; the GQA group, the sizes and the persistent grid are runtime values, not
-compile-time ones) is compiled for sm_90 exactly as ``safeops.ops.attention_gluon``'s plans launch it
-(their constexprs, 4 warps, ``enable_fp_fusion=False``), in one subprocess pool with Triton 3.6 (the Gluon
-API the kernels are written for; the test skips without one), together with a fusion-on control per
-kernel. Then:
+switch is off in bf16 at head dim 128 only; the GQA group, the sizes and the persistent grid are runtime
+values, not compile-time ones) is compiled for sm_90 exactly as ``safeops.ops.attention_gluon``'s plans
+launch it (their constexprs, 4 warps, ``enable_fp_fusion=False``), in one subprocess pool with Triton 3.6
+(the Gluon API the kernels are written for; the test skips without one), together with a fusion-on control
+per kernel. Then:
 
 - contract section 1 at the instruction level: no f32 ``fma`` and every f32 mul / add / sub ``.rn`` in the
   PTX, so ``z2 = s * C1`` is rounded once and the same bits feed the row max and ``z2 - m``; with fp fusion
@@ -145,19 +145,27 @@ _SCRIPT = textwrap.dedent(
 FWD_KINDS = ("fwd", "fwd+sinks", "fwd+window", "fwd+sinks+window")
 
 
-def _dtypes(kind: str) -> tuple[str, ...]:
-    """Both dtypes for what the launchers can choose now; a kernel variant its switch keeps off
-    (attention_gluon.GLUON_SINKS / GLUON_WINDOW / GLUON_DQ) in bf16 only (fp16 is the same code), until the
-    switch is turned on."""
+def _gated(kind: str) -> bool:
+    """A kernel variant its switch keeps off (attention_gluon.GLUON_SINKS / GLUON_WINDOW / GLUON_DQ): the
+    launchers cannot choose it yet, so it compiles in bf16 at head dim 128 only (the other dtype and head
+    dims are the same code) until the switch is turned on."""
     off = {"sinks": not G.GLUON_SINKS, "window": not G.GLUON_WINDOW, "dq": not G.GLUON_DQ}
-    gated = any(off.get(flag, False) for flag in kind.split("+"))
-    return ("bfloat16",) if gated else K.DTYPES
+    return any(off.get(flag, False) for flag in kind.split("+"))
+
+
+def _dtypes(kind: str) -> tuple[str, ...]:
+    return ("bfloat16",) if _gated(kind) else K.DTYPES
+
+
+def _dims(kind: str) -> tuple[int, ...]:
+    if _gated(kind):
+        return (128,)
+    return K.WINDOW_HEAD_DIMS if "window" in kind else K.HEAD_DIMS if kind.startswith("fwd") else KB.HEAD_DIMS
 
 
 CONFIGS = [(kind, dtype, d, causal, varlen) for kind in FWD_KINDS for dtype in _dtypes(kind)
-           for d in (K.WINDOW_HEAD_DIMS if "window" in kind else K.HEAD_DIMS) for causal in (False, True)
-           for varlen in (False, True)] + [
-    (kind, dtype, d, causal, False) for kind in ("bwd", "dq") for dtype in _dtypes(kind) for d in KB.HEAD_DIMS
+           for d in _dims(kind) for causal in (False, True) for varlen in (False, True)] + [
+    (kind, dtype, d, causal, False) for kind in ("bwd", "dq") for dtype in _dtypes(kind) for d in _dims(kind)
     for causal in (False, True)]
 # The contraction check's controls: one configuration of each kernel compiled with fp fusion on must show
 # f32 fma.
