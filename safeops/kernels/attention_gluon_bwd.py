@@ -100,12 +100,18 @@ def constexprs(cfg: GluonBwdConfig, causal: bool) -> dict:
 LAUNCH_OPTIONS = {"num_warps": 4}
 
 
-def signature(cfg: GluonBwdConfig, head_dim: int, dtype: str) -> dict[str, str]:
-    """Runtime argument types as Triton's compiler spells them (offline compiles), in argument order."""
+def _desc_types(shapes: dict[str, list[int]], head_dim: int, dtype: str) -> dict[str, str]:
+    """``{name}_desc`` -> the tensordesc type of a TMA descriptor of each block shape."""
     types = {}
-    for name, shape in block_shapes(cfg, head_dim).items():
+    for name, shape in shapes.items():
         layout = shared_layout(shape[2], head_dim, dtype)
         types[f"{name}_desc"] = f"tensordesc<{_SHORT[dtype]}[{', '.join(map(str, shape))}],{layout!r}>"
+    return types
+
+
+def signature(cfg: GluonBwdConfig, head_dim: int, dtype: str) -> dict[str, str]:
+    """Runtime argument types as Triton's compiler spells them (offline compiles), in argument order."""
+    types = _desc_types(block_shapes(cfg, head_dim), head_dim, dtype)
     stat = [1, 1, cfg.block_m]
     layout = stat_layout(cfg)
     for name in ("m", "l", "delta"):
@@ -355,10 +361,7 @@ def dq_constexprs(cfg: GluonDqConfig, causal: bool) -> dict:
 
 def dq_signature(cfg: GluonDqConfig, head_dim: int, dtype: str) -> dict[str, str]:
     """Runtime argument types of the dQ kernel as Triton's compiler spells them, in argument order."""
-    types = {}
-    for name, shape in dq_block_shapes(cfg, head_dim).items():
-        layout = shared_layout(shape[2], head_dim, dtype)
-        types[f"{name}_desc"] = f"tensordesc<{_SHORT[dtype]}[{', '.join(map(str, shape))}],{layout!r}>"
+    types = _desc_types(dq_block_shapes(cfg, head_dim), head_dim, dtype)
     types.update(m_ptr="*fp32", l_ptr="*fp32", delta_ptr="*fp32", C1="fp32", scale_ds="fp32")
     types.update({name: "i32" for name in DQ_SIZE_ARGS})
     return {name: types[name] for name in attn_bwd_dq_gluon_kernel.arg_names if name in types}

@@ -441,6 +441,31 @@ def sinks_gradient(dsink_rows: torch.Tensor, varlen: bool) -> torch.Tensor:
     return (-total).to(torch.float32)
 
 
+def _dkdv_triton(p: _Problem, q_, k_, v_, g_, dk, dv, dk_, dv_, row_max, row_sum, delta, st, common,
+                 block_d: int, c1: float, c2: float, scale_ds: float, record: list | None) -> None:
+    """dk and dv through the Triton kernel (``dk_`` / ``dv_``: what it writes; with the GQA split, fp32
+    partials summed into them)."""
+    kv = config("dkdv", block_d, q_.dtype, p.masked, q_.device, p.precision, p.mask_bytes)
+    split = dkdv_split(p.hq // p.hkv, k_.numel() + v_.numel())
+    dkp, dvp = dk_, dv_
+    if split > 1:  # fp32 partials per slice of each kv head's query group, summed below
+        dkp, dvp = (torch.empty(*t.shape[:-2], t.shape[-2] * split, t.shape[-1], dtype=torch.float32,
+                                device=t.device) if p.varlen else
+                    torch.empty(t.shape[0], t.shape[1] * split, *t.shape[2:], dtype=torch.float32,
+                                device=t.device) for t in (dk, dv))
+    n_bh = p.batch * p.hkv * split
+    _launch(kernels().attn_bwd_dkdv_kernel, _backward_grid(_cdiv(p.max_k, kv.block_n), n_bh, p.masked),
+        q_, k_, v_, g_, dkp, dvp, row_max, row_sum, delta, p.mask_arg, p.cu_q, p.cu_k,
+        *_bhs(q_, p.varlen), *_bhs(k_, p.varlen), *_bhs(v_, p.varlen), *_bhs(g_, p.varlen),
+        *_bhs(dkp, p.varlen), *_bhs(dvp, p.varlen), *st, *p.mask_strides,
+        p.hq, n_bh, p.max_q, p.max_k, p.window_left, p.window_right, c1, c2, scale_ds,
+        **common, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, NUM_STAGES=kv.num_stages,
+        USE_TMA=_use_tma(kv, q_, g_), SPLIT=split, EVEN=_even(p, kv), **_launch_options(kv), record=record,
+    )
+    if split > 1:
+        _split_sum(dkp, dvp, dk_, dv_, split, p.varlen, record)
+
+
 def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q, max_k,
                       is_causal, scale, softcap, wl, wr, precision, *, grad_dtype: torch.dtype | None = None,
                       sinks: torch.Tensor | None = None, record: list | None = None):
@@ -485,32 +510,14 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
         **_launch_options(qc), record=record,
     )
     if gluon_dq:
-        _gluon_dq(q_, k_, v_, g_, row_max, row_sum, delta, dq_, is_causal, c1, scale_ds)
+        _gluon_launch(_gluon.DqPlan, (q_, k_, v_, g_), (dq_,), is_causal, c1, scale_ds)(
+            q_, k_, v_, g_, row_max, row_sum, delta, dq_)
     if not gluon_bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype):
-        _gluon_dkdv(q_, k_, v_, g_, row_max, row_sum, delta, dk_, dv_, is_causal, c1, scale_ds)
-        for result, written in ((dq, dq_), (dk, dk_), (dv, dv_)):
-            if written is not result:
-                result.copy_(written)
-        return (dq, dk, dv) if sinks is None else (dq, dk, dv, sinks_gradient(dsink_rows, p.varlen))
-    kv = config("dkdv", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
-    split = dkdv_split(p.hq // p.hkv, k.numel() + v.numel())
-    dkp, dvp = dk_, dv_
-    if split > 1:  # fp32 partials per slice of each kv head's query group, summed below
-        dkp, dvp = (torch.empty(*t.shape[:-2], t.shape[-2] * split, t.shape[-1], dtype=torch.float32,
-                                device=t.device) if p.varlen else
-                    torch.empty(t.shape[0], t.shape[1] * split, *t.shape[2:], dtype=torch.float32,
-                                device=t.device) for t in (dk, dv))
-    n_bh = p.batch * p.hkv * split
-    _launch(k_mod.attn_bwd_dkdv_kernel, _backward_grid(_cdiv(p.max_k, kv.block_n), n_bh, p.masked),
-        q_, k_, v_, g_, dkp, dvp, row_max, row_sum, delta, p.mask_arg, p.cu_q, p.cu_k,
-        *_bhs(q_, p.varlen), *_bhs(k_, p.varlen), *_bhs(v_, p.varlen), *_bhs(g_, p.varlen),
-        *_bhs(dkp, p.varlen), *_bhs(dvp, p.varlen), *st, *p.mask_strides,
-        p.hq, n_bh, p.max_q, p.max_k, p.window_left, p.window_right, c1, c2, scale_ds,
-        **common, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, NUM_STAGES=kv.num_stages,
-        USE_TMA=_use_tma(kv, q_, g_), SPLIT=split, EVEN=_even(p, kv), **_launch_options(kv), record=record,
-    )
-    if split > 1:
-        _split_sum(dkp, dvp, dk_, dv_, split, p.varlen, record)
+        _gluon_launch(_gluon.BwdPlan, (q_, k_, v_, g_), (dk_, dv_), is_causal, c1, scale_ds)(
+            q_, k_, v_, g_, row_max, row_sum, delta, dk_, dv_)
+    else:
+        _dkdv_triton(p, q_, k_, v_, g_, dk, dv, dk_, dv_, row_max, row_sum, delta, st, common, block_d,
+                     c1, c2, scale_ds, record)
     for result, written in ((dq, dq_), (dk, dk_), (dv, dv_)):
         if written is not result:
             result.copy_(written)
@@ -686,29 +693,18 @@ def gluon_dq_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype=
 _gluon_bwd_plans: dict = {}
 
 
-def _gluon_dkdv(q, k, v, grad, row_max, row_sum, delta, dk, dv, causal: bool, c1: float, scale_ds: float):
-    """dk and dv through the Gluon kernel (one ``attention_gluon.BwdPlan`` per signature)."""
-    key = tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16, t.device) for t in (q, k, v, grad, dk)) + (
-        causal, c1, scale_ds, _gluon.settings(), _config.fp_fusion)
+def _gluon_launch(plan_class, inputs: tuple, outputs: tuple, causal: bool, c1: float, scale_ds: float):
+    """The kept ``attention_gluon.BwdPlan`` / ``DqPlan`` for these inputs (q, k, v, grad) and outputs
+    (their layouts and alignment make the key), made on first use."""
+    key = (plan_class,) + tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16, t.device)
+                                for t in inputs + outputs) + (causal, c1, scale_ds, _gluon.settings(),
+                                                              _config.fp_fusion)
     plan = _gluon_bwd_plans.get(key)
     if plan is None:
         if len(_gluon_bwd_plans) >= 256:
             _gluon_bwd_plans.clear()
-        plan = _gluon_bwd_plans[key] = _gluon.BwdPlan(q, k, v, grad, causal, c1, scale_ds)
-    plan(q, k, v, grad, row_max, row_sum, delta, dk, dv)
-
-
-def _gluon_dq(q, k, v, grad, row_max, row_sum, delta, dq, causal: bool, c1: float, scale_ds: float):
-    """dq through the Gluon kernel (one ``attention_gluon.DqPlan`` per signature)."""
-    tensors = (q, k, v, grad, dq)
-    key = ("dq",) + tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16, t.device) for t in tensors) + (
-        causal, c1, scale_ds, _gluon.settings(), _config.fp_fusion)
-    plan = _gluon_bwd_plans.get(key)
-    if plan is None:
-        if len(_gluon_bwd_plans) >= 256:
-            _gluon_bwd_plans.clear()
-        plan = _gluon_bwd_plans[key] = _gluon.DqPlan(q, k, v, grad, causal, c1, scale_ds)
-    plan(q, k, v, grad, row_max, row_sum, delta, dq)
+        plan = _gluon_bwd_plans[key] = plan_class(*inputs, causal, c1, scale_ds)
+    return plan
 
 
 def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale, softcap, wl, wr, precision,
