@@ -149,10 +149,14 @@ def logsumexp(x, dim=-1, *, scale=None, mask=None, keepdim=False) -> torch.Tenso
 _MAX_HEAD_DIM = 256
 
 
-@torch.compiler.assume_constant_result
 def _matmul_precision() -> str:
     # Read when torch.compile traces (Dynamo cannot put the string in a graph); eager reads it every call.
     return torch.get_float32_matmul_precision()
+
+
+# What torch.compiler.assume_constant_result does, without importing torch._dynamo at `import safeops`
+# (seconds of import time); tests/test_import.py checks that the decorator still sets exactly this.
+_matmul_precision._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _check_qkv(q, k, v, rank: int, layout: str) -> None:
