@@ -267,6 +267,11 @@ def cpu(calls: int) -> None:
             ("backward, cached plan",
              lambda: softmax_launch.backward(0, g, x, m, l, 1, None, None, None, False)),
         ], calls, 10)
+        xg = x.clone().requires_grad_(True)
+        with _gpu_route_on_cpu([]):  # the public function on the launcher's route
+            print("public safeops.softmax on the same route (kernels replaced by no-ops), 64 x 1024 bf16")
+            _print([("safeops.softmax, x not requiring grad", lambda: safeops.softmax(x, -1)),
+                    ("safeops.softmax, x requiring grad", lambda: safeops.softmax(xg, -1))], calls, 10)
     finally:
         softmax_launch._kernels, softmax_launch._check_device = real
     os.environ["SAFEOPS_BACKEND"] = "reference"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given
-from strategies import seeds
+from strategies import Seed, seeds
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -276,3 +276,72 @@ def test_parameter_inputs_take_the_fast_path(reference_backend, seed):
     x = p.detach().clone().requires_grad_(True)
     torch.ops.safeops.log_softmax.default(x, 1, None, None, None, None)[0].backward(g)
     assert torch.equal(p.grad, x.grad)
+
+
+
+# With nothing for autograd to record, the eager fast path calls the implementation directly (no
+# autograd.Function per call): the same bits as through the Function and no graph node; whatever does need
+# the Function still gets it (an input that requires grad, a scale tensor that does, a forward-AD level).
+def _fast_path_call(name, seed, requires_grad: bool):
+    def leaf(*shape):
+        return seed.randn(*shape).requires_grad_(requires_grad)
+
+    if name == "attention":
+        q, k, v = leaf(1, 2, 5, 8), leaf(1, 2, 5, 8), leaf(1, 2, 5, 8)
+        return lambda: safeops.attention(q, k, v, is_causal=True)
+    if name == "merge_attention":
+        outs, lses = leaf(2, 1, 2, 5, 8), leaf(2, 1, 2, 5)
+        return lambda: safeops.merge_attention(outs, lses)[0]
+    x = leaf(4, 6)
+    if name == "cross_entropy":
+        target = torch.tensor([0, 5, 2, -100])
+        return lambda: safeops.cross_entropy(x, target, label_smoothing=0.1)
+    fn = getattr(safeops, name)  # softmax, log_softmax, logsumexp
+    return lambda: fn(x, -1, scale=0.5)
+
+
+FAST_PATH_OPS = ["softmax", "log_softmax", "logsumexp", "attention", "merge_attention", "cross_entropy"]
+
+
+@pytest.mark.parametrize("name", FAST_PATH_OPS)
+@given(seed=seeds())
+def test_fast_path_without_autograd_records_nothing(reference_backend, name, seed):
+    out = _fast_path_call(name, Seed(seed.value), requires_grad=False)()
+    assert out.grad_fn is None and not out.requires_grad
+    recorded = _fast_path_call(name, Seed(seed.value), requires_grad=True)
+    through_function = recorded()
+    assert through_function.grad_fn is not None
+    assert torch.equal(out, through_function.detach())
+    with torch.no_grad():
+        under_no_grad = recorded()
+    assert under_no_grad.grad_fn is None and torch.equal(out, under_no_grad)
+
+
+@given(seed=seeds())
+def test_fast_path_records_a_scale_that_requires_grad(reference_backend, seed):
+    # x needs no gradient, the scale does: the call must still record, and d/ds matches float64 autograd.
+    x, g = seed.randn(3, 7), seed.randn(3, 7)
+    s = torch.tensor(0.7, requires_grad=True)
+    out = safeops.softmax(x, -1, scale=s)
+    assert out.requires_grad
+    (ds,) = torch.autograd.grad(out, s, g)
+    s64 = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+    (ds64,) = torch.autograd.grad(torch.softmax(x.double() * s64, -1), s64, g.double())
+    torch.testing.assert_close(ds.double(), ds64, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["softmax", "cross_entropy", "attention"])
+def test_forward_ad_still_raises_on_the_fast_path(reference_backend, name):
+    # A dual input that does not require grad must not slip past the Function (it would lose its tangent).
+    import torch.autograd.forward_ad as fwAD
+
+    x = torch.randn(1, 2, 4, 8)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.ones_like(x))
+        with pytest.raises(NotImplementedError, match="jvp"):
+            if name == "softmax":
+                safeops.softmax(dual, -1)
+            elif name == "cross_entropy":
+                safeops.cross_entropy(dual.reshape(8, 8), torch.arange(8))
+            else:
+                safeops.attention(dual, x, x)

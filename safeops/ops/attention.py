@@ -29,12 +29,11 @@ schemas ``torch.library.custom_op`` would infer), so compiled code runs the eage
 from __future__ import annotations
 
 import torch
-from torch.autograd import forward_ad as _forward_ad
 
 from .. import _config, reference
 from . import attention_gluon, attention_launch
-from ._launch import _any_requires_grad, define_op
-from .softmax import eager_fast_path, no_double_backward
+from ._launch import define_op
+from .softmax import eager_fast_path, needs_autograd, no_double_backward
 
 PRECISIONS = {"ieee": 0, "tf32": 1, "tf32x3": 2}
 
@@ -296,8 +295,7 @@ def forward(q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     args = (q, k, v, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
             scale, softcap, window_left, window_right, precision, sinks)
     if eager_fast_path(q, k, v, mask, cu_seqlens_q, cu_seqlens_k, sinks):
-        if ((torch.is_grad_enabled() and _any_requires_grad(q, k, v, mask, sinks))
-                or getattr(_forward_ad, "_current_level", 0) >= 0):  # a dual level: jvp must raise
+        if needs_autograd(q, k, v, mask, sinks):
             return _EagerAttention.apply(*args)
         return _forward_impl(*args)
     return attention_op(*args)

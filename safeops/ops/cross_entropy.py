@@ -27,7 +27,7 @@ import torch
 from .. import _config, reference
 from . import cross_entropy_launch
 from ._launch import define_op
-from .softmax import eager_fast_path, no_double_backward
+from .softmax import eager_fast_path, needs_autograd, no_double_backward
 
 REDUCTIONS = {"none": reference.CE_NONE, "mean": reference.CE_MEAN, "sum": reference.CE_SUM}
 
@@ -174,6 +174,8 @@ def forward(x, target, weight, ignore_index: int, reduction: int, label_smoothin
     ``inplace_backward``: the backward writes the gradient into x's buffer (eager fast path only, and only
     when x's elements do not overlap); elsewhere it goes to a fresh buffer."""
     if eager_fast_path(x, target, weight):
-        return _EagerCrossEntropy.apply(x, target, weight, ignore_index, reduction, label_smoothing, z_loss,
-                                        out_dtype, inplace_backward and inplace_ok(x))
+        options = (ignore_index, reduction, label_smoothing, z_loss, out_dtype)
+        if not needs_autograd(x, weight):
+            return _forward_impl(x, target, weight, *options)
+        return _EagerCrossEntropy.apply(x, target, weight, *options, inplace_backward and inplace_ok(x))
     return cross_entropy_op(x, target, weight, ignore_index, reduction, label_smoothing, z_loss, out_dtype)

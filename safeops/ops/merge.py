@@ -22,7 +22,7 @@ import torch
 
 from .. import _config, reference
 from ._launch import define_op
-from .softmax import eager_fast_path, no_double_backward
+from .softmax import eager_fast_path, needs_autograd, no_double_backward
 
 
 def _runs_reference(outs: torch.Tensor) -> bool:
@@ -173,5 +173,7 @@ def forward(outs: torch.Tensor, lses: torch.Tensor, sinks: torch.Tensor | None =
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``: the eager fast path when it applies, else the registered op."""
     if eager_fast_path(outs, lses, sinks):
+        if not needs_autograd(outs, lses, sinks):
+            return _forward_impl(outs, lses, sinks)
         return _EagerMerge.apply(outs, lses, sinks)
     return merge_attention_op(outs, lses, sinks)

@@ -21,11 +21,12 @@ section 6); Inductor's re-emission of user kernels would not promise that.
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import _config, reference
 from . import softmax_launch
-from ._launch import define_op
+from ._launch import _any_requires_grad, define_op
 
 SOFTMAX, LOG_SOFTMAX, LOGSUMEXP = reference.SOFTMAX, reference.LOG_SOFTMAX, reference.LOGSUMEXP
 KIND_NAMES = {SOFTMAX: "softmax", LOG_SOFTMAX: "log_softmax", LOGSUMEXP: "logsumexp"}
@@ -195,9 +196,21 @@ class _EagerSoftmax(torch.autograd.Function):
 _OPS = {}
 
 
+def needs_autograd(*tensors) -> bool:
+    """Whether an eager fast-path call must go through its autograd.Function: grad mode on and an input
+    requiring grad, or a forward-AD level open (dual inputs must reach the Function, which raises that it
+    has no jvp). Otherwise the caller runs the implementation directly: what the Function would return then
+    (no graph node), without its per-call host cost."""
+    if torch.is_grad_enabled() and _any_requires_grad(*tensors):
+        return True
+    return getattr(_forward_ad, "_current_level", 0) >= 0  # unknown torch: assume a level is open
+
+
 def forward(kind, x, dim, scale, scale_tensor, mask, out_dtype):
     """``(out, row_max, row_sum)`` of the op ``kind``: the eager fast path when it applies, else the op."""
     if eager_fast_path(x, scale_tensor, mask):
+        if not needs_autograd(x, scale_tensor):
+            return _forward_impl(kind, x, dim, scale, scale_tensor, mask, out_dtype)
         return _EagerSoftmax.apply(kind, x, dim, scale, scale_tensor, mask, out_dtype)
     return _OPS[kind](x, dim, scale, scale_tensor, mask, out_dtype)
 
