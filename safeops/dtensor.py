@@ -32,8 +32,8 @@ The sharding strategies are registered with ``torch.distributed.tensor.experimen
 for ``torch.ops.safeops.{softmax, log_softmax, logsumexp, softmax_backward, attention,
 attention_backward, attention_sinks_backward, merge_attention, merge_attention_backward,
 merge_attention_sinks_backward}``: at the end of
-``import safeops`` when ``torch.distributed.tensor`` is already imported (with torch 2.13, importing safeops
-has loaded it through torch._dynamo), else by the first DTensor a public function sees.
+``import safeops`` when ``torch.distributed.tensor`` is already imported, else right after its first import
+(a post-import hook), and by the first DTensor a public function sees should that have failed.
 ``import safeops`` never imports ``torch.distributed.tensor`` itself and never fails over it. Code calling
 the ``torch.ops.safeops`` ops directly on DTensors may call :func:`register` first to be sure; there an
 unsupported placement raises DTensor's ``RuntimeError`` carrying the same message.
@@ -47,6 +47,8 @@ from __future__ import annotations
 import sys
 
 import torch
+
+from ._import_hooks import after_import
 
 _registered = False
 
@@ -555,13 +557,18 @@ def _merge_sinks_backward(grad_out, grad_lse, outs, lses, sinks):
 
 
 def register_if_loaded() -> None:
-    """Called at the end of ``import safeops``: registers right away when DTensor is already imported (then
-    code compiled with ``torch.compile(fullgraph=True)`` never meets an unregistered
-    op: registering inside a trace would be a graph break). Otherwise the first DTensor a public function
-    sees registers. Never raises: ``import safeops`` must not fail over an optional feature, and a failure
-    here comes back, with its cause, on the first DTensor call."""
-    if "torch.distributed.tensor" not in sys.modules or not torch.distributed.is_available():
+    """Called at the end of ``import safeops``: registers right away when DTensor is already imported, else
+    right after ``torch.distributed.tensor`` is first imported (safeops._import_hooks), so code compiled with
+    ``torch.compile(fullgraph=True)`` never meets an unregistered op: registering inside a trace would be a
+    graph break. The first DTensor a public function sees registers too, should that have failed. Never
+    raises: ``import safeops`` must not fail over an optional feature, and a failure here comes back, with
+    its cause, on the first DTensor call."""
+    if not torch.distributed.is_available():
         return
+    after_import("torch.distributed.tensor", _register_quietly)
+
+
+def _register_quietly() -> None:
     try:
         register()
     except Exception:  # noqa: BLE001, S110  (retried, and raised, by the first DTensor call)

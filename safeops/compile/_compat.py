@@ -5,11 +5,9 @@ Each helper names the private API it uses; when a torch release moves one, this 
 
 from __future__ import annotations
 
-import contextlib
-import importlib.abc
-import sys
-import warnings
 from typing import Any
+
+from .._import_hooks import after_import
 
 
 def custom_graph_pass_base() -> type:
@@ -83,54 +81,7 @@ def register_backend_on_import(name: str, fn) -> None:
     the registration. (A ``torch_dynamo_backends`` entry point would work only for installed copies, and
     torch refuses a name registered both ways.)
     """
-    if _REGISTRY in sys.modules:
-        register_backend(name, fn)
-        return
-    sys.meta_path.insert(0, _AfterImport(_REGISTRY, lambda: register_backend(name, fn)))
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """A post-import hook: finds nothing itself, but wraps the loader of module ``name`` (found by the finders
-    after it) so that ``then()`` runs once the module has executed. Removes itself at the first lookup."""
-
-    def __init__(self, name: str, then):
-        self.name, self.then = name, then
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name:
-            return None
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(self)
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find is not None else None
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _ThenLoader(spec.loader, self.then)
-        return spec
-
-
-class _ThenLoader(importlib.abc.Loader):
-    """Delegates to ``loader`` (get_source etc. included), then calls ``then()`` after ``exec_module``."""
-
-    def __init__(self, loader, then):
-        self._loader, self._then = loader, then
-
-    def __getattr__(self, attr):
-        return getattr(self._loader, attr)
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        try:
-            self._then()
-        except Exception as e:  # a failed registration must not break `import torch._dynamo`
-            warnings.warn(f"safeops: registering the torch.compile backend failed: {e!r}", stacklevel=2)
+    after_import(_REGISTRY, lambda: register_backend(name, fn))
 
 
 def pre_grad_pass_in_cache_key() -> bool:
