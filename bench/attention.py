@@ -7,10 +7,11 @@ FLOPs: forward 4 * B * H * Sq * Sk * D (halved for causal), backward 2.5x the fo
 
 - safeops: ``torch.ops.safeops.attention_backward`` alone (dq with delta, dk/dv kernels) from saved tensors;
 - safeops, fusion on: the same kernels compiled with ``enable_fp_fusion=True``
-- safeops gluon dq (backward only): dq from the Gluon dQ kernel (``attention_gluon.GLUON_DQ``, off by
-  default until this measures it), where the backward's dk / dv take the Gluon kernel
   (``safeops._config.fp_fusion``), to measure what the contraction-free build costs (target < 3%); it is
   our variant, not a peer;
+- safeops gluon dq (backward only): dq from the Gluon dQ kernel (``attention_gluon.GLUON_DQ``, off by
+  default: 2026-12-03 it measured +6% non-causal, -3% causal at D=128), where the backward's dk / dv take
+  the Gluon kernel;
 - SDPA backends and FlexAttention: ``torch.autograd.grad`` of the output w.r.t. (q, k, v) on a retained
   graph, which runs their backward kernels only.
 
