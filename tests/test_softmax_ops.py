@@ -345,3 +345,29 @@ def test_forward_ad_still_raises_on_the_fast_path(reference_backend, name):
                 safeops.cross_entropy(dual.reshape(8, 8), torch.arange(8))
             else:
                 safeops.attention(dual, x, x)
+
+
+@given(seed=seeds())
+def test_eager_backward_builds_no_placeholder_scale_gradient(triton_backend, seed):
+    # The launcher's backward returns a zero dscale for the op's schema when no scale gradient is wanted; the
+    # eager path asks for None there (one allocation and fill launch less per call). With a scale tensor
+    # whose gradient is wanted the value is the same either way, and so is dx.
+    from safeops.ops import softmax_launch
+
+    x, g = seed.randn(5, 9), seed.randn(5, 9)
+    s = torch.tensor(0.6)
+    _, m, l = softmax_launch.forward(0, x, 1, None, s, None, x.dtype)
+    for need in (False, True):
+        dx, ds = softmax_launch.backward(0, g, x, m, l, 1, None, s, None, need)
+        dx2, ds2 = softmax_launch.backward(0, g, x, m, l, 1, None, s, None, need, dscale_placeholder=False)
+        assert torch.equal(dx, dx2)
+        if need:
+            assert torch.equal(ds, ds2)
+        else:
+            assert ds2 is None and torch.equal(ds, torch.zeros(()))
+    # Through autograd: a scale tensor not requiring grad, then one requiring it (float64 autograd oracle).
+    xg = x.clone().requires_grad_(True)
+    (dx_eager,) = torch.autograd.grad(safeops.softmax(xg, -1, scale=s), xg, g)
+    x64 = x.double().requires_grad_(True)
+    (dx64,) = torch.autograd.grad(torch.softmax(x64 * 0.6, -1), x64, g.double())
+    torch.testing.assert_close(dx_eager.double(), dx64, rtol=1e-5, atol=1e-6)

@@ -109,7 +109,11 @@ def _make_forward_op(kind: int):
     return define_op(name, FORWARD_SCHEMA, impl, fake, function)
 
 
-def _backward_impl(grad, x, row_max, row_sum, dim, kind, scale, scale_tensor, mask, need_dscale):
+def _backward_impl(grad, x, row_max, row_sum, dim, kind, scale, scale_tensor, mask, need_dscale,
+                   dscale_placeholder=True):
+    """``(dx, dscale)``. Without ``need_dscale`` the op still returns a zero ``dscale`` (its schema returns a
+    tensor); ``dscale_placeholder=False`` (the eager path, which drops it) gives None there instead, which
+    saves an allocation and a fill launch per call on the GPU."""
     if row_max.dtype == torch.float64 or not _config.use_triton(x):
         dx, dscale = reference.backward(
             kind, grad, x, row_max, row_sum, dim, scale, scale_tensor, mask, need_dscale
@@ -120,7 +124,8 @@ def _backward_impl(grad, x, row_max, row_sum, dim, kind, scale, scale_tensor, ma
             dscale_out.copy_(dscale)
         return out, dscale_out
     return softmax_launch.backward(
-        kind, grad, x, row_max, row_sum, dim, scale, scale_tensor, mask, need_dscale
+        kind, grad, x, row_max, row_sum, dim, scale, scale_tensor, mask, need_dscale,
+        dscale_placeholder=dscale_placeholder,
     )
 
 
@@ -188,7 +193,8 @@ class _EagerSoftmax(torch.autograd.Function):
         no_double_backward(ctx, (x, scale_tensor, grad_out))
         need_dscale = ctx.has_scale_tensor and ctx.needs_input_grad[4]
         grad_x, grad_scale = _backward_impl(
-            grad_out, x, row_max, row_sum, ctx.dim, ctx.kind, ctx.scale, scale_tensor, mask, need_dscale
+            grad_out, x, row_max, row_sum, ctx.dim, ctx.kind, ctx.scale, scale_tensor, mask, need_dscale,
+            dscale_placeholder=False,
         )
         return None, grad_x, None, None, _scale_grad(grad_scale, scale_tensor, need_dscale), None, None
 

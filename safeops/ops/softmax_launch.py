@@ -488,16 +488,19 @@ def backward(
     scale_tensor: torch.Tensor | None,
     mask: torch.Tensor | None,
     need_dscale: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    dscale_placeholder: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(dx, dscale)``; ``dscale`` is a zero when no scale gradient is wanted, or None with
+    ``dscale_placeholder=False``."""
     if not x.is_cuda:
         _check_device(x)
     dx = torch.empty_like(x)
-    dscale = x.new_zeros((), dtype=torch.float32)
+    need_dscale = bool(need_dscale and scale_tensor is not None)
+    dscale = x.new_zeros((), dtype=torch.float32) if need_dscale or dscale_placeholder else None
     if x.numel() == 0:
         return dx, dscale
     row_max = row_max.contiguous()
     row_sum = row_sum.contiguous()
-    need_dscale = bool(need_dscale and scale_tensor is not None)
     if kind == 2:
         grad = grad.contiguous()
     # grad.dtype: the incoming gradient has the forward output's dtype, which need not be x's (dtype=...);
