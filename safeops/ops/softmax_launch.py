@@ -496,9 +496,10 @@ def backward(
         _check_device(x)
     dx = torch.empty_like(x)
     need_dscale = bool(need_dscale and scale_tensor is not None)
-    dscale = x.new_zeros((), dtype=torch.float32) if need_dscale or dscale_placeholder else None
     if x.numel() == 0:
-        return dx, dscale
+        return dx, x.new_zeros((), dtype=torch.float32) if need_dscale or dscale_placeholder else None
+    # Returned as is only without need_dscale (both paths below replace it by the rows' sum otherwise).
+    dscale = x.new_zeros((), dtype=torch.float32) if dscale_placeholder and not need_dscale else None
     row_max = row_max.contiguous()
     row_sum = row_sum.contiguous()
     if kind == 2:
