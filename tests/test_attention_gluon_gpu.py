@@ -73,15 +73,20 @@ def _triton_launches() -> list[dict]:
 @pytest.fixture(scope="module", autouse=True)
 def _compiled():
     """Every Gluon configuration and the Triton kernels the tests use compiled in parallel first (the
-    launches then load them from Triton's cache instead of compiling one at a time)."""
+    launches then load them from Triton's cache instead of compiling one at a time). Each pool gets this
+    process's share of the CPUs: under pytest-xdist every worker runs this fixture, and 14 workers starting
+    16 processes each (every one importing torch) at once ended in 45 setup errors on the GPU machine."""
+    import os
     import sys
     import threading
 
+    share = (os.cpu_count() or 8) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    workers = max(1, min(8, share // 2))
     result = {}
     thread = threading.Thread(target=lambda: result.update(triton=L.compile_launches(
-        _triton_launches(), python=sys.executable, arch=90, workers=8)))
+        _triton_launches(), python=sys.executable, arch=90, workers=workers)))
     thread.start()
-    failed = G.warm_cache(workers=8)
+    failed = G.warm_cache(workers=workers)
     thread.join()
     assert not failed, failed
     assert all(r["ok"] for r in result["triton"]["results"]), result
