@@ -88,7 +88,8 @@ class GluonFwdConfig:
 
 # head dim -> configuration, bf16 and fp16, causal or not. First picks from FA3's Hopper tile sizes
 # (hdim 64 / 128: 128-key blocks; hdim 256: smaller key blocks) within 227 KB of shared memory; the H200
-# decides (bench/gluon_attn_check.py). tests/test_attention_gluon_offline.py compiles every entry for sm_90.
+# decides (bench/attention.py, bench/RESULTS.md). tests/test_attention_gluon_offline.py compiles every entry
+# for sm_90.
 FWD_CONFIGS: dict[int, GluonFwdConfig] = {
     64: GluonFwdConfig(block_n=128, num_stages=3),
     128: GluonFwdConfig(block_n=128, num_stages=2),
