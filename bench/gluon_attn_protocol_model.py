@@ -246,7 +246,7 @@ def simulate_dkdv(steps: int, stages: int, num_wg: int, seed: int) -> None:
 def simulate_dq(n_blocks: int, stages: int, num_wg: int, seed: int) -> None:
     """The backward's dQ kernel (attn_bwd_dq_gluon_kernel), one CTA: each consumer's Q and dO once
     (q_ready[w]), then ``n_blocks`` K / V blocks in a ``stages``-deep ring (k_ready / v_ready), released by
-    every consumer (kv_empty, count num_wg)."""
+    every consumer (kv_empty, count num_wg) one step late (the pipelined loop), so ``stages`` >= 2."""
     rnd = random.Random(seed)
     q_ready = [Barrier(1) for _ in range(num_wg)]
     k_ready, v_ready = ([Barrier(1) for _ in range(stages)] for _ in range(2))
@@ -270,6 +270,8 @@ def simulate_dq(n_blocks: int, stages: int, num_wg: int, seed: int) -> None:
             tma(v_ready[slot], v_slot, slot, j)
 
     def consumer(w):
+        # Pipelined: step j reads K_j and V_j (S_j, dP_j) while block j - 1's K is still read by its dQ
+        # product; block j - 1's slot is released at the end of step j, the last block's after the loop.
         yield ("wait", q_ready[w], 0)
         assert q_buf[w] == ("q", w)
         for j in range(n_blocks):
@@ -280,8 +282,15 @@ def simulate_dq(n_blocks: int, stages: int, num_wg: int, seed: int) -> None:
             yield ("wait", v_ready[slot], (j // stages) & 1)
             assert v_slot[slot] == j, f"consumer {w} wanted V {j}, found {v_slot[slot]}"
             yield ("step",)
-            readers[slot].discard(w)
-            kv_empty[slot].arrive()
+            if j >= 1:
+                prev = (j - 1) % stages
+                readers[prev].discard(w)
+                kv_empty[prev].arrive()
+        if n_blocks:
+            last = (n_blocks - 1) % stages
+            yield ("step",)
+            readers[last].discard(w)
+            kv_empty[last].arrive()
 
     agents = {"producer": producer(), **{f"consumer {w}": consumer(w) for w in range(num_wg)}}
     _run(agents, in_flight, rnd, f"dQ, {n_blocks} blocks, {stages} stages, {num_wg} consumers, seed {seed}")
@@ -296,7 +305,7 @@ def main() -> None:
         tiles = [rnd.choice([0, 1, 2, 3, 4, 5, 6]) for _ in range(rnd.randint(1, 5))]
         simulate(tiles, rnd.randint(1, 4), rnd.choice([2, 3]), rnd.random() < 0.7, seed, rnd.random() < 0.5)
         simulate_dkdv(rnd.randint(0, 12), rnd.randint(1, 4), 2, seed)
-        simulate_dq(rnd.randint(0, 12), rnd.randint(1, 4), 2, seed)
+        simulate_dq(rnd.randint(0, 12), rnd.randint(2, 4), 2, seed)  # the pipelined loop holds 2 slots
     print(f"{runs} random schedules of the forward, the dK / dV and the dQ kernels: no deadlock, no hazard")
 
 

@@ -29,7 +29,15 @@ def test_random_schedules_hold():
         tiles = [rnd.choice([0, 1, 2, 3, 4, 5, 6]) for _ in range(rnd.randint(1, 5))]
         m.simulate(tiles, rnd.randint(1, 4), rnd.choice([2, 3]), rnd.random() < 0.7, seed, rnd.random() < 0.5)
         m.simulate_dkdv(rnd.randint(0, 12), rnd.randint(1, 4), 2, seed)
-        m.simulate_dq(rnd.randint(0, 12), rnd.randint(1, 4), 2, seed)
+        m.simulate_dq(rnd.randint(0, 12), rnd.randint(2, 4), 2, seed)
+
+
+def test_dq_needs_two_stages():
+    """The pipelined dQ loop holds block j - 1's slot while it waits for block j: one stage deadlocks (the
+    kernel asserts NUM_STAGES >= 2)."""
+    m = _model()
+    with pytest.raises(RuntimeError, match="deadlock"):
+        m.simulate_dq(3, 1, 2, 0)
 
 
 @pytest.mark.parametrize("which", ["dkdv", "dq"])
@@ -42,6 +50,6 @@ def test_a_release_counting_one_consumer_is_caught(which, monkeypatch):
 
     monkeypatch.setattr(m, "Barrier", barrier)
     sim = m.simulate_dkdv if which == "dkdv" else m.simulate_dq
-    with pytest.raises(AssertionError):
+    with pytest.raises((AssertionError, RuntimeError)):  # a hazard, or a deadlock
         for seed in range(200):
             sim(8, 2, 2, seed)

@@ -409,38 +409,61 @@ def _dq_producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NU
 
 
 @gluon.jit
-def _dq_step(bufs, C1, q_w, do_w, base, delta, dq, j, limit, s_layout: gl.constexpr, a_layout: gl.constexpr,
-             MASKED: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Key block ``j`` of a consumer warpgroup: S = Q K^T and dP = dO V^T, e = exp2(z - base) (unnormalised;
-    1 / l is applied to dQ at the end, as the Triton dq kernel does), dS = e * (dP - delta), dQ += dS K.
-    ``MASKED``: keys at or past each row's ``limit`` get z = -inf (causal diagonal, keys past seqlen_k)."""
+def _dq_issue(bufs, q_w, do_w, s_zero, j, NUM_STAGES: gl.constexpr):
+    """Issues S_j = Q K_j^T and dP_j = dO V_j^T (async, in that order) once key block ``j`` has landed."""
     (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, q_ready, k_ready, v_ready,
      kv_empty, m_ptr, l_ptr, delta_ptr) = bufs
-    BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    dtype: gl.constexpr = q_desc.dtype
     slot = j % NUM_STAGES
     phase = (j // NUM_STAGES) & 1
-    k_s = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
-    v_s = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
-    s_zero = gl.zeros([BLOCK_M_WG, BLOCK_N], gl.float32, s_layout)
     mbarrier.wait(k_ready.index(slot), phase)
-    s = warpgroup_mma(q_w, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma(q_w, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                      use_acc=False, is_async=True)
     mbarrier.wait(v_ready.index(slot), phase)
-    dp = warpgroup_mma(do_w, v_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+    dp = warpgroup_mma(do_w, v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                       use_acc=False, is_async=True)
+    return s, dp
+
+
+@gluon.jit
+def _dq_ds(s, dp, C1, base, delta, j, limit, a_layout: gl.constexpr, dtype: gl.constexpr,
+           MASKED: gl.constexpr, AFTER: gl.constexpr):
+    """dS_j of key block ``j`` from S_j and dP_j, as the dQ product's register A operand (waits for both):
+    e = exp2(z - base) (unnormalised; 1 / l is applied to dQ at the end, as the Triton dq kernel does),
+    dS = e * (dP - delta). ``MASKED``: block ``j`` reaches past some row's ``limit`` (causal diagonal, keys
+    past seqlen_k), and its keys at or past it get z = -inf. ``AFTER``: products issued after S_j and dP_j
+    (the previous block's dQ product, 1; none for block 0), which may stay in flight."""
+    # Async products retire in issue order: S_j, dP_j, then AFTER more.
+    s = warpgroup_mma_wait(num_outstanding=1 + AFTER, deps=(s,))
+    BLOCK_N: gl.constexpr = s.shape[1]
+    s_layout: gl.constexpr = s.type.layout
     z = s * C1
     if MASKED:
         keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         z = gl.where(keys[None, :] < limit[:, None], z, NEG_INF)
     e = gl.exp2(gl.minimum(z - base[:, None], 0.0, propagate_nan=NAN_ALL))
-    dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
-    ds16 = gl.convert_layout((e * (dp - delta[:, None])).to(dtype), a_layout)
-    dq = warpgroup_mma(ds16, k_s, dq, is_async=True)
-    dq, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds16))
-    mbarrier.arrive(kv_empty.index(slot), count=1)
-    return dq
+    dp = warpgroup_mma_wait(num_outstanding=AFTER, deps=(dp,))
+    return gl.convert_layout((e * (dp - delta[:, None])).to(dtype), a_layout)
+
+
+@gluon.jit
+def _dq_pipe_step(bufs, C1, q_w, do_w, s_zero, base, delta, dq, ds, j, limit, a_layout: gl.constexpr,
+                  MASKED: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Step j >= 1 of the pipelined dQ loop: issues S_j and dP_j, then dQ += dS_{j-1} K_{j-1}; computes dS_j
+    while that product runs; waits for it and releases block j - 1's K / V slot. Returns (dQ, dS_j)."""
+    (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, q_ready, k_ready, v_ready,
+     kv_empty, m_ptr, l_ptr, delta_ptr) = bufs
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    s, dp = _dq_issue(bufs, q_w, do_w, s_zero, j, NUM_STAGES)
+    k_prev = k_smem.index((j - 1) % NUM_STAGES).reshape([BLOCK_N, HEAD_DIM])
+    dq = warpgroup_mma(ds, k_prev, dq, is_async=True)
+    ds_next = _dq_ds(s, dp, C1, base, delta, j, limit, a_layout, q_desc.dtype, MASKED, 1)
+    # dS_{j-1} is the register A operand of the product in flight: kept alive until it retires.
+    dq, ds = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds))
+    mbarrier.arrive(kv_empty.index((j - 1) % NUM_STAGES), count=1)
+    return dq, ds_next
 
 
 @gluon.jit
@@ -483,11 +506,27 @@ def _dq_consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES:
     dq = gl.zeros([BLOCK_M_WG, HEAD_DIM], gl.float32, acc_layout)
     q_w = q_smem.index(w).reshape([BLOCK_M_WG, HEAD_DIM])
     do_w = do_smem.index(w).reshape([BLOCK_M_WG, HEAD_DIM])
+    s_zero = gl.zeros([BLOCK_M_WG, BLOCK_N], gl.float32, s_layout)
     mbarrier.wait(q_ready.index(w), 0)
-    for j in range(0, full):
-        dq = _dq_step(bufs, C1, q_w, do_w, base, delta, dq, j, limit, s_layout, a_layout, False, NUM_STAGES)
-    for j in range(full, n_blocks):
-        dq = _dq_step(bufs, C1, q_w, do_w, base, delta, dq, j, limit, s_layout, a_layout, True, NUM_STAGES)
+    # Software-pipelined over the key blocks (_dq_pipe_step): dS_j is computed while dQ += dS_{j-1} K_{j-1}
+    # runs. The products accumulate into dQ in block order, as unpipelined: the same bits. Blocks before
+    # ``full`` need no mask.
+    if n_blocks > 0:
+        s, dp = _dq_issue(bufs, q_w, do_w, s_zero, 0, NUM_STAGES)
+        if full > 0:
+            ds = _dq_ds(s, dp, C1, base, delta, 0, limit, a_layout, dtype, False, 0)
+        else:
+            ds = _dq_ds(s, dp, C1, base, delta, 0, limit, a_layout, dtype, True, 0)
+        for j in range(1, full):
+            dq, ds = _dq_pipe_step(bufs, C1, q_w, do_w, s_zero, base, delta, dq, ds, j, limit, a_layout,
+                                   False, NUM_STAGES)
+        for j in range(gl.maximum(full, 1), n_blocks):
+            dq, ds = _dq_pipe_step(bufs, C1, q_w, do_w, s_zero, base, delta, dq, ds, j, limit, a_layout,
+                                   True, NUM_STAGES)
+        k_last = k_smem.index((n_blocks - 1) % NUM_STAGES).reshape([BLOCK_N, HEAD_DIM])
+        dq = warpgroup_mma(ds, k_last, dq, is_async=True)
+        dq, ds = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds))
+        mbarrier.arrive(kv_empty.index((n_blocks - 1) % NUM_STAGES), count=1)
     dq = dq * gl.convert_layout(inv_l * scale_ds, gl.SliceLayout(1, acc_layout))[:, None]
     # dQ out through this warpgroup's Q buffer (Q is dead: every product has retired) and TMA.
     q_w.store(dq.to(dtype))
@@ -514,6 +553,7 @@ def attn_bwd_dq_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, m_ptr, l_
     (computed before, by the Triton dq kernel's delta-only launch). Descriptors over (B, H, S, D) views;
     m, l, delta (B, Hq, Sq) contiguous fp32."""
     gl.static_assert(NUM_WG == 2)
+    gl.static_assert(NUM_STAGES >= 2)  # the pipelined loop holds one block's slot while it waits for the next
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_WG] + do_desc.block_type.shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
