@@ -12,6 +12,8 @@ FLOPs: forward 4 * B * H * Sq * Sk * D (halved for causal), backward 2.5x the fo
 - safeops gluon dq (backward only): dq from the Gluon dQ kernel (``attention_gluon.GLUON_DQ``, off by
   default: 2026-12-03 it measured +6% non-causal, -3% causal at D=128), where the backward's dk / dv take
   the Gluon kernel;
+- safeops gluon bwd (backward only): the Gluon dK / dV kernel at a head dim where the backward does not take
+  it by default (``SAFEOPS_GLUON_BWD=1``; D=64, whose kernel is software-pipelined since 2026-12-05);
 - SDPA backends and FlexAttention: ``torch.autograd.grad`` of the output w.r.t. (q, k, v) on a retained
   graph, which runs their backward kernels only.
 
@@ -29,6 +31,7 @@ import argparse
 import contextlib
 import csv
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -127,27 +130,48 @@ def gluon_dq(on: bool):
         attention_gluon.GLUON_DQ = saved
 
 
-def build_safeops(case: H.Case, t: dict, fusion: bool = False, dq: bool = False):
+@contextlib.contextmanager
+def gluon_bwd_everywhere(on: bool):
+    """SAFEOPS_GLUON_BWD=1 for the block: the Gluon dK / dV kernel at every head dim it has."""
+    saved = os.environ.get("SAFEOPS_GLUON_BWD")
+    if on:
+        os.environ["SAFEOPS_GLUON_BWD"] = "1"
+    try:
+        yield
+    finally:
+        if on:
+            if saved is None:
+                os.environ.pop("SAFEOPS_GLUON_BWD", None)
+            else:
+                os.environ["SAFEOPS_GLUON_BWD"] = saved
+
+
+def build_safeops(case: H.Case, t: dict, fusion: bool = False, dq: bool = False, bwd: bool = False):
     import safeops
 
     q, k, v, causal = t["q"], t["k"], t["v"], t["causal"]
     prec = PRECISION_NAMES[case.shape[5]] if case.dtype == torch.float32 else None
     scale = 1.0 / math.sqrt(q.shape[-1])
     if case.direction == "fwd":
-        if dq:
-            raise H.Refused("the Gluon dQ variant is a backward")
+        if dq or bwd:
+            raise H.Refused("a backward variant")
         def call():
             with fp_fusion(fusion):
                 return safeops.attention(q, k, v, is_causal=causal, precision=prec)
         return call
     code = case.shape[5] if case.dtype == torch.float32 else 0
     s = q.shape[2]
+    if bwd:
+        from safeops.ops import attention_gluon
+
+        if q.shape[-1] in attention_gluon.bwd_kernels().AUTO_HEAD_DIMS:
+            raise H.Refused("the default backward takes the Gluon dK / dV kernel at this head dim")
     with fp_fusion(fusion):
         out, m, l = torch.ops.safeops.attention(q, k, v, None, 0, None, None, s, s, causal, scale, None, -1,
                                                 0 if causal else -1, code)
 
     def backward():
-        with fp_fusion(fusion), gluon_dq(dq):
+        with fp_fusion(fusion), gluon_dq(dq), gluon_bwd_everywhere(bwd):
             return torch.ops.safeops.attention_backward(t["g"], q, k, v, out, m, l, None, 0, None, None, s, s,
                                                         causal, scale, None, -1, 0 if causal else -1, code)[0]
     return backward
@@ -231,6 +255,7 @@ def build_benchmark(cases: list[H.Case], only: set[str] | None = None) -> H.Benc
         ("safeops", build_safeops, dict(role="ours")),
         ("safeops fusion on", lambda c, t: build_safeops(c, t, fusion=True), dict(role="variant")),
         ("safeops gluon dq", lambda c, t: build_safeops(c, t, dq=True), dict(role="variant")),
+        ("safeops gluon bwd", lambda c, t: build_safeops(c, t, bwd=True), dict(role="variant")),
         ("sdpa flash", sdpa_builder("FLASH_ATTENTION"), dict(tag="F")),
         ("sdpa cudnn", sdpa_builder("CUDNN_ATTENTION"), dict(tag="C")),
         ("sdpa efficient", sdpa_builder("EFFICIENT_ATTENTION"), dict(tag="E")),
@@ -246,7 +271,8 @@ def build_benchmark(cases: list[H.Case], only: set[str] | None = None) -> H.Benc
 
 # --quick's default set: the peers the issue's targets name (cuDNN, FlexAttention), SDPA flash, and our
 # fusion-on variant for the safety cost. SDPA efficient / math only in the full run.
-QUICK_IMPLS = {"safeops", "safeops fusion on", "safeops gluon dq", "sdpa cudnn", "sdpa flash", "flex"}
+QUICK_IMPLS = {"safeops", "safeops fusion on", "safeops gluon dq", "safeops gluon bwd", "sdpa cudnn",
+               "sdpa flash", "flex"}
 
 
 def _skip_slow_peers(bench: H.Benchmark) -> None:

@@ -199,11 +199,12 @@ def _run(agents: dict, in_flight: list, rnd: random.Random, what: str) -> None:
             del agents[name], state[name]
 
 
-def simulate_dkdv(steps: int, stages: int, num_wg: int, seed: int) -> None:
+def simulate_dkdv(steps: int, stages: int, num_wg: int, seed: int, pipelined: bool = False) -> None:
     """The backward's dK / dV kernel (attention_gluon_bwd.attn_bwd_dkdv_gluon_kernel), one CTA: K and V once
     (kv_ready), then ``steps`` query blocks (the group's heads x its query blocks) whose Q (+ m, l) and
     dO (+ delta) land in a ``stages``-deep ring (q_ready / do_ready), released by every consumer (q_empty,
-    count num_wg) after both products that read them."""
+    count num_wg) after both products that read them; ``pipelined`` (GluonBwdConfig.pipeline): those
+    products are issued in the next step, so a slot is released a step late (``stages`` >= 2)."""
     rnd = random.Random(seed)
     kv_ready = Barrier(1)
     q_ready, do_ready = ([Barrier(1) for _ in range(stages)] for _ in range(2))
@@ -236,11 +237,20 @@ def simulate_dkdv(steps: int, stages: int, num_wg: int, seed: int) -> None:
             yield ("wait", do_ready[slot], (c // stages) & 1)
             assert do_slot[slot] == c, f"consumer {w} step {c} found dO of step {do_slot[slot]}"
             yield ("step",)
-            readers[slot].discard(w)
-            q_empty[slot].arrive()
+            done = (c - 1) % stages if pipelined else slot
+            if pipelined and c == 0:
+                continue
+            readers[done].discard(w)
+            q_empty[done].arrive()
+        if pipelined and steps:
+            last = (steps - 1) % stages
+            yield ("step",)
+            readers[last].discard(w)
+            q_empty[last].arrive()
 
     agents = {"producer": producer(), **{f"consumer {w}": consumer(w) for w in range(num_wg)}}
-    _run(agents, in_flight, rnd, f"dK/dV, {steps} steps, {stages} stages, {num_wg} consumers, seed {seed}")
+    _run(agents, in_flight, rnd, f"dK/dV{' pipelined' if pipelined else ''}, {steps} steps, {stages} stages, "
+         f"{num_wg} consumers, seed {seed}")
 
 
 def simulate_dq(n_blocks: int, stages: int, num_wg: int, seed: int) -> None:
@@ -305,8 +315,10 @@ def main() -> None:
         tiles = [rnd.choice([0, 1, 2, 3, 4, 5, 6]) for _ in range(rnd.randint(1, 5))]
         simulate(tiles, rnd.randint(1, 4), rnd.choice([2, 3]), rnd.random() < 0.7, seed, rnd.random() < 0.5)
         simulate_dkdv(rnd.randint(0, 12), rnd.randint(1, 4), 2, seed)
+        simulate_dkdv(rnd.randint(0, 12), rnd.randint(2, 4), 2, seed, pipelined=True)
         simulate_dq(rnd.randint(0, 12), rnd.randint(2, 4), 2, seed)  # the pipelined loop holds 2 slots
-    print(f"{runs} random schedules of the forward, the dK / dV and the dQ kernels: no deadlock, no hazard")
+    print(f"{runs} random schedules of the forward, the dK / dV (both loops) and the dQ kernels: "
+          "no deadlock, no hazard")
 
 
 if __name__ == "__main__":

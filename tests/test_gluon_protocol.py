@@ -29,7 +29,16 @@ def test_random_schedules_hold():
         tiles = [rnd.choice([0, 1, 2, 3, 4, 5, 6]) for _ in range(rnd.randint(1, 5))]
         m.simulate(tiles, rnd.randint(1, 4), rnd.choice([2, 3]), rnd.random() < 0.7, seed, rnd.random() < 0.5)
         m.simulate_dkdv(rnd.randint(0, 12), rnd.randint(1, 4), 2, seed)
+        m.simulate_dkdv(rnd.randint(0, 12), rnd.randint(2, 4), 2, seed, pipelined=True)
         m.simulate_dq(rnd.randint(0, 12), rnd.randint(2, 4), 2, seed)
+
+
+def test_pipelined_dkdv_needs_two_stages():
+    """The pipelined dK / dV loop holds the previous step's Q / dO slot while it waits for the next: one
+    stage deadlocks (the kernel asserts NUM_STAGES >= 2 with PIPELINE)."""
+    m = _model()
+    with pytest.raises(RuntimeError, match="deadlock"):
+        m.simulate_dkdv(3, 1, 2, 0, pipelined=True)
 
 
 def test_dq_needs_two_stages():
@@ -40,7 +49,7 @@ def test_dq_needs_two_stages():
         m.simulate_dq(3, 1, 2, 0)
 
 
-@pytest.mark.parametrize("which", ["dkdv", "dq"])
+@pytest.mark.parametrize("which", ["dkdv", "dq", "dkdv-pipelined"])
 def test_a_release_counting_one_consumer_is_caught(which, monkeypatch):
     m = _model()
     real = m.Barrier
@@ -49,7 +58,9 @@ def test_a_release_counting_one_consumer_is_caught(which, monkeypatch):
         return real(1)
 
     monkeypatch.setattr(m, "Barrier", barrier)
-    sim = m.simulate_dkdv if which == "dkdv" else m.simulate_dq
+    sims = {"dkdv": m.simulate_dkdv, "dq": m.simulate_dq,
+            "dkdv-pipelined": lambda *a: m.simulate_dkdv(*a, pipelined=True)}
+    sim = sims[which]
     with pytest.raises((AssertionError, RuntimeError)):  # a hazard, or a deadlock
         for seed in range(200):
             sim(8, 2, 2, seed)

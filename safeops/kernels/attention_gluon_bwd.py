@@ -56,6 +56,10 @@ class GluonBwdConfig:
     num_stages: int  # depth of the Q / dO ring
     num_wg: int = 2  # consumer warpgroups: keys per CTA = num_wg * 64
     consumer_regs: int = 240
+    # Software-pipelined steps: a step's S^T and dP^T are issued before the previous step's dV / dK
+    # products, and its exponentials run while those are on the tensor cores (registers for two steps'
+    # P^T / dS^T: at D=64 only, where dK and dV take 64 of them).
+    pipeline: bool = False
 
     @property
     def block_n(self) -> int:
@@ -63,9 +67,10 @@ class GluonBwdConfig:
 
 
 # head dim -> configuration (bf16 and fp16, causal or not). D=64: 64-query steps (128 spilled and measured
-# slower); D=128: a 3-deep Q / dO ring (166 KB of shared memory) measured 1-3% faster than 2 (RESULTS.md).
+# slower), pipelined; D=128: a 3-deep Q / dO ring (166 KB of shared memory) measured 1-3% faster than 2
+# (RESULTS.md).
 BWD_CONFIGS: dict[int, GluonBwdConfig] = {
-    64: GluonBwdConfig(block_m=64, num_stages=3),
+    64: GluonBwdConfig(block_m=64, num_stages=3, pipeline=True),
     128: GluonBwdConfig(block_m=64, num_stages=3),
 }
 # Head dims whose backward takes this kernel by default (SAFEOPS_GLUON_BWD=auto): where it measured faster
@@ -94,7 +99,8 @@ def block_shapes(cfg: GluonBwdConfig, head_dim: int) -> dict[str, list[int]]:
 
 
 def constexprs(cfg: GluonBwdConfig, causal: bool) -> dict:
-    return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs)
+    return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
+                PIPELINE=cfg.pipeline)
 
 
 LAUNCH_OPTIONS = {"num_warps": 4}
@@ -231,8 +237,101 @@ def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, s_layout: gl.constexpr, a_la
 
 
 @gluon.jit
+def _pstep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, q_minus_k, s_layout: gl.constexpr,
+           a_layout: gl.constexpr, MASKED: gl.constexpr, FIRST: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Step ``c`` of the pipelined loop: issues S^T_c and dP^T_c, then (unless ``FIRST``) the previous
+    step's dV += P^T dO and dK += dS^T Q from ``p_prev`` / ``ds_prev``; computes P^T_c and dS^T_c (the same
+    arithmetic as :func:`_step`) while those run; waits for them and releases the previous step's Q / dO
+    slot. Returns (dK, dV, P^T_c, dS^T_c) for the next step."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    slot = c % NUM_STAGES
+    phase = (c // NUM_STAGES) & 1
+    q_s = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    do_s = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    s_zero = gl.zeros([BLOCK_N_WG, BLOCK_M], gl.float32, s_layout)
+    mbarrier.wait(q_ready.index(slot), phase)
+    st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(do_ready.index(slot), phase)
+    dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    # Async products retire in issue order: S^T_c, dP^T_c, then the previous step's dV and dK.
+    if FIRST:
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+    else:
+        prev = (c - 1) % NUM_STAGES
+        dv = warpgroup_mma(p_prev, do_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
+        dk = warpgroup_mma(ds_prev, q_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=3, deps=(st,))
+    z = st * C1
+    if MASKED:
+        qi = gl.arange(0, BLOCK_M, layout=col_layout) + q_minus_k
+        z = gl.where(qi[None, :] >= gl.arange(0, BLOCK_N_WG, layout=row_layout)[:, None], z, NEG_INF)
+    m = m_smem.index(slot).reshape([BLOCK_M]).load(col_layout)
+    e = gl.exp2(gl.minimum(z - gl.where(m == NEG_INF, 0.0, m)[None, :], 0.0, propagate_nan=NAN_ALL))
+    l = l_smem.index(slot).reshape([BLOCK_M]).load(col_layout)
+    pt = e * gl.where(l == 0.0, 0.0, 1.0 / gl.where(l == 0.0, 1.0, l))[None, :]
+    if FIRST:
+        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
+    else:
+        dpt = warpgroup_mma_wait(num_outstanding=2, deps=(dpt,))
+    delta = delta_smem.index(slot).reshape([BLOCK_M]).load(col_layout)
+    dst = pt * (dpt - delta[None, :])
+    p16 = gl.convert_layout(pt.to(dtype), a_layout)
+    ds16 = gl.convert_layout(dst.to(dtype), a_layout)
+    if not FIRST:
+        # P^T / dS^T of the previous step are those products' register operands: alive until they retire.
+        dk, dv, p_prev, ds_prev = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p_prev, ds_prev))
+        mbarrier.arrive(q_empty.index((c - 1) % NUM_STAGES), count=1)
+    return dk, dv, p16, ds16
+
+
+@gluon.jit
+def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, n_m, group, s_layout: gl.constexpr,
+                     a_layout: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The consumer's steps (query heads of the group, then query blocks lo .. n_m - 1; those before ``mid``
+    take the causal select), software-pipelined (:func:`_pstep`): the same products in the same order as
+    the unpipelined loop, so the same bits."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    n_mb = n_m - lo
+    total = group * n_mb
+    if total > 0:
+        no_prev = gl.zeros([BLOCK_N_WG, BLOCK_M], dtype, a_layout)
+        if lo < mid:
+            dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, no_prev, no_prev, 0, lo * BLOCK_M - k0,
+                                       s_layout, a_layout, True, True, NUM_STAGES)
+        else:
+            dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, no_prev, no_prev, 0, 0, s_layout, a_layout,
+                                       False, True, NUM_STAGES)
+        for c in range(1, total):
+            mb = lo + c % n_mb
+            if mb < mid:
+                dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, p16, ds16, c, mb * BLOCK_M - k0,
+                                           s_layout, a_layout, True, False, NUM_STAGES)
+            else:
+                dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, p16, ds16, c, 0, s_layout, a_layout,
+                                           False, False, NUM_STAGES)
+        last = (total - 1) % NUM_STAGES
+        dv = warpgroup_mma(p16, do_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
+        dk = warpgroup_mma(ds16, q_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
+        dk, dv, p16, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p16, ds16))
+        mbarrier.arrive(q_empty.index(last), count=1)
+    return dk, dv
+
+
+@gluon.jit
 def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_WG: gl.constexpr):
+              NUM_WG: gl.constexpr, PIPELINE: gl.constexpr):
     """Consumer warpgroup ``w``: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
@@ -260,15 +359,19 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
     mid = lo
     if CAUSAL:
         mid = gl.minimum(gl.cdiv(k0 + BLOCK_N_WG - 1, BLOCK_M), n_m)
-    c = 0
-    for _g in range(group):
-        for mb in range(lo, mid):
-            dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, s_layout, a_layout, True,
-                           NUM_STAGES)
-            c += 1
-        for _mb in range(mid, n_m):
-            dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, 0, s_layout, a_layout, False, NUM_STAGES)
-            c += 1
+    if PIPELINE:
+        dk, dv = _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, n_m, group, s_layout, a_layout,
+                                  NUM_STAGES)
+    else:
+        c = 0
+        for _g in range(group):
+            for mb in range(lo, mid):
+                dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, s_layout, a_layout, True,
+                               NUM_STAGES)
+                c += 1
+            for _mb in range(mid, n_m):
+                dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, 0, s_layout, a_layout, False, NUM_STAGES)
+                c += 1
     # dK, dV out through this warpgroup's K and V buffers (dead now) and TMA (rows past seqlen_k dropped).
     dk = dk * scale_ds
     k_w.store(dk.to(dtype))
@@ -280,24 +383,27 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
 
 
 @gluon.jit
-def _consumer0(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr):
-    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG)
+def _consumer0(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
+               PIPELINE: gl.constexpr):
+    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE)
 
 
 @gluon.jit
-def _consumer1(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr):
-    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG)
+def _consumer1(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
+               PIPELINE: gl.constexpr):
+    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE)
 
 
 @gluon.jit(do_not_specialize=SIZE_ARGS)
 def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, m_desc, l_desc, delta_desc,
                                C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks,
                                n_tiles, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-                               NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                               NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PIPELINE: gl.constexpr):
     """dk, dv of key block / kv head ``program_id(0)`` of ``n_tiles`` = n_n_blocks x batch x kv heads.
     Descriptors over (B, H, S, D): q / do (B, Hq, Sq, D), k / v / dk / dv (B, Hkv, Sk, D); m, l, delta
     (B, Hq, Sq) contiguous fp32; kv head = q head // group."""
     gl.static_assert(NUM_WG == 2)
+    gl.static_assert(NUM_STAGES >= 2 or not PIPELINE)  # a pipelined step holds the previous step's slot
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape,
                                         do_desc.layout)
@@ -319,8 +425,8 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     bufs = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
             q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem)
     sizes = (C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles)
-    gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG)),
-                        (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG)),
+    gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE)),
+                        (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE)),
                         (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG))],
                        [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
