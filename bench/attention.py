@@ -164,8 +164,14 @@ def build_safeops(case: H.Case, t: dict, fusion: bool = False, dq: bool = False,
     if bwd:
         from safeops.ops import attention_gluon
 
-        if q.shape[-1] in attention_gluon.bwd_kernels().AUTO_HEAD_DIMS:
-            raise H.Refused("the default backward takes the Gluon dK / dV kernel at this head dim")
+        def why():
+            return attention_gluon.bwd_reason(q, k, v, None, None, causal, None, -1, 0 if causal else -1)
+
+        if not why():
+            raise H.Refused("the default backward already takes the Gluon dK / dV kernel here")
+        with gluon_bwd_everywhere(True):
+            if why():
+                raise H.Refused(f"the Gluon dK / dV kernel does not take this backward: {why()}")
     with fp_fusion(fusion):
         out, m, l = torch.ops.safeops.attention(q, k, v, None, 0, None, None, s, s, causal, scale, None, -1,
                                                 0 if causal else -1, code)

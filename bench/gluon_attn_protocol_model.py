@@ -240,11 +240,15 @@ def simulate_dkdv(steps: int, stages: int, num_wg: int, seed: int, pipelined: bo
             done = (c - 1) % stages if pipelined else slot
             if pipelined and c == 0:
                 continue
+            # The slot released now was read until now (pipelined: by the previous step's dV / dK products).
+            assert q_slot[done] == c - pipelined and do_slot[done] == c - pipelined, \
+                f"consumer {w} step {c}: slot {done} refilled under its products"
             readers[done].discard(w)
             q_empty[done].arrive()
         if pipelined and steps:
             last = (steps - 1) % stages
             yield ("step",)
+            assert q_slot[last] == do_slot[last] == steps - 1, f"consumer {w}: last slot refilled"
             readers[last].discard(w)
             q_empty[last].arrive()
 
@@ -294,11 +298,14 @@ def simulate_dq(n_blocks: int, stages: int, num_wg: int, seed: int) -> None:
             yield ("step",)
             if j >= 1:
                 prev = (j - 1) % stages
+                # Block j - 1's K is read until now, by its dQ product.
+                assert k_slot[prev] == j - 1, f"consumer {w} step {j}: K slot {prev} refilled under dQ"
                 readers[prev].discard(w)
                 kv_empty[prev].arrive()
         if n_blocks:
             last = (n_blocks - 1) % stages
             yield ("step",)
+            assert k_slot[last] == n_blocks - 1, f"consumer {w}: the last K slot refilled under dQ"
             readers[last].discard(w)
             kv_empty[last].arrive()
 

@@ -354,8 +354,8 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
     v_w = v_smem.index(w).reshape([BLOCK_N_WG, HEAD_DIM])
     mbarrier.wait(kv_ready, 0)
     # Query blocks [lo, mid) reach above this warpgroup's diagonal (some of their queries precede some of
-    # its keys) and take the causal select; [mid, n_m) see every key. Two loops, so the unmasked steps carry
-    # no branch (and no select).
+    # its keys) and take the causal select; [mid, n_m) see every key. Unpipelined: two loops, so the
+    # unmasked steps carry no branch (and no select); pipelined: one loop, a uniform branch per step.
     mid = lo
     if CAUSAL:
         mid = gl.minimum(gl.cdiv(k0 + BLOCK_N_WG - 1, BLOCK_M), n_m)
