@@ -128,6 +128,25 @@ def test_mha_same_bits_as_the_triton_kernel(d, causal, rng, monkeypatch):
             assert torch.equal(a, b), f"d{name} differs between the Gluon and the Triton dk/dv ({sq}, {sk})"
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_pipelined_d64_same_bits_as_unpipelined(causal, rng, monkeypatch):
+    """The D=64 kernel's software pipelining (GluonBwdConfig.pipeline) issues the same products in the same
+    order as the unpipelined loop: the same dq / dk / dv bits, GQA, partial blocks and Sq != Sk included."""
+    import dataclasses
+
+    KB = G.bwd_kernels()
+    q, g = (rng.randn(2, 8, 700, 64, dtype=BF16) for _ in range(2))
+    k, v = (rng.randn(2, 2, 555, 64, dtype=BF16) for _ in range(2))
+    _gluon_ran(monkeypatch, q, k, v, is_causal=causal)
+    assert KB.BWD_CONFIGS[64].pipeline
+    piped = _grads(q, k, v, g, is_causal=causal)
+    monkeypatch.setitem(KB.BWD_CONFIGS, 64, dataclasses.replace(KB.BWD_CONFIGS[64], pipeline=False))
+    L.clear_plans()
+    plain = _grads(q, k, v, g, is_causal=causal)
+    for name, a, b in zip("q k v".split(), piped, plain, strict=True):
+        assert torch.equal(a, b), f"d{name} differs between the pipelined and the unpipelined D=64 kernel"
+
+
 def test_deterministic_over_100_reruns(rng):
     q, g = (rng.randn(1, 8, 1000, 128, dtype=BF16) for _ in range(2))
     k, v = (rng.randn(1, 2, 1000, 128, dtype=BF16) for _ in range(2))
