@@ -61,8 +61,9 @@ def _on_hopper(monkeypatch):
          "the Gluon kernel does not take an attention mask"),
         (dict(), {"window": (16, 16)}, "triton", "the Gluon kernel does not take a sliding window"),
         (dict(), {"window": (None, 0)}, "triton", "the Gluon kernel does not take a sliding window"),
-        (dict(), {"is_causal": True, "window": (16, None)}, "triton",
-         "the Gluon kernel does not take a sliding window"),
+        # A left window (causal or not) and sinks are the kernel's: the device answers.
+        (dict(), {"is_causal": True, "window": (16, None)}, "triton", "needs a CUDA device; q is on cpu"),
+        (dict(), {"sinks": torch.zeros(2)}, "triton", "needs a CUDA device; q is on cpu"),
         # Unbounded sides are no window; causal alone is what the kernel takes: the device answers.
         (dict(), {"is_causal": True, "window": (None, None)}, "triton", "needs a CUDA device; q is on cpu"),
         (dict(), {"window": (-1, -1), "return_lse": True}, "triton", "needs a CUDA device; q is on cpu"),
@@ -267,7 +268,7 @@ def test_launch_matches_the_compiled_signature(dtype, d, varlen, monkeypatch, re
     if varlen:
         assert q_desc.shape == [1, 4, 150, d] and q_desc.strides[1:] == [d, 4 * d, 1]
         assert k_desc.shape == [1, 2, 120, d] and m.shape == (4, 150)
-        assert args[7] is cu_q and args[8] is cu_k and args[-3:] == (o.stride(0), o.stride(1), 0)
+        assert args[7] is cu_q and args[8] is cu_k and args[-4:] == (o.stride(0), o.stride(1), 0, 0)
         n_m_blocks = -(-100 // cfg.block_m)
         sizes = (150, 100, n_m_blocks, n_m_blocks * 2 * 4)  # seqlen_q = Tq (the stats' head stride)
     else:
@@ -458,12 +459,14 @@ def test_gluon_dq_launch_matches_the_compiled_signature(monkeypatch, recorded):
 
 
 def test_gluon_sinks_launch_and_rows_without_keys(monkeypatch, recorded):
-    """With ``attention_gluon.GLUON_SINKS`` on, a forward with sinks takes the Gluon kernel with HAS_SINKS and
-    the sink logits as sinks_ptr; rows that see no key get the sink alone (m = zs2, l = 1, or 0 for a -inf
-    sink), the same statistics as the Triton path gives them."""
+    """With ``attention_gluon.GLUON_SINKS`` on, a forward with sinks takes the Gluon kernel with has_sinks 1
+    and the sink logits as sinks_ptr (the kernel compiled for calls without sinks); rows that see no key get
+    the sink alone (m = zs2, l = 1, or 0 for a -inf sink), the same statistics as the Triton path gives
+    them."""
     _on_hopper(monkeypatch)
     sinks = torch.tensor([0.5, -1.0, float("-inf"), 3.0])
     q, k, v = _qkv(hq=4, hkv=2, sq=100, sk=70)
+    monkeypatch.setattr(G, "GLUON_SINKS", False)
     assert safeops.attention_backend(q, k, v, sinks=sinks) == (
         "triton", "the Gluon kernel does not take attention sinks")
     monkeypatch.setattr(G, "GLUON_SINKS", True)
@@ -472,7 +475,7 @@ def test_gluon_sinks_launch_and_rows_without_keys(monkeypatch, recorded):
     L.forward(q, k, v, *options, sinks=sinks)
     ((grid, kwargs, args),) = recorded
     cfg = K.FWD_CONFIGS[64]
-    assert kwargs["HAS_SINKS"] is True and args[9] is sinks
+    assert "HAS_SINKS" not in kwargs and args[-1] == 1 and args[9] is sinks
     assert _arg_kinds(args) == list(K.signature(cfg, 64, "bfloat16").values())
     no_keys = (None, 0, None, None, 100, 0, True, 0.125, None, -1, 0, 0)
     o, m, l = L.forward(q, k[:, :, :0], v[:, :, :0], *no_keys, sinks=sinks)
@@ -486,9 +489,11 @@ def test_gluon_sinks_launch_and_rows_without_keys(monkeypatch, recorded):
 
 def test_gluon_window_reasons_and_launch(monkeypatch, recorded):
     """With ``attention_gluon.GLUON_WINDOW`` on, a left window (causal or not) takes the Gluon kernel with
-    HAS_WL and the window as its last argument; a right bound without causal, or head dim 256, does not."""
+    HAS_WL and the window as its last argument but one (has_sinks last); a right bound without causal, or
+    head dim 256, does not."""
     _on_hopper(monkeypatch)
     q, k, v = _qkv(sq=100, sk=70)
+    monkeypatch.setattr(G, "GLUON_WINDOW", False)
     assert safeops.attention_backend(q, k, v, is_causal=True, window=(16, None)) == (
         "triton", "the Gluon kernel does not take a sliding window")
     monkeypatch.setattr(G, "GLUON_WINDOW", True)
@@ -502,10 +507,10 @@ def test_gluon_window_reasons_and_launch(monkeypatch, recorded):
     options = (None, 0, None, None, 100, 70, True, 0.125, None, 16, 0, 0)
     L.forward(q, k, v, *options)
     ((grid, kwargs, args),) = recorded
-    assert kwargs["HAS_WL"] is True and kwargs["HAS_SINKS"] is False and args[-1] == 16
+    assert kwargs["HAS_WL"] is True and args[-2:] == (16, 0)  # window_left, has_sinks
     assert _arg_kinds(args) == list(K.signature(K.FWD_CONFIGS[64], 64, "bfloat16").values())
     L.forward(q, k, v, None, 0, None, None, 100, 70, True, 0.125, None, -1, 0, 0)
-    assert recorded[1][1]["HAS_WL"] is False and recorded[1][2][-1] == 0
+    assert recorded[1][1]["HAS_WL"] is False and recorded[1][2][-2:] == (0, 0)
 
 
 def test_backward_settings_edge_cases(monkeypatch, recorded):
@@ -535,3 +540,24 @@ def test_backward_settings_edge_cases(monkeypatch, recorded):
     assert L._gluon_bwd_plans
     L.clear_plans()
     assert not L._gluon_bwd_plans and not L._gluon_plans
+
+
+def test_warm_up_lists_every_kernel_the_path_can_launch(monkeypatch):
+    """G.configurations() (what the GPU tests and benchmarks compile ahead) holds every (dtype, head dim,
+    causal, packed, left window) the path choice sends to the Gluon forward, and nothing it cannot send."""
+    _on_hopper(monkeypatch)
+    listed = {(dt, d, causal, varlen, window) for dt, d, causal, varlen, _, window in G.configurations()}
+    launchable = set()
+    for dtype in (BF16, torch.float16):
+        for d in (32, 64, 96, 128, 256):
+            for causal in (False, True):
+                for varlen in (False, True):
+                    for window in (False, True):
+                        q, k, v = _qkv(d=d, dtype=dtype)
+                        cu = torch.tensor([0, 64], dtype=torch.int32) if varlen else None
+                        why = G.reason(q, k, v, None, cu, causal, None, 16 if window else -1,
+                                       0 if causal else -1)
+                        if not why:
+                            name = "bfloat16" if dtype == BF16 else "float16"
+                            launchable.add((name, d, causal, varlen, window))
+    assert launchable == listed

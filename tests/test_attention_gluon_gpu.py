@@ -1,6 +1,7 @@
 """GPU tests of the Gluon attention forward (safeops.kernels.attention_gluon), the CUDA default where
-``safeops.attention_backend`` says "gluon" (sm_90, Triton 3.6, bf16 / fp16, head dim 64 / 128 / 256, no mask,
-softcap or window). Skipped without such a GPU (the device check's reason is the skip reason).
+``safeops.attention_backend`` says "gluon" (sm_90, Triton 3.6, bf16 / fp16, head dim 64 / 128 / 256, sinks, a
+left window at head dims 64 / 128; no mask or softcap). Skipped without such a GPU (the device check's reason
+is the skip reason).
 
 - against the float64 oracle (tests/oracle.py): bf16 / fp16 x D 64 / 128 / 256 x causal or not, GQA and MQA,
   Sq != Sk with partial blocks: out, lse, and dq / dk / dv of the Triton backward run from the Gluon
@@ -282,7 +283,7 @@ def test_long_sequence_llama_layer(rng):
     assert torch.allclose(lse[:, :, rows].double(), torch.logsumexp(z, -1), atol=1e-3)
 
 
-# Sinks in the Gluon forward (attention_gluon.GLUON_SINKS, off until this file has passed on a GPU).
+# Sinks in the Gluon forward (attention_gluon.GLUON_SINKS; the tests also pin it on).
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128])
@@ -321,8 +322,8 @@ def test_sinks_varlen_and_rows_without_keys(rng, monkeypatch):
     assert torch.equal(lse[:, sl], expected[:, None].expand(4, 70))
 
 
-# A left sliding window in the Gluon forward (attention_gluon.GLUON_WINDOW, off until this has passed on a
-# GPU): the oracle, packed == dense bits, rows that see no key, and with sinks (gpt-oss's layers).
+# A left sliding window in the Gluon forward (attention_gluon.GLUON_WINDOW; the tests also pin it on): the
+# oracle, packed == dense bits, rows that see no key, and with sinks (gpt-oss's layers).
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128])

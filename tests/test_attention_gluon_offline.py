@@ -2,7 +2,8 @@
 safeops.kernels.attention_gluon_bwd: the backward's dK / dV and dQ), checked without a GPU.
 
 Every configuration the launchers can choose (the forward: bf16 / fp16 x each head dim of ``FWD_CONFIGS``
-x causal or not x dense or packed (varlen) x sinks or not x a left window or not; the backward's dK / dV
+x causal or not x dense or packed (varlen) x a left window or not; sinks are a runtime flag of the same
+kernels; the backward's dK / dV
 and dQ: bf16 / fp16 x each head dim of ``BWD_CONFIGS`` / ``DQ_CONFIGS`` x causal or not; a variant whose
 switch is off in bf16 at head dim 128 only; the GQA group, the sizes and the persistent grid are runtime
 values, not compile-time ones) is compiled for sm_90 exactly as ``safeops.ops.attention_gluon``'s plans
@@ -40,7 +41,7 @@ SMEM_LIMIT = 232448  # bytes: H100/H200 (sm_90) maximum dynamic shared memory pe
 # ptxas spill bytes allowed per kernel: none in the forward; the D=128 dK / dV kernel sits at its 240 / 248
 # register budgets (two 64 x 128 fp32 accumulators per thread) and spills 8-84 bytes (stores + loads),
 # which this cap lets through and a regression past it does not.
-SPILL_CAP = {"fwd": 0, "fwd+sinks": 0, "fwd+window": 0, "fwd+sinks+window": 0, "bwd": 96, "dq": 0}
+SPILL_CAP = {"fwd": 0, "fwd+window": 0, "bwd": 96, "dq": 0}
 KERNEL_FILE = os.path.join(sm90.ROOT, "safeops", "kernels", "attention_gluon.py")
 BWD_KERNEL_FILE = os.path.join(sm90.ROOT, "safeops", "kernels", "attention_gluon_bwd.py")
 
@@ -79,11 +80,10 @@ _SCRIPT = textwrap.dedent(
 
     def compile_one(job):
         kind, dtype, d, causal, varlen, fusion = job
-        if kind.startswith("fwd"):  # "fwd", "fwd+sinks", "fwd+window", "fwd+sinks+window"
+        if kind.startswith("fwd"):  # "fwd", "fwd+window"
             cfg = K.FWD_CONFIGS[d]
             fn = K.attn_fwd_gluon_kernel
-            flags = kind.split("+")[1:]
-            constexprs = K.constexprs(cfg, causal, varlen, "sinks" in flags, "window" in flags)
+            constexprs = K.constexprs(cfg, causal, varlen, kind == "fwd+window")
             sig = K.signature(cfg, d, dtype, varlen)
             # A torch allocation is 16-byte aligned: Triton's launch specializes the stats pointers so (the
             # pointers of K.UNALIGNED_ARGS are not specialized).
@@ -142,14 +142,14 @@ _SCRIPT = textwrap.dedent(
 
 # (kernel, dtype, head dim, causal, varlen): every kernel the launchers can launch. The GQA group, the sizes
 # and the persistent grid are runtime values.
-FWD_KINDS = ("fwd", "fwd+sinks", "fwd+window", "fwd+sinks+window")
+FWD_KINDS = ("fwd", "fwd+window")
 
 
 def _gated(kind: str) -> bool:
-    """A kernel variant its switch keeps off (attention_gluon.GLUON_SINKS / GLUON_WINDOW / GLUON_DQ): the
+    """A kernel variant its switch keeps off (attention_gluon.GLUON_WINDOW / GLUON_DQ): the
     launchers cannot choose it yet, so it compiles in bf16 at head dim 128 only (the other dtype and head
     dims are the same code) until the switch is turned on."""
-    off = {"sinks": not G.GLUON_SINKS, "window": not G.GLUON_WINDOW, "dq": not G.GLUON_DQ}
+    off = {"window": not G.GLUON_WINDOW, "dq": not G.GLUON_DQ}
     return any(off.get(flag, False) for flag in kind.split("+"))
 
 

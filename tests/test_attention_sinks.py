@@ -382,16 +382,18 @@ def test_compiled_matches_eager(reference_backend, seed):
         assert torch.equal(a, b), f"{seed}"
 
 
-def test_gluon_path_declines_sinks():
-    """One check in the Gluon path's capability test: a problem it would otherwise take is declined."""
+def test_gluon_path_takes_sinks_unless_switched_off(monkeypatch):
+    """The Gluon forward's capability check takes sinks (a runtime flag of its kernel); with
+    ``attention_gluon.GLUON_SINKS`` off it declines them, and only them."""
     from safeops.ops import attention_gluon
 
     q = torch.empty(1, 2, 64, 64, dtype=torch.bfloat16)
     sinks = torch.zeros(2)
-    assert attention_gluon.reason(q, q, q, None, None, True, None, -1, 0, None, sinks) == (
-        "the Gluon kernel does not take attention sinks")
-    assert attention_gluon.reason(q, q, q, None, None, True, None, -1, 0) != (
-        "the Gluon kernel does not take attention sinks")
+    declined = "the Gluon kernel does not take attention sinks"
+    assert attention_gluon.reason(q, q, q, None, None, True, None, -1, 0, None, sinks) != declined
+    monkeypatch.setattr(attention_gluon, "GLUON_SINKS", False)
+    assert attention_gluon.reason(q, q, q, None, None, True, None, -1, 0, None, sinks) == declined
+    assert attention_gluon.reason(q, q, q, None, None, True, None, -1, 0) != declined
 
 
 def _bad_sinks():

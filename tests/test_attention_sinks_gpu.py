@@ -173,10 +173,16 @@ def test_merge_counts_the_sink_once(rng):
     torch.testing.assert_close(lse, whole_lse, rtol=1e-5, atol=1e-5)
 
 
-def test_sinks_run_the_triton_forward():
-    """Where the Gluon forward takes a call, the call with sinks runs the Triton forward and says why."""
+def test_sinks_run_the_gluon_forward(monkeypatch):
+    """Where the Gluon forward takes a call, it takes the call with sinks too (``GLUON_SINKS``); switched off,
+    the call with sinks runs the Triton forward and says why."""
+    from safeops.ops import attention_gluon
+
     q = torch.empty(1, 4, 128, 128, dtype=torch.bfloat16, device=DEV)
     if safeops.attention_backend(q, q, q, is_causal=True)[0] != "gluon":
         pytest.skip("the Gluon forward does not run on this device")
-    assert safeops.attention_backend(q, q, q, is_causal=True, sinks=torch.zeros(4, device=DEV)) == (
+    sinks = torch.zeros(4, device=DEV)
+    assert safeops.attention_backend(q, q, q, is_causal=True, sinks=sinks)[0] == "gluon"
+    monkeypatch.setattr(attention_gluon, "GLUON_SINKS", False)
+    assert safeops.attention_backend(q, q, q, is_causal=True, sinks=sinks) == (
         "triton", "the Gluon kernel does not take attention sinks")

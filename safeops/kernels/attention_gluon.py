@@ -56,7 +56,7 @@ NEG_INF = gl.constexpr(float("-inf"))
 LOG2E = gl.constexpr(1.4426950408889634)
 # Values that change with the problem size are not specialised: one compiled kernel per configuration.
 SIZE_ARGS = ["n_heads", "group", "head_group", "seqlen_q", "seqlen_k", "n_m_blocks", "n_tiles",
-             "o_stride_row", "o_stride_head", "window_left"]
+             "o_stride_row", "o_stride_head", "window_left", "has_sinks"]
 # Pointers read only by the varlen kernel (dense launches pass the m pointer there): no alignment
 # specialisation, so an offset cu_seqlens tensor gets the same compiled kernel.
 UNALIGNED_ARGS = ["o_ptr", "cu_q_ptr", "cu_k_ptr", "sinks_ptr"]
@@ -88,8 +88,8 @@ class GluonFwdConfig:
 
 # head dim -> configuration, bf16 and fp16, causal or not. First picks from FA3's Hopper tile sizes
 # (hdim 64 / 128: 128-key blocks; hdim 256: smaller key blocks) within 227 KB of shared memory; the H200
-# decides (bench/attention.py, bench/RESULTS.md). tests/test_attention_gluon_offline.py compiles every entry
-# for sm_90.
+# decides (bench/attention.py, bench/RESULTS.md: its 2026-12-05 sweep measured faster ones, to adopt once
+# the GPU tests have passed with them). tests/test_attention_gluon_offline.py compiles every entry for sm_90.
 FWD_CONFIGS: dict[int, GluonFwdConfig] = {
     64: GluonFwdConfig(block_n=128, num_stages=3),
     128: GluonFwdConfig(block_n=128, num_stages=2),
@@ -115,13 +115,11 @@ def block_shapes(cfg: GluonFwdConfig, head_dim: int) -> dict[str, list[int]]:
     return {"q": qo, "k": kv, "v": kv, "o": qo}
 
 
-def constexprs(cfg: GluonFwdConfig, causal: bool, varlen: bool = False, sinks: bool = False,
-               window: bool = False) -> dict:
+def constexprs(cfg: GluonFwdConfig, causal: bool, varlen: bool = False, window: bool = False) -> dict:
     """The kernel's constexpr arguments for one configuration (block shapes come with the descriptors).
     ``window``: a left window bound (row i sees keys from i - window_left on)."""
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
-                PINGPONG=cfg.pingpong, VARLEN=varlen, SEPARATE_O=cfg.separate_o, HAS_SINKS=sinks,
-                HAS_WL=window)
+                PINGPONG=cfg.pingpong, VARLEN=varlen, SEPARATE_O=cfg.separate_o, HAS_WL=window)
 
 
 LAUNCH_OPTIONS = {"num_warps": 4}  # the default partition is one consumer warpgroup
@@ -161,7 +159,7 @@ def _tile_coords(tile, sizes, cu_q_ptr, cu_k_ptr, BLOCK_M: gl.constexpr, BLOCK_N
     short ones fill the tail. Otherwise the query blocks of one head are adjacent (they share K/V in L2).
     Query row i sees key j iff j <= i (top-left aligned within each sequence, as the Triton path)."""
     (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
-     o_stride_head, window_left) = sizes
+     o_stride_head, window_left, has_sinks) = sizes
     n_bh = n_tiles // n_m_blocks
     if CAUSAL:
         chunk = tile // (head_group * n_m_blocks)
@@ -239,7 +237,7 @@ def _produce_tile(bufs, bc, h, hk, q_row, k_start, lo, n_blocks, c, t, NUM_STAGE
 @gluon.jit
 def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
               PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-              HAS_SINKS: gl.constexpr, HAS_WL: gl.constexpr):
+              HAS_WL: gl.constexpr):
     """The TMA warp: every tile of this program, in order (``_produce_tile``)."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
      v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr) = bufs
@@ -319,14 +317,15 @@ def _store_rows(o_ptr, out, row0, n_rows, h, o_stride_row, o_stride_head):
 
 
 @gluon.jit
-def _sink_score(sinks_ptr, h):
-    """zs2 of head ``h``'s sink: its fp32 logit times LOG2E, one multiply (as the Triton kernels)."""
-    return gl.load(sinks_ptr + h) * LOG2E
+def _sink_score(sinks_ptr, h, has_sinks):
+    """zs2 of head ``h``'s sink: its fp32 logit times LOG2E, one multiply (as the Triton kernels); -inf
+    without sinks (``has_sinks`` 0: sinks_ptr is not read), which starts a row as m = -inf, l = 0."""
+    return gl.load(sinks_ptr + h, mask=has_sinks != 0, other=NEG_INF) * LOG2E
 
 
 @gluon.jit
-def _store_empty_rows(o_ptr, m_ptr, l_ptr, sinks_ptr, row0, n_rows, h, total_q, o_stride_row, o_stride_head,
-                      zeros, HAS_SINKS: gl.constexpr, HAS_WL: gl.constexpr):
+def _store_empty_rows(o_ptr, m_ptr, l_ptr, sinks_ptr, has_sinks, row0, n_rows, h, total_q, o_stride_row,
+                      o_stride_head, zeros, HAS_WL: gl.constexpr):
     """Empty rows (a packed sequence without keys): O = 0, m = -inf, l = 0 (contract section 4), or with
     sinks the sink alone (m = zs2, l = exp2(zs2 - guarded zs2)), for the first ``n_rows`` rows of
     ``zeros``'s height, from packed row ``row0`` of head ``h``."""
@@ -336,12 +335,8 @@ def _store_empty_rows(o_ptr, m_ptr, l_ptr, sinks_ptr, row0, n_rows, h, total_q, 
     offs = gl.arange(0, BLOCK_M, layout=row_layout)
     st = h.to(gl.int64) * total_q + row0 + offs
     ok = offs < n_rows
-    if HAS_SINKS:
-        m = gl.full([BLOCK_M], 0.0, gl.float32, row_layout) + _sink_score(sinks_ptr, h)
-        l = gl.exp2(m - gl.where(m == NEG_INF, 0.0, m))
-    else:
-        m = gl.full([BLOCK_M], NEG_INF, gl.float32, row_layout)
-        l = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    m = gl.full([BLOCK_M], 0.0, gl.float32, row_layout) + _sink_score(sinks_ptr, h, has_sinks)
+    l = gl.exp2(m - gl.where(m == NEG_INF, 0.0, m))  # 0 for m = -inf
     gl.store(m_ptr + st, m, mask=ok)
     gl.store(l_ptr + st, l, mask=ok)
 
@@ -350,13 +345,13 @@ def _store_empty_rows(o_ptr, m_ptr, l_ptr, sinks_ptr, row0, n_rows, h, total_q, 
 def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, lo, n_blocks, q_start,
                   rows_q, rows_k, c, t, rounds, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                   NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr,
-                  SEPARATE_O: gl.constexpr, HAS_SINKS: gl.constexpr, HAS_WL: gl.constexpr):
+                  SEPARATE_O: gl.constexpr, HAS_WL: gl.constexpr):
     """Consumer warpgroup ``w``'s rows m0 + 64 w .. m0 + 64 w + 63 of one tile (key blocks lo .. n_blocks - 1,
     at least one): the online softmax, then O, m and l out. Returns (c, t, rounds) after the tile."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
      v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr) = bufs
     (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
-     o_stride_head, window_left) = sizes
+     o_stride_head, window_left, has_sinks) = sizes
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -381,12 +376,10 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, l
     # starts before the largest row's first key.
     start = offs_m - window_left
     full_start = r0 + BLOCK_M_WG - 1 - window_left
-    if HAS_SINKS:  # the sink is each row's first score (no value): m = zs2, l = exp2(zs2 - guarded base)
-        m_i = gl.full([BLOCK_M_WG], 0.0, gl.float32, row_layout) + _sink_score(sinks_ptr, h)
-        l_i = gl.exp2(m_i - gl.where(m_i == NEG_INF, 0.0, m_i))
-    else:
-        m_i = gl.full([BLOCK_M_WG], NEG_INF, gl.float32, row_layout)
-        l_i = gl.zeros([BLOCK_M_WG], gl.float32, row_layout)
+    # The sink is each row's first score (no value): m = zs2, l = exp2(zs2 - guarded base); without sinks
+    # zs2 = -inf gives m = -inf, l = exp2(-inf) = 0.
+    m_i = gl.full([BLOCK_M_WG], 0.0, gl.float32, row_layout) + _sink_score(sinks_ptr, h, has_sinks)
+    l_i = gl.exp2(m_i - gl.where(m_i == NEG_INF, 0.0, m_i))
     o = gl.zeros([BLOCK_M_WG, HEAD_DIM], gl.float32, o_layout)
 
     mbarrier.wait(q_ready.index(w), t & 1)
@@ -480,12 +473,12 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, l
 @gluon.jit
 def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-              HAS_SINKS: gl.constexpr, HAS_WL: gl.constexpr):
+              HAS_WL: gl.constexpr):
     """Consumer warpgroup ``w``: rows m0 + 64 w .. m0 + 64 w + 63 of each tile of this program."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
      v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr) = bufs
     (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
-     o_stride_head, window_left) = sizes
+     o_stride_head, window_left, has_sinks) = sizes
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -509,15 +502,16 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
                 if n_blocks > 0:
                     c, t, rounds = _consume_tile(w, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, lo, n_blocks,
                                                  q_start, rows_q, rows_k, c, t, rounds, CAUSAL, NUM_STAGES,
-                                                 NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_SINKS, HAS_WL)
+                                                 NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL)
                 else:  # a sequence without keys: its rows are empty, and nothing was loaded for them
-                    _store_empty_rows(o_ptr, m_ptr, l_ptr, sinks_ptr, q_start + m0 + w * BLOCK_M_WG,
-                                      rows_q - m0 - w * BLOCK_M_WG, h, seqlen_q, o_stride_row, o_stride_head,
-                                      gl.zeros([BLOCK_M_WG, HEAD_DIM], dtype, o_layout), HAS_SINKS, HAS_WL)
+                    _store_empty_rows(o_ptr, m_ptr, l_ptr, sinks_ptr, has_sinks,
+                                      q_start + m0 + w * BLOCK_M_WG, rows_q - m0 - w * BLOCK_M_WG, h,
+                                      seqlen_q, o_stride_row, o_stride_head,
+                                      gl.zeros([BLOCK_M_WG, HEAD_DIM], dtype, o_layout), HAS_WL)
         else:
             c, t, rounds = _consume_tile(w, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, lo, n_blocks, q_start,
                                          rows_q, rows_k, c, t, rounds, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG,
-                                         VARLEN, SEPARATE_O, HAS_SINKS, HAS_WL)
+                                         VARLEN, SEPARATE_O, HAS_WL)
     if SEPARATE_O:
         tma.store_wait(pendings=0)  # the last O store has read its buffer before the program ends
 
@@ -525,32 +519,31 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
 @gluon.jit
 def _consumer0(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-               HAS_SINKS: gl.constexpr, HAS_WL: gl.constexpr):
-    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_SINKS, HAS_WL)
+               HAS_WL: gl.constexpr):
+    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL)
 
 
 @gluon.jit
 def _consumer1(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-               HAS_SINKS: gl.constexpr, HAS_WL: gl.constexpr):
-    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_SINKS, HAS_WL)
+               HAS_WL: gl.constexpr):
+    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL)
 
 
 @gluon.jit
 def _consumer2(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-               HAS_SINKS: gl.constexpr, HAS_WL: gl.constexpr):
-    _consumer(2, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_SINKS, HAS_WL)
+               HAS_WL: gl.constexpr):
+    _consumer(2, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL)
 
 
 @gluon.jit(do_not_specialize=SIZE_ARGS, do_not_specialize_on_alignment=UNALIGNED_ARGS)
 def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr,
                           C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles,
-                          o_stride_row, o_stride_head, window_left, CAUSAL: gl.constexpr,
+                          o_stride_row, o_stride_head, window_left, has_sinks, CAUSAL: gl.constexpr,
                           NUM_STAGES: gl.constexpr,
                           NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-                          VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr, HAS_SINKS: gl.constexpr,
-                          HAS_WL: gl.constexpr):
+                          VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr, HAS_WL: gl.constexpr):
     """o, m, l of the query tiles program_id(0), program_id(0) + num_programs(0), ... of ``n_tiles`` =
     n_m_blocks x batch x heads. kv head = q head // group; ``head_group``: heads per chunk of the causal
     tile order (``_tile_coords``).
@@ -561,8 +554,9 @@ def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, c
     ((Tq, Hq, D)) and k / v ((Tk, Hkv, D)); sequence b is rows cu_q[b]:cu_q[b+1] of q and cu_k[b]:cu_k[b+1]
     of k / v; m and l are (Hq, Tq) contiguous and ``seqlen_q`` is Tq; o_ptr with its row and head strides
     takes the rows a TMA box store would write past a sequence's end; ``n_m_blocks`` covers the longest
-    sequence (tiles past a sequence's end do nothing). ``HAS_SINKS``: sinks_ptr holds the (Hq,) fp32 sink
-    logits, each row's first score (m, l include it); otherwise it is not read. ``HAS_WL``: query row i
+    sequence (tiles past a sequence's end do nothing). ``has_sinks`` != 0: sinks_ptr holds the (Hq,) fp32
+    sink logits, each row's first score (m, l include it); otherwise it is not read (a runtime flag, so
+    calls with and without sinks share one compiled kernel). ``HAS_WL``: query row i
     sees keys from i - window_left on (a sliding window, as the Triton kernels' left bound); a tile's key
     blocks start at its first row's window."""
     gl.static_assert(q_desc.block_type.shape[2] == 64)
@@ -593,24 +587,24 @@ def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, c
     bufs = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
             k_empty, v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr)
     sizes = (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
-             o_stride_head, window_left)
+             o_stride_head, window_left, has_sinks)
     # (The argument tuples are written out: a tuple assigned to a name turns its constexprs into tensors.)
     if NUM_WG == 2:
         gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_SINKS, HAS_WL)),
+                                          SEPARATE_O, HAS_WL)),
                             (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_SINKS, HAS_WL)),
+                                          SEPARATE_O, HAS_WL)),
                             (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                         SEPARATE_O, HAS_SINKS, HAS_WL))],
+                                         SEPARATE_O, HAS_WL))],
                            [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.static_assert(NUM_WG == 3)
         gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_SINKS, HAS_WL)),
+                                          SEPARATE_O, HAS_WL)),
                             (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_SINKS, HAS_WL)),
+                                          SEPARATE_O, HAS_WL)),
                             (_consumer2, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_SINKS, HAS_WL)),
+                                          SEPARATE_O, HAS_WL)),
                             (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                         SEPARATE_O, HAS_SINKS, HAS_WL))],
+                                         SEPARATE_O, HAS_WL))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

@@ -40,12 +40,12 @@ PERSISTENT = False
 # Causal tiles run in chunks of heads whose K and V take about this many bytes (the H100 / H200 L2 is 50 MB),
 # so the programs running at once share K/V blocks in L2. Scheduling only: the bits do not depend on it.
 L2_CHUNK_BYTES = 32 << 20
-# Attention sinks in the Gluon forward (HAS_SINKS: each row's first score). Off until checked on a GPU: the
-# forward of a call with sinks then runs the Triton kernel, and attention_backend says so.
-GLUON_SINKS = False
-# A left sliding-window bound in the Gluon forward (HAS_WL; causal or not, no right bound). Off until checked
-# on a GPU.
-GLUON_WINDOW = False
+# Attention sinks in the Gluon forward (the runtime flag has_sinks: each row's first score). Switched off, a
+# call with sinks runs the Triton forward, and attention_backend says so.
+GLUON_SINKS = True
+# A left sliding-window bound in the Gluon forward (HAS_WL; causal or not, no right bound). Switched off, a
+# window runs the Triton forward.
+GLUON_WINDOW = True
 
 
 def kernels():
@@ -175,7 +175,7 @@ class Plan:
     builds the descriptors and launches."""
 
     __slots__ = ("varlen", "copy", "o_scratch", "stat_shape", "empty", "block_shapes", "layouts", "args",
-                 "launch", "templates", "window")
+                 "launch", "templates", "window", "has_sinks")
 
     def __init__(self, q, k, v, cu_q, max_q: int, max_k: int, causal: bool, c1: float, *,
                  persistent: bool | None = None, config=None, sinks: bool = False, window_left: int = -1):
@@ -220,7 +220,8 @@ class Plan:
         head_group = max(1, min(batch * hq, L2_CHUNK_BYTES * (hq // hkv) // kv_bytes))
         self.args = (c1, hq, hq // hkv, head_group, rows_q, rows_k, n_m_blocks, n_tiles)
         self.window = max(window_left, 0)  # not read without HAS_WL
-        kwargs = dict(K.constexprs(cfg, causal, varlen, sinks, window_left >= 0), **K.LAUNCH_OPTIONS,
+        self.has_sinks = int(sinks)
+        kwargs = dict(K.constexprs(cfg, causal, varlen, window_left >= 0), **K.LAUNCH_OPTIONS,
                       enable_fp_fusion=_config.fp_fusion)
         self.launch = KernelLaunch(K.attn_fwd_gluon_kernel, grid, kwargs)
 
@@ -268,10 +269,10 @@ class Plan:
         sinks_arg = m if sinks is None else sinks
         if self.varlen:
             self.launch(q_desc, k_desc, v_desc, o_desc, m, l, o_, cu_q, cu_k, sinks_arg, *self.args,
-                        o_.stride(0), o_.stride(1), self.window)
+                        o_.stride(0), o_.stride(1), self.window, self.has_sinks)
         else:
             self.launch(q_desc, k_desc, v_desc, o_desc, m, l, o_, m, m, sinks_arg, *self.args, 0, 0,
-                        self.window)
+                        self.window, self.has_sinks)
         if o_ is not o:
             o.copy_(o_)
         return o, m, l
@@ -281,11 +282,14 @@ class Plan:
 # Compiling ahead, in parallel (GPU tests, benchmarks): first launches then load from Triton's cache.
 # ------------------------------------------------------------------------------------------------------
 
-def configurations() -> list[tuple[str, int, bool, bool]]:
-    """Every (dtype name, head dim, causal, varlen) the path choice can launch (one compiled kernel each)."""
+def configurations() -> list[tuple[str, int, bool, bool, dict, bool]]:
+    """Every (dtype name, head dim, causal, varlen, config changes, left window) the path choice can launch
+    (one compiled kernel each; sinks are a runtime argument)."""
     K = kernels()
-    return [(dtype, d, causal, varlen) for dtype in K.DTYPES for d in K.HEAD_DIMS for causal in (False, True)
-            for varlen in (False, True)]
+    windows = (False, True) if GLUON_WINDOW else (False,)
+    return [(dtype, d, causal, varlen, {}, window) for dtype in K.DTYPES for d in K.HEAD_DIMS
+            for causal in (False, True) for varlen in (False, True) for window in windows
+            if not window or d in K.WINDOW_HEAD_DIMS]
 
 
 def _warm(job) -> tuple:
@@ -296,7 +300,7 @@ def _warm(job) -> tuple:
 
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    dtype_name, d, causal, varlen, changes = job
+    dtype_name, d, causal, varlen, changes, window = job
     K = kernels()
     dtype = getattr(torch, dtype_name)
     cfg = dataclasses.replace(K.FWD_CONFIGS[d], **changes)
@@ -307,20 +311,22 @@ def _warm(job) -> tuple:
         descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout))
     stat = torch.empty(1, 256)
     cu = torch.zeros(2, dtype=torch.int32) if varlen else stat
-    K.attn_fwd_gluon_kernel.warmup(*descs, stat, stat, t, cu, cu, stat, 0.5, 1, 1, 1, 256, 256, 2, 2, 0, 0, 0,
-                                   grid=(1,), **K.constexprs(cfg, causal, varlen), **K.LAUNCH_OPTIONS,
+    sizes = (1, 1, 1, 256, 256, 2, 2, 0, 0, 0, 0)  # n_heads .. window_left, has_sinks (not specialized)
+    K.attn_fwd_gluon_kernel.warmup(*descs, stat, stat, t, cu, cu, stat, 0.5, *sizes, grid=(1,),
+                                   **K.constexprs(cfg, causal, varlen, window), **K.LAUNCH_OPTIONS,
                                    enable_fp_fusion=_config.fp_fusion)
     return job
 
 
 def warm_cache(jobs: list[tuple] | None = None, workers: int = 8) -> list[str]:
     """Compiles Gluon configurations (default: :func:`configurations`; a job is (dtype name, head dim,
-    causal, varlen) or that plus a dict of ``GluonFwdConfig`` changes) in ``workers`` spawned processes
-    into Triton's on-disk cache. Returns the failures, in words (those compile again on first launch)."""
+    causal, varlen), optionally followed by a dict of ``GluonFwdConfig`` changes and the left-window flag)
+    in ``workers`` spawned processes into Triton's on-disk cache. Returns the failures, in words (those
+    compile again on first launch)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    jobs = [(*j, {}) if len(j) == 4 else tuple(j) for j in (configurations() if jobs is None else jobs)]
+    jobs = [(*j, *({}, False)[len(j) - 4:]) for j in (configurations() if jobs is None else jobs)]
     failed = []
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         for job, future in [(j, pool.submit(_warm, j)) for j in jobs]:
