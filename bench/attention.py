@@ -35,6 +35,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 HERE = Path(__file__).resolve().parent
 for path in (str(HERE.parent), str(HERE)):
@@ -133,17 +134,8 @@ def gluon_dq(on: bool):
 @contextlib.contextmanager
 def gluon_bwd_everywhere(on: bool):
     """SAFEOPS_GLUON_BWD=1 for the block: the Gluon dK / dV kernel at every head dim it has."""
-    saved = os.environ.get("SAFEOPS_GLUON_BWD")
-    if on:
-        os.environ["SAFEOPS_GLUON_BWD"] = "1"
-    try:
+    with mock.patch.dict(os.environ, {"SAFEOPS_GLUON_BWD": "1"} if on else {}):
         yield
-    finally:
-        if on:
-            if saved is None:
-                os.environ.pop("SAFEOPS_GLUON_BWD", None)
-            else:
-                os.environ["SAFEOPS_GLUON_BWD"] = saved
 
 
 def build_safeops(case: H.Case, t: dict, fusion: bool = False, dq: bool = False, bwd: bool = False):

@@ -188,29 +188,33 @@ def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_W
 
 
 @gluon.jit
-def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, s_layout: gl.constexpr, a_layout: gl.constexpr,
-          MASKED: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """One query block of a consumer warpgroup: S^T and dP^T, P^T and dS^T, dV += P^T dO, dK += dS^T Q.
-    ``c``: the block's ring position; ``MASKED``: apply the causal select, query i seeing key j iff
-    j <= i, where ``q_minus_k`` = (the block's first query) - (the warpgroup's first key)."""
+def _issue_st_dpt(bufs, k_w, v_w, q_s, do_s, slot, phase, s_layout: gl.constexpr):
+    """Issues S^T = K Q^T and dP^T = V dO^T (async, in that order) once ring slot ``slot`` (Q in ``q_s``,
+    dO in ``do_s``) has landed."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
-    dtype: gl.constexpr = q_desc.dtype
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per query (a column of S^T)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # per key
-    slot = c % NUM_STAGES
-    phase = (c // NUM_STAGES) & 1
-    q_s = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    do_s = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
     s_zero = gl.zeros([BLOCK_N_WG, BLOCK_M], gl.float32, s_layout)
     mbarrier.wait(q_ready.index(slot), phase)
     st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     mbarrier.wait(do_ready.index(slot), phase)
     dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+    return st, dpt
+
+
+@gluon.jit
+def _probs_t(bufs, st, C1, slot, q_minus_k, MASKED: gl.constexpr):
+    """P^T from a retired S^T: z = s * C1, the causal select (``MASKED``: query i sees key j iff j <= i,
+    ``q_minus_k`` = the block's first query - the warpgroup's first key), p = exp2(min(z - base, 0)) / l
+    from the slot's saved row statistics."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
+    s_layout: gl.constexpr = st.type.layout
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # per query (a column of S^T)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # per key
     z = st * C1
     if MASKED:
         qi = gl.arange(0, BLOCK_M, layout=col_layout) + q_minus_k
@@ -221,14 +225,41 @@ def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, s_layout: gl.constexpr, a_la
     m = m_smem.index(slot).reshape([BLOCK_M]).load(col_layout)
     e = gl.exp2(gl.minimum(z - gl.where(m == NEG_INF, 0.0, m)[None, :], 0.0, propagate_nan=NAN_ALL))
     l = l_smem.index(slot).reshape([BLOCK_M]).load(col_layout)
-    pt = e * gl.where(l == 0.0, 0.0, 1.0 / gl.where(l == 0.0, 1.0, l))[None, :]
+    return e * gl.where(l == 0.0, 0.0, 1.0 / gl.where(l == 0.0, 1.0, l))[None, :]
+
+
+@gluon.jit
+def _operands_t(bufs, pt, dpt, slot, a_layout: gl.constexpr):
+    """P^T and dS^T = P^T (dP^T - delta) in the input dtype, as register A operands of dV / dK."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    delta = delta_smem.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, pt.type.layout))
+    dst = pt * (dpt - delta[None, :])
+    return gl.convert_layout(pt.to(dtype), a_layout), gl.convert_layout(dst.to(dtype), a_layout)
+
+
+@gluon.jit
+def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, s_layout: gl.constexpr, a_layout: gl.constexpr,
+          MASKED: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """One query block of a consumer warpgroup: S^T and dP^T, P^T and dS^T, dV += P^T dO, dK += dS^T Q.
+    ``c``: the block's ring position; ``MASKED``: apply the causal select, query i seeing key j iff
+    j <= i, where ``q_minus_k`` = (the block's first query) - (the warpgroup's first key)."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    slot = c % NUM_STAGES
+    q_s = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    do_s = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    st, dpt = _issue_st_dpt(bufs, k_w, v_w, q_s, do_s, slot, (c // NUM_STAGES) & 1, s_layout)
+    st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+    pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED)
     dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
     # Both products are issued from registers once S^T and dP^T have retired: P^T and dS^T are then all
     # that is live beside the accumulators.
-    delta = delta_smem.index(slot).reshape([BLOCK_M]).load(col_layout)
-    dst = pt * (dpt - delta[None, :])
-    p16 = gl.convert_layout(pt.to(dtype), a_layout)
-    ds16 = gl.convert_layout(dst.to(dtype), a_layout)
+    p16, ds16 = _operands_t(bufs, pt, dpt, slot, a_layout)
     dv = warpgroup_mma(p16, do_s, dv, is_async=True)
     dk = warpgroup_mma(ds16, q_s, dk, is_async=True)
     dk, dv, p16, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p16, ds16))
@@ -240,26 +271,17 @@ def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, s_layout: gl.constexpr, a_la
 def _pstep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, q_minus_k, s_layout: gl.constexpr,
            a_layout: gl.constexpr, MASKED: gl.constexpr, FIRST: gl.constexpr, NUM_STAGES: gl.constexpr):
     """Step ``c`` of the pipelined loop: issues S^T_c and dP^T_c, then (unless ``FIRST``) the previous
-    step's dV += P^T dO and dK += dS^T Q from ``p_prev`` / ``ds_prev``; computes P^T_c and dS^T_c (the same
-    arithmetic as :func:`_step`) while those run; waits for them and releases the previous step's Q / dO
-    slot. Returns (dK, dV, P^T_c, dS^T_c) for the next step."""
+    step's dV += P^T dO and dK += dS^T Q from ``p_prev`` / ``ds_prev``; computes P^T_c and dS^T_c (as
+    :func:`_step` does) while those run; waits for them and releases the previous step's Q / dO slot.
+    Returns (dK, dV, P^T_c, dS^T_c) for the next step."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-    BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
-    dtype: gl.constexpr = q_desc.dtype
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     slot = c % NUM_STAGES
-    phase = (c // NUM_STAGES) & 1
     q_s = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
     do_s = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    s_zero = gl.zeros([BLOCK_N_WG, BLOCK_M], gl.float32, s_layout)
-    mbarrier.wait(q_ready.index(slot), phase)
-    st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    mbarrier.wait(do_ready.index(slot), phase)
-    dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    st, dpt = _issue_st_dpt(bufs, k_w, v_w, q_s, do_s, slot, (c // NUM_STAGES) & 1, s_layout)
     # Async products retire in issue order: S^T_c, dP^T_c, then the previous step's dV and dK.
     if FIRST:
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
@@ -268,22 +290,12 @@ def _pstep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, q_minus_k, s_layout: 
         dv = warpgroup_mma(p_prev, do_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
         dk = warpgroup_mma(ds_prev, q_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
         st = warpgroup_mma_wait(num_outstanding=3, deps=(st,))
-    z = st * C1
-    if MASKED:
-        qi = gl.arange(0, BLOCK_M, layout=col_layout) + q_minus_k
-        z = gl.where(qi[None, :] >= gl.arange(0, BLOCK_N_WG, layout=row_layout)[:, None], z, NEG_INF)
-    m = m_smem.index(slot).reshape([BLOCK_M]).load(col_layout)
-    e = gl.exp2(gl.minimum(z - gl.where(m == NEG_INF, 0.0, m)[None, :], 0.0, propagate_nan=NAN_ALL))
-    l = l_smem.index(slot).reshape([BLOCK_M]).load(col_layout)
-    pt = e * gl.where(l == 0.0, 0.0, 1.0 / gl.where(l == 0.0, 1.0, l))[None, :]
+    pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED)
     if FIRST:
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
     else:
         dpt = warpgroup_mma_wait(num_outstanding=2, deps=(dpt,))
-    delta = delta_smem.index(slot).reshape([BLOCK_M]).load(col_layout)
-    dst = pt * (dpt - delta[None, :])
-    p16 = gl.convert_layout(pt.to(dtype), a_layout)
-    ds16 = gl.convert_layout(dst.to(dtype), a_layout)
+    p16, ds16 = _operands_t(bufs, pt, dpt, slot, a_layout)
     if not FIRST:
         # P^T / dS^T of the previous step are those products' register operands: alive until they retire.
         dk, dv, p_prev, ds_prev = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p_prev, ds_prev))
