@@ -18,7 +18,8 @@ per kernel. Then:
   registers and the TMA warp 24;
 - it fits: shared memory at most 227 KB (232448 bytes, the H100 / H200 per-block limit), and ptxas (Triton's
   own ``-v`` run, ``--fmad=false``, whose log Triton prints on request) warns of nothing (no serialized
-  wgmma) and spills nothing in the forward, at most ``SPILL_CAP`` bytes in the backward.
+  wgmma) and spills nothing in the forward (at most ``SPILL_CAP_FWD_D64`` bytes at head dim 64), at most
+  ``SPILL_CAP`` bytes in the backward.
 
 ``python -m pytest tests/test_attention_gluon_offline.py -s`` prints registers, spills and shared memory per
 configuration. The path choice's reasons are tested on CPU tensors in tests/test_attention_backend.py.
@@ -41,7 +42,14 @@ SMEM_LIMIT = 232448  # bytes: H100/H200 (sm_90) maximum dynamic shared memory pe
 # ptxas spill bytes allowed per kernel: none in the forward; the D=128 dK / dV kernel sits at its 240 / 248
 # register budgets (two 64 x 128 fp32 accumulators per thread) and spills 8-84 bytes (stores + loads),
 # which this cap lets through and a regression past it does not.
+# The D=64 forward runs three consumer warpgroups at 160 registers: 0-256 bytes of spills, and measured faster
+# than two warpgroups without spills (bench/RESULTS.md); capped there at what it spills today.
 SPILL_CAP = {"fwd": 0, "fwd+window": 0, "bwd": 96, "dq": 0}
+SPILL_CAP_FWD_D64 = 256
+
+
+def _spill_cap(c: tuple) -> int:
+    return SPILL_CAP_FWD_D64 if c[0].startswith("fwd") and c[2] == 64 else SPILL_CAP[c[0]]
 KERNEL_FILE = os.path.join(sm90.ROOT, "safeops", "kernels", "attention_gluon.py")
 BWD_KERNEL_FILE = os.path.join(sm90.ROOT, "safeops", "kernels", "attention_gluon_bwd.py")
 
@@ -213,8 +221,9 @@ def test_every_configuration_compiles_and_fits(compiled):
     too_big = {c: r["shared"] for c, r in compiled.items() if r["shared"] > SMEM_LIMIT}
     assert not too_big, f"shared memory past {SMEM_LIMIT} bytes: {too_big}"
     spills = {c: r["spill_bytes"] for c, r in compiled.items()
-              if r["spill_bytes"] is None or r["spill_bytes"] > SPILL_CAP[c[0]]}
-    assert not spills, f"ptxas spills past {SPILL_CAP} bytes (or None: no ptxas report): {spills}"
+              if r["spill_bytes"] is None or r["spill_bytes"] > _spill_cap(c)}
+    assert not spills, (f"ptxas spills past {SPILL_CAP} bytes ({SPILL_CAP_FWD_D64} in the D=64 forward; "
+                        f"None: no ptxas report): {spills}")
     # e.g. "Potential Performance Loss: wgmma.mma_async instructions are serialized" (C7515)
     warned = {c: r["ptxas_warnings"] for c, r in compiled.items() if r["ptxas_warnings"]}
     assert not warned, f"ptxas warnings: {warned}"

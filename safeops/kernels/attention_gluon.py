@@ -86,13 +86,13 @@ class GluonFwdConfig:
         return self.num_wg * BLOCK_M_WG
 
 
-# head dim -> configuration, bf16 and fp16, causal or not. First picks from FA3's Hopper tile sizes
-# (hdim 64 / 128: 128-key blocks; hdim 256: smaller key blocks) within 227 KB of shared memory; the H200
-# decides (bench/attention.py, bench/RESULTS.md: its 2026-12-05 sweep measured faster ones, to adopt once
-# the GPU tests have passed with them). tests/test_attention_gluon_offline.py compiles every entry for sm_90.
+# head dim -> configuration, bf16 and fp16, causal or not, chosen on the H200 (bench/RESULTS.md, the
+# forward configuration sweep): at D=64 three consumer warpgroups (192-row tiles, as FlashAttention-3's D=64
+# tile) at 160 registers, two stages; at D=128 two warpgroups with a three-deep K / V ring (229 KB of shared
+# memory). tests/test_attention_gluon_offline.py compiles every entry for sm_90.
 FWD_CONFIGS: dict[int, GluonFwdConfig] = {
-    64: GluonFwdConfig(block_n=128, num_stages=3),
-    128: GluonFwdConfig(block_n=128, num_stages=2),
+    64: GluonFwdConfig(block_n=128, num_stages=2, num_wg=3, consumer_regs=160),
+    128: GluonFwdConfig(block_n=128, num_stages=3),
     256: GluonFwdConfig(block_n=64, num_stages=2, consumer_regs=240),
 }
 HEAD_DIMS = tuple(FWD_CONFIGS)
