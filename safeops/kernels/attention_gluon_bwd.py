@@ -723,6 +723,10 @@ class GluonFusedConfig:
     block_m: int  # query rows per step
     num_stages: int  # depth of the Q / dO ring
     dq_bufs: int = 1  # dQ partials in shared memory between the consumers and the writer
+    # dQ split by head-dim columns between the warpgroups (each over all the CTA's keys, dS of both through
+    # shared memory, a barrier between them per step) instead of by keys (each over its own 64 keys, all
+    # columns, the writer adding the two): half the dQ registers, so at D=128 dQ runs beside dK / dV.
+    split_d: bool = False
     num_wg: int = 2
     consumer_regs: int = 240
 
@@ -731,9 +735,12 @@ class GluonFusedConfig:
         return self.num_wg * BLOCK_N_WG
 
 
+# D=128 splits dQ by columns (by keys, dK, dV and dQ in flight at once need more registers than are left, and
+# ptxas serializes the wgmmas; issuing dQ after dK / dV avoids that); a 3-deep ring would leave 144 bytes of
+# shared memory.
 FUSED_CONFIGS: dict[int, GluonFusedConfig] = {
     64: GluonFusedConfig(block_m=64, num_stages=3, dq_bufs=2),
-    128: GluonFusedConfig(block_m=64, num_stages=2, dq_bufs=1),
+    128: GluonFusedConfig(block_m=64, num_stages=2, dq_bufs=1, split_d=True),
 }
 # Registers of the writer warp and (sharing its warpgroup) the TMA warp: 2 x 128 x 240 + 128 x 32 = 65536.
 WRITER_REGS = gl.constexpr(32)
@@ -741,7 +748,7 @@ WRITER_REGS = gl.constexpr(32)
 
 def fused_constexprs(cfg: GluonFusedConfig, causal: bool) -> dict:
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
-                DQ_BUFS=cfg.dq_bufs)
+                DQ_BUFS=cfg.dq_bufs, SPLIT_D=cfg.split_d)
 
 
 def fused_signature(cfg: GluonFusedConfig, head_dim: int, dtype: str) -> dict[str, str]:
@@ -759,7 +766,7 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
     warpgroup's 64 keys) handed to the writer through dQ buffer ``c % DQ_BUFS``."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
-    ds_smem, dq_smem, dq_full, dq_empty, dq_ptr, sem_ptr = fbufs
+    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, sem_ptr = fbufs
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
@@ -801,8 +808,60 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
 
 
 @gluon.jit
+def _fused_step_split(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr,
+                      s_layout: gl.constexpr, a_layout: gl.constexpr, MASKED: gl.constexpr,
+                      NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr):
+    """:func:`_fused_step` with dQ split by columns: this warpgroup's dS^T rows go to the step's shared dS^T
+    buffer (``c % 2``; a barrier with the other warpgroup), then dQ[:, w half] = dS (all keys) K[:, w half]."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
+    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, sem_ptr = fbufs
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
+    HALF: gl.constexpr = HEAD_DIM // NUM_WG
+    dtype: gl.constexpr = q_desc.dtype
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF, 16])
+    slot = c % NUM_STAGES
+    q_s = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    do_s = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    st, dpt = _issue_st_dpt(bufs, k_w, v_w, q_s, do_s, slot, (c // NUM_STAGES) & 1, s_layout)
+    st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+    pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED)
+    dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
+    delta = delta_smem.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
+    dst = (pt * (dpt - delta[None, :])).to(dtype)
+    b = c % 2
+    ds_all = ds_smem.index(b)
+    ds_w = ds_all.slice(w * BLOCK_N_WG, BLOCK_N_WG, dim=0)
+    ds_w.store(dst)
+    fence_async_shared()
+    gl.thread_barrier()  # every warp's rows are in (and fenced) before the one arrive
+    mbarrier.arrive(ds_ready.index(b), count=1)
+    p16 = gl.convert_layout(pt.to(dtype), a_layout)
+    dv = warpgroup_mma(p16, do_s, dv, is_async=True)
+    dk = warpgroup_mma(ds_w, q_s, dk, is_async=True)
+    mbarrier.wait(ds_ready.index(b), (c // 2) & 1)  # the other warpgroup's dS^T rows are in too
+    # dQ[:, w half] = dS_0 K_0[:, w half] + dS_1 K_1[:, w half]: the keys of both warpgroups, in that order.
+    dq = gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout)
+    for u in gl.static_range(NUM_WG):
+        k_u = k_smem.index(u).reshape([BLOCK_N_WG, HEAD_DIM]).slice(w * HALF, HALF, dim=1)
+        dq = warpgroup_mma(ds_all.slice(u * BLOCK_N_WG, BLOCK_N_WG, dim=0).permute((1, 0)), k_u, dq,
+                           use_acc=u > 0, is_async=True)
+    dk, dv, dq, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq, p16))
+    mbarrier.arrive(q_empty.index(slot), count=1)
+    qb = c % DQ_BUFS
+    mbarrier.wait(dq_empty.index(qb), ((c // DQ_BUFS) & 1) ^ 1)
+    dq_smem.index(qb * NUM_WG + w).store(dq)
+    gl.thread_barrier()
+    mbarrier.arrive(dq_full.index(qb), count=1)
+    return dk, dv
+
+
+@gluon.jit
 def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-                    NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr):
+                    NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr):
     """Consumer warpgroup ``w`` of the fused kernel: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63, and their
     dQ partials."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
@@ -831,12 +890,20 @@ def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, N
     c = 0
     for _g in range(group):
         for mb in range(lo, mid):
-            dk, dv = _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, w, s_layout,
-                                 a_layout, True, NUM_STAGES, NUM_WG, DQ_BUFS, DQ_AFTER)
+            if SPLIT_D:
+                dk, dv = _fused_step_split(bufs, fbufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, w,
+                                           s_layout, a_layout, True, NUM_STAGES, NUM_WG, DQ_BUFS)
+            else:
+                dk, dv = _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, w, s_layout,
+                                     a_layout, True, NUM_STAGES, NUM_WG, DQ_BUFS, DQ_AFTER)
             c += 1
         for _mb in range(mid, n_m):
-            dk, dv = _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, 0, w, s_layout, a_layout, False,
-                                 NUM_STAGES, NUM_WG, DQ_BUFS, DQ_AFTER)
+            if SPLIT_D:
+                dk, dv = _fused_step_split(bufs, fbufs, C1, k_w, v_w, dk, dv, c, 0, w, s_layout, a_layout,
+                                           False, NUM_STAGES, NUM_WG, DQ_BUFS)
+            else:
+                dk, dv = _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, 0, w, s_layout, a_layout, False,
+                                     NUM_STAGES, NUM_WG, DQ_BUFS, DQ_AFTER)
             c += 1
     dk = dk * scale_ds
     k_w.store(dk.to(dtype))
@@ -849,14 +916,14 @@ def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, N
 
 @gluon.jit
 def _fused_consumer0(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-                     DQ_BUFS: gl.constexpr):
-    _fused_consumer(0, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS)
+                     DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr):
+    _fused_consumer(0, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D)
 
 
 @gluon.jit
 def _fused_consumer1(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-                     DQ_BUFS: gl.constexpr):
-    _fused_consumer(1, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS)
+                     DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr):
+    _fused_consumer(1, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D)
 
 
 @gluon.jit
@@ -867,35 +934,50 @@ def _turn_count(sem_lanes, zeros):
 
 @gluon.jit
 def _write_rows(dq_smem, qb, base, rows, cols, n_rows, NUM_WG: gl.constexpr, BLOCK_M: gl.constexpr,
-                HEAD_DIM: gl.constexpr, MASKED: gl.constexpr):
-    """Adds dQ_0 + dQ_1 of dQ buffer ``qb`` into the rows at ``base`` (``MASKED``: only the first
-    ``n_rows``), 8 x 32 values (one swizzle pattern of the buffer's layout) at a time."""
+                HEAD_DIM: gl.constexpr, MASKED: gl.constexpr, SPLIT_D: gl.constexpr):
+    """Adds dQ buffer ``qb`` into the rows at ``base`` (``MASKED``: only the first ``n_rows``), 8 x 32 values
+    (one swizzle pattern of the buffer's layout) at a time: by keys, dQ_0 + dQ_1 (in that order); split by
+    columns (``SPLIT_D``), each warpgroup's columns."""
     ROWS: gl.constexpr = rows.shape[0]
     COLS: gl.constexpr = cols.shape[0]
     layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
-    for r in gl.static_range(0, BLOCK_M, ROWS):
-        for c0 in gl.static_range(0, HEAD_DIM, COLS):
-            part = dq_smem.index(qb * NUM_WG).slice(r, ROWS, dim=0).slice(c0, COLS, dim=1).load(layout)
-            for w in gl.static_range(1, NUM_WG):
-                tile = dq_smem.index(qb * NUM_WG + w).slice(r, ROWS, dim=0).slice(c0, COLS, dim=1)
-                part = part + tile.load(layout)
-            ptrs = base + ((r + rows) * HEAD_DIM)[:, None] + (c0 + cols)[None, :]
-            if MASKED:
-                ok = (r + rows < n_rows)[:, None] & (cols < COLS)[None, :]
-                gl.atomic_add(ptrs, part, mask=ok, sem="relaxed", scope="gpu")
-            else:
-                gl.atomic_add(ptrs, part, sem="relaxed", scope="gpu")
+    if SPLIT_D:
+        HALF: gl.constexpr = HEAD_DIM // NUM_WG
+        for w in gl.static_range(NUM_WG):
+            for r in gl.static_range(0, BLOCK_M, ROWS):
+                for c0 in gl.static_range(0, HALF, COLS):
+                    part = dq_smem.index(qb * NUM_WG + w).slice(r, ROWS, dim=0).slice(c0, COLS, dim=1).load(layout)
+                    ptrs = base + ((r + rows) * HEAD_DIM)[:, None] + (w * HALF + c0 + cols)[None, :]
+                    if MASKED:
+                        ok = (r + rows < n_rows)[:, None] & (cols < COLS)[None, :]
+                        gl.atomic_add(ptrs, part, mask=ok, sem="relaxed", scope="gpu")
+                    else:
+                        gl.atomic_add(ptrs, part, sem="relaxed", scope="gpu")
+    else:
+        for r in gl.static_range(0, BLOCK_M, ROWS):
+            for c0 in gl.static_range(0, HEAD_DIM, COLS):
+                part = dq_smem.index(qb * NUM_WG).slice(r, ROWS, dim=0).slice(c0, COLS, dim=1).load(layout)
+                for w in gl.static_range(1, NUM_WG):
+                    tile = dq_smem.index(qb * NUM_WG + w).slice(r, ROWS, dim=0).slice(c0, COLS, dim=1)
+                    part = part + tile.load(layout)
+                ptrs = base + ((r + rows) * HEAD_DIM)[:, None] + (c0 + cols)[None, :]
+                if MASKED:
+                    ok = (r + rows < n_rows)[:, None] & (cols < COLS)[None, :]
+                    gl.atomic_add(ptrs, part, mask=ok, sem="relaxed", scope="gpu")
+                else:
+                    gl.atomic_add(ptrs, part, sem="relaxed", scope="gpu")
 
 
 @gluon.jit
-def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr):
+def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr,
+            SPLIT_D: gl.constexpr):
     """The writer warp: per step, waits for both consumers' dQ partials and the query block's turn, adds
     dQ_0 + dQ_1 into the fp32 accumulator (rows past seqlen_q dropped) and passes the turn on: each lane
     adds 1 to the counter with release after its own atomic adds, so the next CTA, waiting for 32 more,
     sees every one of them."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
-    ds_smem, dq_smem, dq_full, dq_empty, dq_ptr, sem_ptr = fbufs
+    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, sem_ptr = fbufs
     C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -926,9 +1008,11 @@ def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_B
             row0 = mb * BLOCK_M
             base = dq_ptr + (bh.to(gl.int64) * seqlen_q + row0) * HEAD_DIM
             if row0 + BLOCK_M <= seqlen_q:
-                _write_rows(dq_smem, qb, base, rows, cols, row0 + BLOCK_M, NUM_WG, BLOCK_M, HEAD_DIM, False)
+                _write_rows(dq_smem, qb, base, rows, cols, row0 + BLOCK_M, NUM_WG, BLOCK_M, HEAD_DIM, False,
+                            SPLIT_D)
             else:
-                _write_rows(dq_smem, qb, base, rows, cols, seqlen_q - row0, NUM_WG, BLOCK_M, HEAD_DIM, True)
+                _write_rows(dq_smem, qb, base, rows, cols, seqlen_q - row0, NUM_WG, BLOCK_M, HEAD_DIM, True,
+                            SPLIT_D)
             mbarrier.arrive(dq_empty.index(qb), count=1)
             gl.atomic_add(sem_lanes, lanes + 1, sem="release", scope="gpu")
             c += 1
@@ -939,7 +1023,7 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                 delta_desc, dq_ptr, sem_ptr, C1, scale_ds, n_heads, group, head_group,
                                 seqlen_q, seqlen_k, n_n_blocks, n_tiles, CAUSAL: gl.constexpr,
                                 NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                DQ_BUFS: gl.constexpr):
+                                DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr):
     """dk, dv of key block / kv head ``program_id(0)`` (as ``attn_bwd_dkdv_gluon_kernel``), and that
     block's share of dq added into ``dq_ptr``: fp32 (B, Hq, Sq, D) contiguous, zeroed, unscaled (dq =
     scale_ds * it); ``sem_ptr``: int32 (B, Hq, cdiv(Sq, BLOCK_M)) zeroed turn counters."""
@@ -956,11 +1040,20 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     l_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + l_desc.block_type.shape, l_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + delta_desc.block_type.shape,
                                            delta_desc.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N_WG, BLOCK_M], q_desc.dtype)
-    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG, BLOCK_N_WG, BLOCK_M], ds_layout)
-    # dQ partials as 8-row slabs (one swizzle pattern): the writer walks them with a runtime index.
-    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS * NUM_WG, BLOCK_M, HEAD_DIM], dq_layout)
+    if SPLIT_D:  # dS^T of all the CTA's keys, two steps' worth; dQ by columns
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NUM_WG * BLOCK_N_WG, BLOCK_M],
+                                                                       q_desc.dtype)
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, NUM_WG * BLOCK_N_WG, BLOCK_M], ds_layout)
+        dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM // NUM_WG],
+                                                                       gl.float32)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS * NUM_WG, BLOCK_M, HEAD_DIM // NUM_WG],
+                                            dq_layout)
+    else:  # each warpgroup's dS^T; dQ by keys
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N_WG, BLOCK_M], q_desc.dtype)
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG, BLOCK_N_WG, BLOCK_M], ds_layout)
+        dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS * NUM_WG, BLOCK_M, HEAD_DIM], dq_layout)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -972,15 +1065,18 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=NUM_WG)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=NUM_WG)  # (SPLIT_D) both consumers' dS^T rows are in
     for i in gl.static_range(DQ_BUFS):
         mbarrier.init(dq_full.index(i), count=NUM_WG)  # both consumers' partials are in
         mbarrier.init(dq_empty.index(i), count=1)  # the writer has read them
     bufs = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
             q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem)
-    fbufs = (ds_smem, dq_smem, dq_full, dq_empty, dq_ptr, sem_ptr)
+    fbufs = (ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, sem_ptr)
     sizes = (C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles)
-    gl.warp_specialize([(_fused_consumer0, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS)),
-                        (_fused_consumer1, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS)),
+    # (The constexprs go in literal tuples: a tuple assigned to a name first carries them as tensors.)
+    gl.warp_specialize([(_fused_consumer0, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D)),
+                        (_fused_consumer1, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D)),
                         (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, True)),
-                        (_writer, (bufs, fbufs, sizes, CAUSAL, NUM_WG, DQ_BUFS))],
+                        (_writer, (bufs, fbufs, sizes, CAUSAL, NUM_WG, DQ_BUFS, SPLIT_D))],
                        [4, 1, 1], [CONSUMER_REGS, WRITER_REGS, WRITER_REGS])
