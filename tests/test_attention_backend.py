@@ -515,8 +515,8 @@ def test_gluon_window_reasons_and_launch(monkeypatch, recorded):
 
 def test_gluon_fused_launch_matches_the_compiled_signature(monkeypatch, recorded):
     """With ``attention_gluon.GLUON_FUSED`` on, the Triton dq kernel computes delta alone (interpreted here),
-    then one fused Gluon launch has the arguments the offline test compiles (KB.fused_signature): zeroed
-    fp32 dq accumulator and int32 turn counters (B, Hq, query blocks), and dq = scale_ds * accumulator."""
+    then one fused Gluon launch has the arguments the offline test compiles (KB.fused_signature): an fp32
+    dq buffer, dq itself (the last turn writes it) and zeroed int32 turn counters (B, Hq, query blocks)."""
     from safeops.kernels import attention_gluon_bwd as KB
 
     _on_hopper(monkeypatch)
@@ -539,13 +539,13 @@ def test_gluon_fused_launch_matches_the_compiled_signature(monkeypatch, recorded
     assert torch.equal(args[6].base, m) and torch.equal(args[7].base, l)  # copies padded for TMA (Sq = 130)
     expected = (o.double() * g.double()).sum(-1)
     torch.testing.assert_close(args[8].base.double(), expected, rtol=1e-5, atol=1e-4)  # delta
-    acc, turns = args[9], args[10]
+    acc, out, turns = args[9], args[10], args[11]
     n_m, n_n = -(-sq // cfg.block_m), -(-sk // cfg.block_n)
-    assert acc.shape == q.shape and acc.dtype == torch.float32 and not acc.any()
+    assert acc.shape == q.shape and acc.dtype == torch.float32 and acc.is_contiguous()
+    assert out is dq and cfg.finalize  # the kernel's last turn writes dq itself
     assert turns.shape == (4 * n_m,) and turns.dtype == torch.int32 and not turns.any()
     c1, _, scale_ds = L.constants(0.1, None)
-    assert args[11:] == (c1, scale_ds, 4, 2, 2, sq, sk, n_n, n_n * 2) and grid == (n_n * 2,)  # one head chunk
-    assert not dq.any()  # scale_ds * the (recorded, not run) launch's zero accumulator
+    assert args[12:] == (c1, scale_ds, 4, 2, 2, sq, sk, n_n, n_n * 2) and grid == (n_n * 2,)  # one head chunk
     monkeypatch.setattr(G, "GLUON_FUSED", False)
     assert safeops.attention_backend(q, k, v, is_causal=True, backward=True)[1].endswith("Triton dq")
 

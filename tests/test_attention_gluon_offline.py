@@ -102,7 +102,7 @@ _SCRIPT = textwrap.dedent(
             fn = KB.attn_bwd_fused_gluon_kernel
             constexprs = KB.fused_constexprs(cfg, causal)
             sig = KB.fused_signature(cfg, d, dtype)
-            aligned = ("dq_ptr", "sem_ptr")
+            aligned = ("dq_ptr", "out_ptr", "sem_ptr")
             loader_regs = KB.WRITER_REGS  # the TMA warp shares its warpgroup with the writer warp
         else:  # the backward's dQ
             cfg = KB.DQ_CONFIGS[d]

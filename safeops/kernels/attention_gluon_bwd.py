@@ -727,6 +727,9 @@ class GluonFusedConfig:
     # shared memory, a barrier between them per step) instead of by keys (each over its own 64 keys, all
     # columns, the writer adding the two): half the dQ registers, so at D=128 dQ runs beside dK / dV.
     split_d: bool = False
+    # The first key block in a query block's order stores its partial (no zeroed buffer), the last adds the
+    # buffer to its own, multiplies by the scale and stores dq in the input dtype (no pass after the kernel).
+    finalize: bool = True
     num_wg: int = 2
     consumer_regs: int = 240
 
@@ -748,13 +751,13 @@ WRITER_REGS = gl.constexpr(32)
 
 def fused_constexprs(cfg: GluonFusedConfig, causal: bool) -> dict:
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
-                DQ_BUFS=cfg.dq_bufs, SPLIT_D=cfg.split_d)
+                DQ_BUFS=cfg.dq_bufs, SPLIT_D=cfg.split_d, FINALIZE=cfg.finalize)
 
 
 def fused_signature(cfg: GluonFusedConfig, head_dim: int, dtype: str) -> dict[str, str]:
     """Runtime argument types of the fused kernel as Triton's compiler spells them, in argument order."""
     types = signature(GluonBwdConfig(block_m=cfg.block_m, num_stages=cfg.num_stages), head_dim, dtype)
-    types.update(dq_ptr="*fp32", sem_ptr="*i32")
+    types.update(dq_ptr="*fp32", out_ptr=f"*{_SHORT[dtype]}", sem_ptr="*i32")
     return {name: types[name] for name in attn_bwd_fused_gluon_kernel.arg_names if name in types}
 
 
@@ -766,7 +769,7 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
     warpgroup's 64 keys) handed to the writer through dQ buffer ``c % DQ_BUFS``."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
-    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, sem_ptr = fbufs
+    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr = fbufs
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
@@ -812,10 +815,11 @@ def _fused_step_split(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.con
                       s_layout: gl.constexpr, a_layout: gl.constexpr, MASKED: gl.constexpr,
                       NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr):
     """:func:`_fused_step` with dQ split by columns: this warpgroup's dS^T rows go to the step's shared dS^T
-    buffer (``c % 2``; a barrier with the other warpgroup), then dQ[:, w half] = dS (all keys) K[:, w half]."""
+    buffer (``c % 2``; a barrier with the other warpgroup), then dQ[:, w half] = dS K[:, w half] over all
+    the CTA's keys."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
-    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, sem_ptr = fbufs
+    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr = fbufs
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
@@ -933,11 +937,35 @@ def _turn_count(sem_lanes, zeros):
 
 
 @gluon.jit
-def _write_rows(dq_smem, qb, base, rows, cols, n_rows, NUM_WG: gl.constexpr, BLOCK_M: gl.constexpr,
-                HEAD_DIM: gl.constexpr, MASKED: gl.constexpr, SPLIT_D: gl.constexpr):
-    """Adds dQ buffer ``qb`` into the rows at ``base`` (``MASKED``: only the first ``n_rows``), 8 x 32 values
-    (one swizzle pattern of the buffer's layout) at a time: by keys, dQ_0 + dQ_1 (in that order); split by
-    columns (``SPLIT_D``), each warpgroup's columns."""
+def _row_op(part, ptrs, out_ptrs, ok, has_prev, scale_ds, OP: gl.constexpr, MASKED: gl.constexpr):
+    """One 8 x 32 piece of a dQ partial into the buffer: OP 0 adds (atomic), 1 stores (the first turn), 2
+    finishes (the last turn: (buffer + partial) * scale into dq, the buffer read only ``has_prev``)."""
+    if OP == 0:
+        if MASKED:
+            gl.atomic_add(ptrs, part, mask=ok, sem="relaxed", scope="gpu")
+        else:
+            gl.atomic_add(ptrs, part, sem="relaxed", scope="gpu")
+    elif OP == 1:
+        if MASKED:
+            gl.store(ptrs, part, mask=ok)
+        else:
+            gl.store(ptrs, part)
+    else:
+        if MASKED:
+            prev = gl.load(ptrs, mask=ok & has_prev, other=0.0)
+            gl.store(out_ptrs, ((prev + part) * scale_ds).to(out_ptrs.dtype.element_ty), mask=ok)
+        else:
+            prev = gl.load(ptrs, mask=(ok | True) & has_prev, other=0.0)
+            gl.store(out_ptrs, ((prev + part) * scale_ds).to(out_ptrs.dtype.element_ty))
+
+
+@gluon.jit
+def _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, has_prev, scale_ds, NUM_WG: gl.constexpr,
+                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, MASKED: gl.constexpr, SPLIT_D: gl.constexpr,
+                OP: gl.constexpr):
+    """Dq buffer ``qb`` into the rows at ``base`` (``MASKED``: only the first ``n_rows``) by :func:`_row_op`,
+    8 x 32 values (one swizzle pattern of the buffer's layout) at a time: by keys, dQ_0 + dQ_1 (in that
+    order); split by columns (``SPLIT_D``), each warpgroup's columns."""
     ROWS: gl.constexpr = rows.shape[0]
     COLS: gl.constexpr = cols.shape[0]
     layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
@@ -946,13 +974,10 @@ def _write_rows(dq_smem, qb, base, rows, cols, n_rows, NUM_WG: gl.constexpr, BLO
         for w in gl.static_range(NUM_WG):
             for r in gl.static_range(0, BLOCK_M, ROWS):
                 for c0 in gl.static_range(0, HALF, COLS):
-                    part = dq_smem.index(qb * NUM_WG + w).slice(r, ROWS, dim=0).slice(c0, COLS, dim=1).load(layout)
-                    ptrs = base + ((r + rows) * HEAD_DIM)[:, None] + (w * HALF + c0 + cols)[None, :]
-                    if MASKED:
-                        ok = (r + rows < n_rows)[:, None] & (cols < COLS)[None, :]
-                        gl.atomic_add(ptrs, part, mask=ok, sem="relaxed", scope="gpu")
-                    else:
-                        gl.atomic_add(ptrs, part, sem="relaxed", scope="gpu")
+                    tile = dq_smem.index(qb * NUM_WG + w).slice(r, ROWS, dim=0).slice(c0, COLS, dim=1)
+                    offs = ((r + rows) * HEAD_DIM)[:, None] + (w * HALF + c0 + cols)[None, :]
+                    ok = (r + rows < n_rows)[:, None] & (cols < COLS)[None, :]
+                    _row_op(tile.load(layout), base + offs, out_base + offs, ok, has_prev, scale_ds, OP, MASKED)
     else:
         for r in gl.static_range(0, BLOCK_M, ROWS):
             for c0 in gl.static_range(0, HEAD_DIM, COLS):
@@ -960,24 +985,21 @@ def _write_rows(dq_smem, qb, base, rows, cols, n_rows, NUM_WG: gl.constexpr, BLO
                 for w in gl.static_range(1, NUM_WG):
                     tile = dq_smem.index(qb * NUM_WG + w).slice(r, ROWS, dim=0).slice(c0, COLS, dim=1)
                     part = part + tile.load(layout)
-                ptrs = base + ((r + rows) * HEAD_DIM)[:, None] + (c0 + cols)[None, :]
-                if MASKED:
-                    ok = (r + rows < n_rows)[:, None] & (cols < COLS)[None, :]
-                    gl.atomic_add(ptrs, part, mask=ok, sem="relaxed", scope="gpu")
-                else:
-                    gl.atomic_add(ptrs, part, sem="relaxed", scope="gpu")
+                offs = ((r + rows) * HEAD_DIM)[:, None] + (c0 + cols)[None, :]
+                ok = (r + rows < n_rows)[:, None] & (cols < COLS)[None, :]
+                _row_op(part, base + offs, out_base + offs, ok, has_prev, scale_ds, OP, MASKED)
 
 
 @gluon.jit
 def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr,
-            SPLIT_D: gl.constexpr):
+            SPLIT_D: gl.constexpr, FINALIZE: gl.constexpr):
     """The writer warp: per step, waits for both consumers' dQ partials and the query block's turn, adds
     dQ_0 + dQ_1 into the fp32 accumulator (rows past seqlen_q dropped) and passes the turn on: each lane
     adds 1 to the counter with release after its own atomic adds, so the next CTA, waiting for 32 more,
     sees every one of them."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
-    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, sem_ptr = fbufs
+    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr = fbufs
     C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -996,8 +1018,10 @@ def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_B
         bh = b * n_heads + hk * group + g
         for mb in range(lo, n_m):
             if CAUSAL:  # key blocks n_hi, n_hi - 1, ..., 0 add into query block mb, in that order
-                turn = gl.minimum(n_n_blocks - 1, (mb * BLOCK_M + BLOCK_M - 1) // BLOCK_N) - n_block
+                turns = gl.minimum(n_n_blocks - 1, (mb * BLOCK_M + BLOCK_M - 1) // BLOCK_N) + 1
+                turn = turns - 1 - n_block
             else:  # key blocks 0, 1, ...
+                turns = n_n_blocks
                 turn = n_block
             sem_lanes = sem_ptr + (bh * n_m + mb) + lanes
             qb = c % DQ_BUFS
@@ -1006,13 +1030,31 @@ def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_B
             while seen < turn * 32:
                 seen = _turn_count(sem_lanes, lanes)
             row0 = mb * BLOCK_M
-            base = dq_ptr + (bh.to(gl.int64) * seqlen_q + row0) * HEAD_DIM
-            if row0 + BLOCK_M <= seqlen_q:
-                _write_rows(dq_smem, qb, base, rows, cols, row0 + BLOCK_M, NUM_WG, BLOCK_M, HEAD_DIM, False,
-                            SPLIT_D)
+            offset = (bh.to(gl.int64) * seqlen_q + row0) * HEAD_DIM
+            base = dq_ptr + offset
+            out_base = out_ptr + offset
+            n_rows = gl.minimum(seqlen_q - row0, BLOCK_M)
+            if FINALIZE and turn == turns - 1:  # the last turn: dq out
+                if n_rows == BLOCK_M:
+                    _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, turn > 0, scale_ds, NUM_WG,
+                                BLOCK_M, HEAD_DIM, False, SPLIT_D, 2)
+                else:
+                    _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, turn > 0, scale_ds, NUM_WG,
+                                BLOCK_M, HEAD_DIM, True, SPLIT_D, 2)
+            elif FINALIZE and turn == 0:  # the first turn (of several): the buffer starts as its partial
+                if n_rows == BLOCK_M:
+                    _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, False, scale_ds, NUM_WG,
+                                BLOCK_M, HEAD_DIM, False, SPLIT_D, 1)
+                else:
+                    _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, False, scale_ds, NUM_WG,
+                                BLOCK_M, HEAD_DIM, True, SPLIT_D, 1)
             else:
-                _write_rows(dq_smem, qb, base, rows, cols, seqlen_q - row0, NUM_WG, BLOCK_M, HEAD_DIM, True,
-                            SPLIT_D)
+                if n_rows == BLOCK_M:
+                    _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, True, scale_ds, NUM_WG,
+                                BLOCK_M, HEAD_DIM, False, SPLIT_D, 0)
+                else:
+                    _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, True, scale_ds, NUM_WG,
+                                BLOCK_M, HEAD_DIM, True, SPLIT_D, 0)
             mbarrier.arrive(dq_empty.index(qb), count=1)
             gl.atomic_add(sem_lanes, lanes + 1, sem="release", scope="gpu")
             c += 1
@@ -1020,13 +1062,15 @@ def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_B
 
 @gluon.jit(do_not_specialize=SIZE_ARGS)
 def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, m_desc, l_desc,
-                                delta_desc, dq_ptr, sem_ptr, C1, scale_ds, n_heads, group, head_group,
-                                seqlen_q, seqlen_k, n_n_blocks, n_tiles, CAUSAL: gl.constexpr,
+                                delta_desc, dq_ptr, out_ptr, sem_ptr, C1, scale_ds, n_heads, group,
+                                head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles, CAUSAL: gl.constexpr,
                                 NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr):
+                                DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, FINALIZE: gl.constexpr):
     """dk, dv of key block / kv head ``program_id(0)`` (as ``attn_bwd_dkdv_gluon_kernel``), and that
-    block's share of dq added into ``dq_ptr``: fp32 (B, Hq, Sq, D) contiguous, zeroed, unscaled (dq =
-    scale_ds * it); ``sem_ptr``: int32 (B, Hq, cdiv(Sq, BLOCK_M)) zeroed turn counters."""
+    block's share of dq added into ``dq_ptr``: fp32 (B, Hq, Sq, D) contiguous, unscaled. ``FINALIZE``: the
+    buffer needs no zeroing, and dq = scale_ds * (its sum) goes to ``out_ptr`` ((B, Hq, Sq, D) contiguous,
+    the input dtype); otherwise the buffer starts zeroed and holds the sum after the kernel. ``sem_ptr``:
+    int32 (B, Hq, cdiv(Sq, BLOCK_M)) zeroed turn counters."""
     gl.static_assert(NUM_WG == 2)
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -1072,11 +1116,13 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         mbarrier.init(dq_empty.index(i), count=1)  # the writer has read them
     bufs = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
             q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem)
-    fbufs = (ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, sem_ptr)
+    fbufs = (ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr)
     sizes = (C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles)
     # (The constexprs go in literal tuples: a tuple assigned to a name first carries them as tensors.)
-    gl.warp_specialize([(_fused_consumer0, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D)),
-                        (_fused_consumer1, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D)),
+    gl.warp_specialize([(_fused_consumer0, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS,
+                                            SPLIT_D)),
+                        (_fused_consumer1, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS,
+                                            SPLIT_D)),
                         (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, True)),
-                        (_writer, (bufs, fbufs, sizes, CAUSAL, NUM_WG, DQ_BUFS, SPLIT_D))],
+                        (_writer, (bufs, fbufs, sizes, CAUSAL, NUM_WG, DQ_BUFS, SPLIT_D, FINALIZE))],
                        [4, 1, 1], [CONSUMER_REGS, WRITER_REGS, WRITER_REGS])

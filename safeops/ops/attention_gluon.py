@@ -599,11 +599,17 @@ class FusedPlan:
             strides = [s if n > 1 else 4 for n, s in zip(shape[:-1], t.stride()[:-1], strict=True)] + [1]
             descs.append(TensorDescriptor(t, shape, strides, stat_block, self.stat_layout))
         batch, hq, sq, d = q.shape
-        acc = torch.zeros((batch, hq, sq, d), dtype=torch.float32, device=q.device)
         turns = torch.zeros(batch * hq * self.n_m_blocks, dtype=torch.int32, device=q.device)
-        self.launch(*descs, acc, turns, *self.args)
-        # dq = scale_ds * (its fixed-order sum), one fp32 multiply, rounded once into dq's dtype.
-        dq.copy_(acc.mul_(self.scale_ds))
+        if self.cfg.finalize:  # the kernel writes dq (contiguous) and needs no zeroed buffer
+            acc = torch.empty((batch, hq, sq, d), dtype=torch.float32, device=q.device)
+            out = dq if dq.is_contiguous() else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            self.launch(*descs, acc, out, turns, *self.args)
+            if out is not dq:
+                dq.copy_(out)
+        else:  # dq = scale_ds * (the buffer's fixed-order sum), one fp32 multiply, rounded once
+            acc = torch.zeros((batch, hq, sq, d), dtype=torch.float32, device=q.device)
+            self.launch(*descs, acc, q, turns, *self.args)
+            dq.copy_(acc.mul_(self.scale_ds))
         if dk_ is not dk:
             dk.copy_(dk_)
             dv.copy_(dv_)
