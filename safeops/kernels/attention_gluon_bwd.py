@@ -977,7 +977,8 @@ def _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, has_prev, scale
                     tile = dq_smem.index(qb * NUM_WG + w).slice(r, ROWS, dim=0).slice(c0, COLS, dim=1)
                     offs = ((r + rows) * HEAD_DIM)[:, None] + (w * HALF + c0 + cols)[None, :]
                     ok = (r + rows < n_rows)[:, None] & (cols < COLS)[None, :]
-                    _row_op(tile.load(layout), base + offs, out_base + offs, ok, has_prev, scale_ds, OP, MASKED)
+                    part = tile.load(layout)
+                    _row_op(part, base + offs, out_base + offs, ok, has_prev, scale_ds, OP, MASKED)
     else:
         for r in gl.static_range(0, BLOCK_M, ROWS):
             for c0 in gl.static_range(0, HEAD_DIM, COLS):
