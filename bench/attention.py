@@ -12,6 +12,8 @@ FLOPs: forward 4 * B * H * Sq * Sk * D (halved for causal), backward 2.5x the fo
 - safeops gluon dq (backward only): dq from the Gluon dQ kernel (``attention_gluon.GLUON_DQ``, off by
   default: 2026-12-03 it measured +6% non-causal, -3% causal at D=128), where the backward's dk / dv take
   the Gluon kernel;
+- safeops gluon fused (backward only): the fused Gluon backward (``attention_gluon.GLUON_FUSED``, off by
+  default until measured): dk, dv and dq in one kernel, dq added in a fixed order of key blocks;
 - safeops gluon bwd (backward only): the Gluon dK / dV kernel at a head dim where the backward does not take
   it by default (``SAFEOPS_GLUON_BWD=1``; D=64, whose kernel is software-pipelined since 2026-12-05);
 - SDPA backends and FlexAttention: ``torch.autograd.grad`` of the output w.r.t. (q, k, v) on a retained
@@ -138,14 +140,28 @@ def gluon_bwd_everywhere(on: bool):
         yield
 
 
-def build_safeops(case: H.Case, t: dict, fusion: bool = False, dq: bool = False, bwd: bool = False):
+@contextlib.contextmanager
+def gluon_fused(on: bool):
+    """The fused Gluon backward (safeops.ops.attention_gluon.GLUON_FUSED, off by default) for the block."""
+    from safeops.ops import attention_gluon
+
+    saved = attention_gluon.GLUON_FUSED
+    attention_gluon.GLUON_FUSED = on
+    try:
+        yield
+    finally:
+        attention_gluon.GLUON_FUSED = saved
+
+
+def build_safeops(case: H.Case, t: dict, fusion: bool = False, dq: bool = False, bwd: bool = False,
+                  fused: bool = False):
     import safeops
 
     q, k, v, causal = t["q"], t["k"], t["v"], t["causal"]
     prec = PRECISION_NAMES[case.shape[5]] if case.dtype == torch.float32 else None
     scale = 1.0 / math.sqrt(q.shape[-1])
     if case.direction == "fwd":
-        if dq or bwd:
+        if dq or bwd or fused:
             raise H.Refused("a backward variant")
         def call():
             with fp_fusion(fusion):
@@ -164,12 +180,19 @@ def build_safeops(case: H.Case, t: dict, fusion: bool = False, dq: bool = False,
         with gluon_bwd_everywhere(True):
             if why():
                 raise H.Refused(f"the Gluon dK / dV kernel does not take this backward: {why()}")
+    if fused:
+        from safeops.ops import attention_gluon
+
+        with gluon_fused(True):
+            why = attention_gluon.fused_reason(q, k, v, None, None, causal, None, -1, 0 if causal else -1)
+        if why:
+            raise H.Refused(f"the fused Gluon backward does not take this backward: {why}")
     with fp_fusion(fusion):
         out, m, l = torch.ops.safeops.attention(q, k, v, None, 0, None, None, s, s, causal, scale, None, -1,
                                                 0 if causal else -1, code)
 
     def backward():
-        with fp_fusion(fusion), gluon_dq(dq), gluon_bwd_everywhere(bwd):
+        with fp_fusion(fusion), gluon_dq(dq), gluon_bwd_everywhere(bwd), gluon_fused(fused):
             return torch.ops.safeops.attention_backward(t["g"], q, k, v, out, m, l, None, 0, None, None, s, s,
                                                         causal, scale, None, -1, 0 if causal else -1, code)[0]
     return backward
@@ -254,6 +277,7 @@ def build_benchmark(cases: list[H.Case], only: set[str] | None = None) -> H.Benc
         ("safeops fusion on", lambda c, t: build_safeops(c, t, fusion=True), dict(role="variant")),
         ("safeops gluon dq", lambda c, t: build_safeops(c, t, dq=True), dict(role="variant")),
         ("safeops gluon bwd", lambda c, t: build_safeops(c, t, bwd=True), dict(role="variant")),
+        ("safeops gluon fused", lambda c, t: build_safeops(c, t, fused=True), dict(role="variant")),
         ("sdpa flash", sdpa_builder("FLASH_ATTENTION"), dict(tag="F")),
         ("sdpa cudnn", sdpa_builder("CUDNN_ATTENTION"), dict(tag="C")),
         ("sdpa efficient", sdpa_builder("EFFICIENT_ATTENTION"), dict(tag="E")),
@@ -269,8 +293,8 @@ def build_benchmark(cases: list[H.Case], only: set[str] | None = None) -> H.Benc
 
 # --quick's default set: the peers the issue's targets name (cuDNN, FlexAttention), SDPA flash, and our
 # fusion-on variant for the safety cost. SDPA efficient / math only in the full run.
-QUICK_IMPLS = {"safeops", "safeops fusion on", "safeops gluon dq", "safeops gluon bwd", "sdpa cudnn",
-               "sdpa flash", "flex"}
+QUICK_IMPLS = {"safeops", "safeops fusion on", "safeops gluon dq", "safeops gluon bwd", "safeops gluon fused",
+               "sdpa cudnn", "sdpa flash", "flex"}
 
 
 def _skip_slow_peers(bench: H.Benchmark) -> None:

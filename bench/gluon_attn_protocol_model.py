@@ -2,7 +2,8 @@
 (safeops/kernels/attention_gluon.py): the TMA producer, NUM_WG consumer warpgroups, the K / V rings, the Q
 buffers reused for O, the pingpong turns, and several tiles per program (the persistent grid). The
 backward's dK / dV and dQ kernels (safeops/kernels/attention_gluon_bwd.py): one tile per program, a Q / dO
-or K / V ring released by both consumers.
+or K / V ring released by both consumers. The fused backward: the whole grid, CTAs started in tile order on
+a limited number of SMs, each CTA's dQ partials passed to its writer, the writers adding in turn.
 
 Each agent is a transcription of its partition's barrier operations, in the kernel's order; the checks are
 that no interleaving deadlocks, that a consumer always reads the block it expects, and that the producer
@@ -313,6 +314,122 @@ def simulate_dq(n_blocks: int, stages: int, num_wg: int, seed: int) -> None:
     _run(agents, in_flight, rnd, f"dQ, {n_blocks} blocks, {stages} stages, {num_wg} consumers, seed {seed}")
 
 
+class Turn:
+    """A query block's turn counter in global memory (the fused kernel's ``sem_ptr``): a wait passes once it
+    has reached ``target``."""
+
+    def __init__(self, counters: dict, key, target: int):
+        self.counters, self.key, self.target = counters, key, target
+
+    def passes(self, parity) -> bool:
+        return self.counters.get(self.key, 0) >= self.target
+
+
+def fused_tile(tile: int, n_n_blocks: int, n_bh: int, head_group: int, causal: bool) -> tuple[int, int]:
+    """(key block, batch x kv head) of CTA ``tile``: attention_gluon_bwd._tile_coords with ORDERED."""
+    chunk, r = divmod(tile, head_group * n_n_blocks)
+    heads_here = min(head_group, n_bh - chunk * head_group)
+    n_block = r // heads_here
+    if causal:
+        n_block = n_n_blocks - 1 - n_block
+    return n_block, chunk * head_group + r % heads_here
+
+
+def simulate_fused(n_m: int, n_n_blocks: int, n_bh: int, group: int, head_group: int, causal: bool,
+                   sms: int, dq_bufs: int, num_wg: int, seed: int, block_ratio: int = 2) -> dict:
+    """The fused backward (attn_bwd_fused_gluon_kernel) over its whole grid: CTAs start in tile order on at
+    most ``sms`` slots (a GPU dispatches a grid in order) and leave when done. In each CTA the consumers
+    hand each step's dQ partials to the writer through ``dq_bufs`` buffers (dq_full, count num_wg;
+    dq_empty, count 1); the writer waits for the query block's turn, adds, and passes the turn on. Key
+    blocks are ``block_ratio`` query blocks long. Raises on deadlock, a buffer read before it is written or
+    overwritten before it is read, or additions out of the fixed order; returns {(q head, query block):
+    key blocks in the order they added}."""
+    rnd = random.Random(seed)
+    counters, added = {}, {}
+    n_tiles = n_n_blocks * n_bh
+
+    def steps(n_block, bh):
+        lo = min(n_block * block_n // block_m, n_m) if causal else 0  # _tile_coords
+        return [(bh * group + g, mb) for g in range(group) for mb in range(lo, n_m)]
+
+    block_m, block_n = 64, 64 * block_ratio
+
+    def turn(n_block, mb):  # the writer's formula
+        if causal:  # key blocks n_hi, n_hi - 1, ..., 0 add into query block mb
+            return min(n_n_blocks - 1, (mb * block_m + block_m - 1) // block_n) - n_block
+        return n_block
+
+    def cta(tile):
+        n_block, bh = fused_tile(tile, n_n_blocks, n_bh, head_group, causal)
+        work = steps(n_block, bh)
+        full, empty = [Barrier(num_wg) for _ in range(dq_bufs)], [Barrier(1) for _ in range(dq_bufs)]
+        buf = [dict() for _ in range(dq_bufs)]
+
+        def consumer(w):
+            for c, key in enumerate(work):
+                b = c % dq_bufs
+                yield ("step",)  # the step's products
+                yield ("wait", empty[b], ((c // dq_bufs) & 1) ^ 1)
+                assert w not in buf[b], f"tile {tile}: consumer {w} overwrote an unread dQ partial (step {c})"
+                buf[b][w] = (c, key)
+                full[b].arrive()
+
+        def writer():
+            for c, key in enumerate(work):
+                b = c % dq_bufs
+                yield ("wait", full[b], (c // dq_bufs) & 1)
+                assert all(buf[b].get(w) == (c, key) for w in range(num_wg)), \
+                    f"tile {tile}: step {c} read {buf[b]}"
+                yield ("wait", Turn(counters, key, turn(n_block, key[1])), None)
+                assert counters.get(key, 0) == turn(n_block, key[1]), f"tile {tile}: {key} past its turn"
+                buf[b].clear()
+                empty[b].arrive()
+                added.setdefault(key, []).append(n_block)
+                yield ("step",)  # the atomic adds, then the release of the turn
+                counters[key] = counters.get(key, 0) + 1
+
+        return {f"{tile} consumer {w}": consumer(w) for w in range(num_wg)} | {f"{tile} writer": writer()}
+
+    agents, state, resident, next_tile = {}, {}, {}, 0
+    while True:
+        while next_tile < n_tiles and len(resident) < sms:
+            new = cta(next_tile)
+            agents.update(new)
+            state.update(dict.fromkeys(new, ("step",)))
+            resident[next_tile] = set(new)
+            next_tile += 1
+        if not agents:
+            break
+        runnable = [n for n, st in state.items() if st[0] == "step" or st[1].passes(st[2])]
+        if not runnable:
+            raise RuntimeError(f"deadlock: fused, {n_m} query blocks, {n_n_blocks} key blocks, {n_bh} heads "
+                               f"(group {group}, chunk {head_group}), causal {causal}, {sms} SMs, "
+                               f"seed {seed}")
+        name = rnd.choice(runnable)
+        try:
+            state[name] = next(agents[name])
+        except StopIteration:
+            del agents[name], state[name]
+            tile = int(name.split()[0])
+            resident[tile].discard(name)
+            if not resident[tile]:
+                del resident[tile]
+    for (h, mb), order in added.items():
+        if causal:
+            n_hi = min(n_n_blocks - 1, mb // block_ratio)
+            assert order == list(range(n_hi, -1, -1)), f"query block {(h, mb)}: added in order {order}"
+        else:
+            assert order == list(range(n_n_blocks)), f"query block {(h, mb)}: added in order {order}"
+    assert len(added) == n_bh * group * n_m * (n_n_blocks > 0), "a query block got no dQ"
+    return added
+
+
+def _random_fused(rnd: random.Random, seed: int) -> None:
+    n_bh = rnd.randint(1, 4)
+    simulate_fused(rnd.randint(1, 7), rnd.randint(1, 4), n_bh, rnd.randint(1, 3), rnd.randint(1, n_bh),
+                   rnd.random() < 0.5, rnd.randint(1, 6), rnd.randint(1, 2), 2, seed)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3000)
@@ -324,7 +441,8 @@ def main() -> None:
         simulate_dkdv(rnd.randint(0, 12), rnd.randint(1, 4), 2, seed)
         simulate_dkdv(rnd.randint(0, 12), rnd.randint(2, 4), 2, seed, pipelined=True)
         simulate_dq(rnd.randint(0, 12), rnd.randint(2, 4), 2, seed)  # the pipelined loop holds 2 slots
-    print(f"{runs} random schedules of the forward, the dK / dV (both loops) and the dQ kernels: "
+        _random_fused(rnd, seed)
+    print(f"{runs} random schedules of the forward, the dK / dV (both loops), the dQ and the fused kernels: "
           "no deadlock, no hazard")
 
 

@@ -513,6 +513,43 @@ def test_gluon_window_reasons_and_launch(monkeypatch, recorded):
     assert recorded[1][1]["HAS_WL"] is False and recorded[1][2][-2:] == (0, 0)
 
 
+def test_gluon_fused_launch_matches_the_compiled_signature(monkeypatch, recorded):
+    """With ``attention_gluon.GLUON_FUSED`` on, the Triton dq kernel computes delta alone (interpreted here),
+    then one fused Gluon launch has the arguments the offline test compiles (KB.fused_signature): an fp32
+    dq buffer, dq itself (the last turn writes it) and zeroed int32 turn counters (B, Hq, query blocks)."""
+    from safeops.kernels import attention_gluon_bwd as KB
+
+    _on_hopper(monkeypatch)
+    monkeypatch.setattr(G, "GLUON_FUSED", True)
+    d, sq, sk = 128, 130, 90
+    q = torch.randn(1, 4, sq, d).to(BF16)
+    k, v = (torch.randn(1, 2, sk, d).to(BF16) for _ in range(2))
+    o, g = (torch.randn(1, 4, sq, d).to(BF16) for _ in range(2))
+    m, l = torch.randn(1, 4, sq), torch.rand(1, 4, sq) + 1
+    assert safeops.attention_backend(q, k, v, is_causal=True, backward=True) == (
+        "gluon", "bf16 causal D=128 on sm_90: fused Gluon dq, dk / dv (dq added in a fixed order)")
+    options = (None, 0, None, None, sq, sk, True, 0.1, None, -1, 0, 0)
+    dq, dk, dv = L.backward(g, q, k, v, o, m, l, *options)
+    ((grid, kwargs, args),) = recorded
+    cfg = KB.FUSED_CONFIGS[d]
+    assert _arg_kinds(args) == list(KB.fused_signature(cfg, d, "bfloat16").values())
+    assert {n: kwargs[n] for n in KB.fused_constexprs(cfg, True)} == KB.fused_constexprs(cfg, True)
+    assert kwargs["enable_fp_fusion"] is False and kwargs["num_warps"] == 4
+    assert tuple(a.base for a in args[:6]) == (q, k, v, g, dk, dv)
+    assert torch.equal(args[6].base, m) and torch.equal(args[7].base, l)  # copies padded for TMA (Sq = 130)
+    expected = (o.double() * g.double()).sum(-1)
+    torch.testing.assert_close(args[8].base.double(), expected, rtol=1e-5, atol=1e-4)  # delta
+    acc, out, turns = args[9], args[10], args[11]
+    n_m, n_n = -(-sq // cfg.block_m), -(-sk // cfg.block_n)
+    assert acc.shape == q.shape and acc.dtype == torch.float32 and acc.is_contiguous()
+    assert out is dq and cfg.finalize  # the kernel's last turn writes dq itself
+    assert turns.shape == (4 * n_m,) and turns.dtype == torch.int32 and not turns.any()
+    c1, _, scale_ds = L.constants(0.1, None)
+    assert args[12:] == (c1, scale_ds, 4, 2, 2, sq, sk, n_n, n_n * 2) and grid == (n_n * 2,)  # one head chunk
+    monkeypatch.setattr(G, "GLUON_FUSED", False)
+    assert safeops.attention_backend(q, k, v, is_causal=True, backward=True)[1].endswith("Triton dq")
+
+
 def test_backward_settings_edge_cases(monkeypatch, recorded):
     """A bad SAFEOPS_GLUON_BWD fails the backward's path choice only (forwards run); a forced Triton backward
     configuration keeps dq off the Gluon kernel too; a backward whose dq the Gluon kernel computes keeps no

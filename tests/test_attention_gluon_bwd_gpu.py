@@ -222,3 +222,49 @@ def test_gluon_dq_deterministic_batch_invariant_and_sinks(rng, gluon_dq):
     alone = _grads(q[2:], k[2:], v[2:], g[2:], is_causal=True)
     assert all(torch.equal(a[2:], b) for a, b in zip(first, alone, strict=True))
     check_sinks_oracle(q[:1, :4], k[:1, :1], v[:1, :1], rng.randn(4, std=2.0), rng, is_causal=True)
+
+
+# The fused Gluon backward (attention_gluon.GLUON_FUSED, off by default until measured): dq, dk and dv in one
+# kernel, each query block's dq partials added into an fp32 buffer in a fixed order of key blocks (turn
+# counters), delta from a delta-only launch of the Triton dq kernel.
+
+@pytest.fixture
+def gluon_fused(monkeypatch):
+    monkeypatch.setattr(G, "GLUON_FUSED", True)
+    L.clear_plans()
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_fused_matches_oracle(dtype, d, causal, rng, gluon_fused):
+    for b, hq, hkv, sq, sk in SHAPES + [(1, 2, 1, 1000, 1000), (1, 2, 2, 130, 700)]:
+        q = rng.randn(b, hq, sq, d, dtype=dtype)
+        k, v = (rng.randn(b, hkv, sk, d, dtype=dtype) for _ in range(2))
+        assert "fused Gluon" in safeops.attention_backend(q, k, v, is_causal=causal, backward=True)[1]
+        check_oracle(q, k, v, rng, is_causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_fused_deterministic_over_100_reruns_and_batch_invariant(causal, rng, gluon_fused):
+    q, g = (rng.randn(3, 8, 1000, 128, dtype=BF16) for _ in range(2))
+    k, v = (rng.randn(3, 2, 1000, 128, dtype=BF16) for _ in range(2))
+    first = _grads(q, k, v, g, is_causal=causal)
+    for _ in range(100):
+        again = _grads(q, k, v, g, is_causal=causal)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    alone = _grads(q[1:2], k[1:2], v[1:2], g[1:2], is_causal=causal)
+    assert all(torch.equal(a[1:2], b) for a, b in zip(first, alone, strict=True))
+
+
+def test_fused_keys_no_query_sees_and_sinks(rng, gluon_fused):
+    q, g = (rng.randn(2, 4, 100, 128, dtype=BF16) for _ in range(2))
+    k, v = (rng.randn(2, 4, 300, 128, dtype=BF16) for _ in range(2))
+    dq, dk, dv = _grads(q, k, v, g, is_causal=True)
+    assert torch.all(dk[:, :, 100:] == 0) and torch.all(dv[:, :, 100:] == 0)
+    assert torch.isfinite(dq).all()
+    q = rng.randn(2, 4, 300, 128, dtype=BF16)
+    k, v = (rng.randn(2, 2, 300, 128, dtype=BF16) for _ in range(2))
+    sinks = rng.randn(4, std=2.0)
+    assert "fused Gluon" in safeops.attention_backend(q, k, v, is_causal=True, sinks=sinks, backward=True)[1]
+    check_sinks_oracle(q, k, v, sinks, rng, is_causal=True)

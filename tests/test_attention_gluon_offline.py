@@ -14,6 +14,7 @@ per kernel. Then:
 - contract section 1 at the instruction level: no f32 ``fma`` and every f32 mul / add / sub ``.rn`` in the
   PTX, so ``z2 = s * C1`` is rounded once and the same bits feed the row max and ``z2 - m``; with fp fusion
   on the same kernel shows fma (the check can fail);
+- the fused backward (dK / dV and dQ with a writer warp, off until measured) compiles the same way;
 - the FA3 structure is what was compiled: Hopper wgmma, and setmaxnreg giving the consumer warpgroups their
   registers and the TMA warp 24;
 - it fits: shared memory at most 227 KB (232448 bytes, the H100 / H200 per-block limit), and ptxas (Triton's
@@ -44,7 +45,7 @@ SMEM_LIMIT = 232448  # bytes: H100/H200 (sm_90) maximum dynamic shared memory pe
 # which this cap lets through and a regression past it does not.
 # The D=64 forward runs three consumer warpgroups at 160 registers: 0-256 bytes of spills, and measured faster
 # than two warpgroups without spills (bench/RESULTS.md); capped there at what it spills today.
-SPILL_CAP = {"fwd": 0, "fwd+window": 0, "bwd": 96, "dq": 0}
+SPILL_CAP = {"fwd": 0, "fwd+window": 0, "bwd": 96, "dq": 0, "fused": 1100}
 SPILL_CAP_FWD_D64 = 256
 
 
@@ -104,6 +105,13 @@ _SCRIPT = textwrap.dedent(
             sig = KB.signature(cfg, d, dtype)
             aligned = ()
             loader_regs = KB.LOADER_REGS
+        elif kind == "fused":  # dK / dV and dQ in one kernel; dq_ptr / sem_ptr are fresh torch allocations
+            cfg = KB.FUSED_CONFIGS[d]
+            fn = KB.attn_bwd_fused_gluon_kernel
+            constexprs = KB.fused_constexprs(cfg, causal)
+            sig = KB.fused_signature(cfg, d, dtype)
+            aligned = ("dq_ptr", "out_ptr", "sem_ptr")
+            loader_regs = KB.WRITER_REGS  # the TMA warp shares its warpgroup with the writer warp
         else:  # the backward's dQ
             cfg = KB.DQ_CONFIGS[d]
             fn = KB.attn_bwd_dq_gluon_kernel
@@ -130,7 +138,7 @@ _SCRIPT = textwrap.dedent(
         spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
         return {"ok": True, "shared": c.metadata.shared,
                 "fma": len(re.findall(r"\bfma\.rn(\.ftz)?\.f32\b", ptx)),
-                "loose": len(re.findall(r"\b(mul|add|sub)(\.ftz)?\.f32\b", ptx)),
+                "loose": len(re.findall(r"(?<![\w.])(mul|add|sub)(\.ftz)?\.f32\b", ptx)),  # not atom.*.add
                 "wgmma": len(re.findall(r"\bwgmma\.mma_async", ptx)),
                 "setmaxnreg": sorted({(m.group(1), int(m.group(2))) for m in re.finditer(
                     r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}),
@@ -157,7 +165,7 @@ def _gated(kind: str) -> bool:
     """A kernel variant its switch keeps off (attention_gluon.GLUON_WINDOW / GLUON_DQ): the
     launchers cannot choose it yet, so it compiles in bf16 at head dim 128 only (the other dtype and head
     dims are the same code) until the switch is turned on."""
-    off = {"window": not G.GLUON_WINDOW, "dq": not G.GLUON_DQ}
+    off = {"window": not G.GLUON_WINDOW, "dq": not G.GLUON_DQ, "fused": not G.GLUON_FUSED}
     return any(off.get(flag, False) for flag in kind.split("+"))
 
 
@@ -173,8 +181,8 @@ def _dims(kind: str) -> tuple[int, ...]:
 
 CONFIGS = [(kind, dtype, d, causal, varlen) for kind in FWD_KINDS for dtype in _dtypes(kind)
            for d in _dims(kind) for causal in (False, True) for varlen in (False, True)] + [
-    (kind, dtype, d, causal, False) for kind in ("bwd", "dq") for dtype in _dtypes(kind) for d in _dims(kind)
-    for causal in (False, True)]
+    (kind, dtype, d, causal, False) for kind in ("bwd", "dq", "fused") for dtype in _dtypes(kind)
+    for d in _dims(kind) for causal in (False, True)]
 # The contraction check's controls: one configuration of each kernel compiled with fp fusion on must show
 # f32 fma.
 FUSION_ON = [("fwd", "bfloat16", 128, True, False), ("bwd", "bfloat16", 128, False, False),

@@ -31,6 +31,7 @@ def test_random_schedules_hold():
         m.simulate_dkdv(rnd.randint(0, 12), rnd.randint(1, 4), 2, seed)
         m.simulate_dkdv(rnd.randint(0, 12), rnd.randint(2, 4), 2, seed, pipelined=True)
         m.simulate_dq(rnd.randint(0, 12), rnd.randint(2, 4), 2, seed)
+        m._random_fused(rnd, seed)
 
 
 def test_pipelined_dkdv_needs_two_stages():
@@ -64,3 +65,38 @@ def test_a_release_counting_one_consumer_is_caught(which, monkeypatch):
     with pytest.raises((AssertionError, RuntimeError)):  # a hazard, or a deadlock
         for seed in range(200):
             sim(8, 2, 2, seed)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_fused_adds_in_the_fixed_order_on_one_sm(causal):
+    """The fused kernel's turns: every query block gets every key block that sees it, in the fixed order,
+    even with one SM (each CTA runs alone, after the ones it waits for) and one dQ buffer."""
+    m = _model()
+    added = m.simulate_fused(5, 3, 2, 2, 1, causal, 1, 1, 2, 0)
+    assert added[(0, 4)] == ([2, 1, 0] if causal else [0, 1, 2])
+
+
+def test_fused_causal_longest_first_would_deadlock(monkeypatch):
+    """The causal turns run from the diagonal key block down: numbering CTAs longest first (key block 0 first,
+    as the dK / dV kernel does) would make a started CTA wait for one not yet started; on few SMs that
+    deadlocks. The fused kernel numbers them shortest first (_tile_coords with ORDERED)."""
+    m = _model()
+    real = m.fused_tile
+    monkeypatch.setattr(m, "fused_tile", lambda t, nb, n_bh, hg, causal: real(t, nb, n_bh, hg, False))
+    with pytest.raises(RuntimeError, match="deadlock"):
+        m.simulate_fused(6, 3, 1, 1, 1, True, 1, 1, 2, 0)
+
+
+def test_fused_writer_without_dq_empty_is_caught(monkeypatch):
+    """A consumer that does not wait for the writer to read its dQ partial overwrites it."""
+    m = _model()
+    real = m.Barrier
+
+    class NeverBlocks(real):
+        def passes(self, parity):
+            return self.count == 1 or super().passes(parity)  # dq_empty (count 1) never holds a consumer
+
+    monkeypatch.setattr(m, "Barrier", NeverBlocks)
+    with pytest.raises(AssertionError, match="overwrote"):
+        for seed in range(200):
+            m.simulate_fused(6, 2, 1, 1, 1, False, 2, 1, 2, seed)

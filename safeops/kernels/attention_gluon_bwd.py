@@ -132,18 +132,24 @@ def signature(cfg: GluonBwdConfig, head_dim: int, dtype: str) -> dict[str, str]:
 # ------------------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _tile_coords(tile, sizes, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """(n0, b, hk, first query block, query blocks) of CTA ``tile``. Causal: kv heads in chunks of
-    ``head_group``; inside a chunk key blocks from the first (sees every query) on, heads innermost.
-    Otherwise a kv head's key blocks are adjacent (they share its Q / dO in L2). Query i sees key j iff
-    j <= i (top-left aligned, as the Triton path)."""
+def _tile_coords(tile, sizes, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
+                 ORDERED: gl.constexpr):
+    """(n0, b, hk, first query block, query blocks, key block) of CTA ``tile``. Causal: kv heads in chunks
+    of ``head_group``; inside a chunk key blocks from the first (sees every query) on, heads innermost.
+    Otherwise a kv head's key blocks are adjacent (they share its Q / dO in L2). ``ORDERED`` (the fused
+    kernel, whose CTAs add into dQ in a fixed order of key blocks): chunks of heads with key blocks in that
+    order, heads innermost, so a CTA's predecessors in the order have smaller tile numbers; causal: the last
+    key block (the fewest queries) first. Query i sees key j iff j <= i (top-left aligned, as the Triton
+    path)."""
     C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
     n_bh = n_tiles // n_n_blocks
-    if CAUSAL:
+    if CAUSAL or ORDERED:
         chunk = tile // (head_group * n_n_blocks)
         r = tile % (head_group * n_n_blocks)
         heads_here = gl.minimum(head_group, n_bh - chunk * head_group)
         n_block = r // heads_here
+        if ORDERED and CAUSAL:
+            n_block = n_n_blocks - 1 - n_block
         bh = chunk * head_group + r % heads_here
     else:
         n_block = tile % n_n_blocks
@@ -154,17 +160,19 @@ def _tile_coords(tile, sizes, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, CAUS
     lo = 0
     if CAUSAL:
         lo = gl.minimum(n0 // BLOCK_M, n_m)
-    return n0, bh // n_kv, bh % n_kv, lo, n_m
+    return n0, bh // n_kv, bh % n_kv, lo, n_m, n_block
 
 
 @gluon.jit
-def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
+              ORDERED: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
     C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
-    n0, b, hk, lo, n_m = _tile_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL)
+    n0, b, hk, lo, n_m, _n = _tile_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL,
+                                          ORDERED)
     mbarrier.expect(kv_ready, 2 * NUM_WG * k_desc.block_type.nbytes)
     for w in gl.static_range(NUM_WG):
         tma.async_copy_global_to_shared(k_desc, [b, hk, n0 + w * BLOCK_N_WG, 0], kv_ready, k_smem.index(w))
@@ -358,7 +366,8 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    n0, b, hk, lo, n_m = _tile_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL)
+    n0, b, hk, lo, n_m, _n = _tile_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL,
+                                          False)
     k0 = n0 + w * BLOCK_N_WG
     dk = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, acc_layout)
@@ -439,7 +448,7 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     sizes = (C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles)
     gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE)),
                         (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE)),
-                        (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG))],
+                        (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, False))],
                        [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -693,3 +702,428 @@ def attn_bwd_dq_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, m_ptr, l_
                         (_dq_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG)),
                         (_dq_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG))],
                        [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+# ------------------------------------------------------------------------------------------------------
+# The fused backward: dK / dV as above plus dQ from the same dS, added into an fp32 dQ in a fixed order.
+# ------------------------------------------------------------------------------------------------------
+# Each CTA (key block n, kv head) computes, per query block, dQ_part = dS K over its keys and adds it into an
+# fp32 (B, Hq, Sq, D) accumulator. Fixed order: the additions into a query block follow a per-block counter
+# (``sem``), key block ascending (non-causal) or descending (causal, whose shortest CTAs come first), so each
+# element's sum runs in the same order on every run and in every batch. A CTA waits only for CTAs with
+# smaller tile numbers (``_tile_coords`` with ORDERED), which a GPU dispatches first: no deadlock.
+#
+# Partitions: the two consumer warpgroups (dK, dV as in the dK / dV kernel, then dQ_w = dS_w K_w over the
+# warpgroup's own 64 keys, into shared memory), the TMA producer warp, and a writer warp that waits for the
+# query block's turn, adds dQ_0 + dQ_1 (in that order) into the accumulator with fp32 atomic adds (their
+# order fixed by the turn) and passes the turn on.
+
+@dataclass(frozen=True)
+class GluonFusedConfig:
+    block_m: int  # query rows per step
+    num_stages: int  # depth of the Q / dO ring
+    dq_bufs: int = 1  # dQ partials in shared memory between the consumers and the writer
+    # dQ split by head-dim columns between the warpgroups (each over all the CTA's keys, dS of both through
+    # shared memory, a barrier between them per step) instead of by keys (each over its own 64 keys, all
+    # columns, the writer adding the two): half the dQ registers, so at D=128 dQ runs beside dK / dV.
+    split_d: bool = False
+    # The first key block in a query block's order stores its partial (no zeroed buffer), the last adds the
+    # buffer to its own, multiplies by the scale and stores dq in the input dtype (no pass after the kernel).
+    finalize: bool = True
+    num_wg: int = 2
+    consumer_regs: int = 240
+
+    @property
+    def block_n(self) -> int:
+        return self.num_wg * BLOCK_N_WG
+
+
+# D=128 splits dQ by columns (by keys, dK, dV and dQ in flight at once need more registers than are left, and
+# ptxas serializes the wgmmas; issuing dQ after dK / dV avoids that); a 3-deep ring would leave 144 bytes of
+# shared memory.
+FUSED_CONFIGS: dict[int, GluonFusedConfig] = {
+    64: GluonFusedConfig(block_m=64, num_stages=3, dq_bufs=2),
+    128: GluonFusedConfig(block_m=64, num_stages=2, dq_bufs=1, split_d=True),
+}
+# Registers of the writer warp and (sharing its warpgroup) the TMA warp: 2 x 128 x 240 + 128 x 32 = 65536.
+WRITER_REGS = gl.constexpr(32)
+
+
+def fused_constexprs(cfg: GluonFusedConfig, causal: bool) -> dict:
+    return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
+                DQ_BUFS=cfg.dq_bufs, SPLIT_D=cfg.split_d, FINALIZE=cfg.finalize)
+
+
+def fused_signature(cfg: GluonFusedConfig, head_dim: int, dtype: str) -> dict[str, str]:
+    """Runtime argument types of the fused kernel as Triton's compiler spells them, in argument order."""
+    types = signature(GluonBwdConfig(block_m=cfg.block_m, num_stages=cfg.num_stages), head_dim, dtype)
+    types.update(dq_ptr="*fp32", out_ptr=f"*{_SHORT[dtype]}", sem_ptr="*i32")
+    return {name: types[name] for name in attn_bwd_fused_gluon_kernel.arg_names if name in types}
+
+
+@gluon.jit
+def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr, s_layout: gl.constexpr,
+                a_layout: gl.constexpr, MASKED: gl.constexpr, NUM_STAGES: gl.constexpr,
+                NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_AFTER: gl.constexpr):
+    """One query block of consumer warpgroup ``w``: :func:`_step`'s dK / dV, and dQ_w = dS_w K_w (this
+    warpgroup's 64 keys) handed to the writer through dQ buffer ``c % DQ_BUFS``."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
+    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr = fbufs
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    dtype: gl.constexpr = q_desc.dtype
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    slot = c % NUM_STAGES
+    q_s = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    do_s = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    st, dpt = _issue_st_dpt(bufs, k_w, v_w, q_s, do_s, slot, (c // NUM_STAGES) & 1, s_layout)
+    st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+    pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED)
+    dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
+    delta = delta_smem.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
+    dst = (pt * (dpt - delta[None, :])).to(dtype)
+    # dS^T to shared memory: dQ's A operand is its transpose (queries x this warpgroup's keys).
+    ds_w = ds_smem.index(w)
+    ds_w.store(dst)
+    fence_async_shared()
+    p16 = gl.convert_layout(pt.to(dtype), a_layout)
+    dv = warpgroup_mma(p16, do_s, dv, is_async=True)
+    # dS^T enters both of its products from shared memory: no register copy beside P^T's.
+    dk = warpgroup_mma(ds_w, q_s, dk, is_async=True)
+    if DQ_AFTER:  # registers for dK, dV and dQ in flight at once are more than D=128 leaves
+        dk, dv, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p16))
+        mbarrier.arrive(q_empty.index(slot), count=1)
+    dq = warpgroup_mma(ds_w.permute((1, 0)), k_w, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout),
+                       use_acc=False, is_async=True)
+    if DQ_AFTER:
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+    else:
+        dk, dv, dq, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq, p16))
+        mbarrier.arrive(q_empty.index(slot), count=1)
+    qb = c % DQ_BUFS
+    mbarrier.wait(dq_empty.index(qb), ((c // DQ_BUFS) & 1) ^ 1)
+    dq_smem.index(qb * NUM_WG + w).store(dq)
+    gl.thread_barrier()  # every warp's part is in shared memory before the one arrive
+    mbarrier.arrive(dq_full.index(qb), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _fused_step_split(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr,
+                      s_layout: gl.constexpr, a_layout: gl.constexpr, MASKED: gl.constexpr,
+                      NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr):
+    """:func:`_fused_step` with dQ split by columns: this warpgroup's dS^T rows go to the step's shared dS^T
+    buffer (``c % 2``; a barrier with the other warpgroup), then dQ[:, w half] = dS K[:, w half] over all
+    the CTA's keys."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
+    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr = fbufs
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
+    HALF: gl.constexpr = HEAD_DIM // NUM_WG
+    dtype: gl.constexpr = q_desc.dtype
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF, 16])
+    slot = c % NUM_STAGES
+    q_s = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    do_s = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    st, dpt = _issue_st_dpt(bufs, k_w, v_w, q_s, do_s, slot, (c // NUM_STAGES) & 1, s_layout)
+    st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+    pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED)
+    dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
+    delta = delta_smem.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
+    dst = (pt * (dpt - delta[None, :])).to(dtype)
+    b = c % 2
+    ds_all = ds_smem.index(b)
+    ds_w = ds_all.slice(w * BLOCK_N_WG, BLOCK_N_WG, dim=0)
+    ds_w.store(dst)
+    fence_async_shared()
+    gl.thread_barrier()  # every warp's rows are in (and fenced) before the one arrive
+    mbarrier.arrive(ds_ready.index(b), count=1)
+    p16 = gl.convert_layout(pt.to(dtype), a_layout)
+    dv = warpgroup_mma(p16, do_s, dv, is_async=True)
+    dk = warpgroup_mma(ds_w, q_s, dk, is_async=True)
+    mbarrier.wait(ds_ready.index(b), (c // 2) & 1)  # the other warpgroup's dS^T rows are in too
+    # dQ[:, w half] = dS_0 K_0[:, w half] + dS_1 K_1[:, w half]: the keys of both warpgroups, in that order.
+    dq = gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout)
+    for u in gl.static_range(NUM_WG):
+        k_u = k_smem.index(u).reshape([BLOCK_N_WG, HEAD_DIM]).slice(w * HALF, HALF, dim=1)
+        dq = warpgroup_mma(ds_all.slice(u * BLOCK_N_WG, BLOCK_N_WG, dim=0).permute((1, 0)), k_u, dq,
+                           use_acc=u > 0, is_async=True)
+    dk, dv, dq, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq, p16))
+    mbarrier.arrive(q_empty.index(slot), count=1)
+    qb = c % DQ_BUFS
+    mbarrier.wait(dq_empty.index(qb), ((c // DQ_BUFS) & 1) ^ 1)
+    dq_smem.index(qb * NUM_WG + w).store(dq)
+    gl.thread_barrier()
+    mbarrier.arrive(dq_full.index(qb), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr):
+    """Consumer warpgroup ``w`` of the fused kernel: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63, and their
+    dQ partials."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
+    C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    n0, b, hk, lo, n_m, _n = _tile_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL, True)
+    k0 = n0 + w * BLOCK_N_WG
+    DQ_AFTER: gl.constexpr = HEAD_DIM > 64
+    dk = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, acc_layout)
+    k_w = k_smem.index(w).reshape([BLOCK_N_WG, HEAD_DIM])
+    v_w = v_smem.index(w).reshape([BLOCK_N_WG, HEAD_DIM])
+    mbarrier.wait(kv_ready, 0)
+    mid = lo
+    if CAUSAL:
+        mid = gl.minimum(gl.cdiv(k0 + BLOCK_N_WG - 1, BLOCK_M), n_m)
+    c = 0
+    for _g in range(group):
+        for mb in range(lo, mid):
+            if SPLIT_D:
+                dk, dv = _fused_step_split(bufs, fbufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, w,
+                                           s_layout, a_layout, True, NUM_STAGES, NUM_WG, DQ_BUFS)
+            else:
+                dk, dv = _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, w, s_layout,
+                                     a_layout, True, NUM_STAGES, NUM_WG, DQ_BUFS, DQ_AFTER)
+            c += 1
+        for _mb in range(mid, n_m):
+            if SPLIT_D:
+                dk, dv = _fused_step_split(bufs, fbufs, C1, k_w, v_w, dk, dv, c, 0, w, s_layout, a_layout,
+                                           False, NUM_STAGES, NUM_WG, DQ_BUFS)
+            else:
+                dk, dv = _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, 0, w, s_layout, a_layout, False,
+                                     NUM_STAGES, NUM_WG, DQ_BUFS, DQ_AFTER)
+            c += 1
+    dk = dk * scale_ds
+    k_w.store(dk.to(dtype))
+    v_w.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, hk, k0, 0], k_smem.index(w))
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, k0, 0], v_smem.index(w))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _fused_consumer0(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
+                     DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr):
+    _fused_consumer(0, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D)
+
+
+@gluon.jit
+def _fused_consumer1(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
+                     DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr):
+    _fused_consumer(1, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D)
+
+
+@gluon.jit
+def _turn_count(sem_lanes, zeros):
+    """The query block's counter, read with acquire by each lane (the fewest any lane saw)."""
+    return gl.min(gl.atomic_add(sem_lanes, zeros, sem="acquire", scope="gpu"), axis=0)
+
+
+@gluon.jit
+def _row_op(part, ptrs, out_ptrs, ok, has_prev, scale_ds, OP: gl.constexpr, MASKED: gl.constexpr):
+    """One 8 x 32 piece of a dQ partial into the buffer: OP 0 adds (atomic), 1 stores (the first turn), 2
+    finishes (the last turn: (buffer + partial) * scale into dq, the buffer read only ``has_prev``)."""
+    if OP == 0:
+        if MASKED:
+            gl.atomic_add(ptrs, part, mask=ok, sem="relaxed", scope="gpu")
+        else:
+            gl.atomic_add(ptrs, part, sem="relaxed", scope="gpu")
+    elif OP == 1:
+        if MASKED:
+            gl.store(ptrs, part, mask=ok)
+        else:
+            gl.store(ptrs, part)
+    else:
+        if MASKED:
+            prev = gl.load(ptrs, mask=ok & has_prev, other=0.0)
+            gl.store(out_ptrs, ((prev + part) * scale_ds).to(out_ptrs.dtype.element_ty), mask=ok)
+        else:
+            prev = gl.load(ptrs, mask=(ok | True) & has_prev, other=0.0)
+            gl.store(out_ptrs, ((prev + part) * scale_ds).to(out_ptrs.dtype.element_ty))
+
+
+@gluon.jit
+def _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, has_prev, scale_ds, NUM_WG: gl.constexpr,
+                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, MASKED: gl.constexpr, SPLIT_D: gl.constexpr,
+                OP: gl.constexpr):
+    """Dq buffer ``qb`` into the rows at ``base`` (``MASKED``: only the first ``n_rows``) by :func:`_row_op`,
+    8 x 32 values (one swizzle pattern of the buffer's layout) at a time: by keys, dQ_0 + dQ_1 (in that
+    order); split by columns (``SPLIT_D``), each warpgroup's columns."""
+    ROWS: gl.constexpr = rows.shape[0]
+    COLS: gl.constexpr = cols.shape[0]
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
+    if SPLIT_D:
+        HALF: gl.constexpr = HEAD_DIM // NUM_WG
+        for w in gl.static_range(NUM_WG):
+            for r in gl.static_range(0, BLOCK_M, ROWS):
+                for c0 in gl.static_range(0, HALF, COLS):
+                    tile = dq_smem.index(qb * NUM_WG + w).slice(r, ROWS, dim=0).slice(c0, COLS, dim=1)
+                    offs = ((r + rows) * HEAD_DIM)[:, None] + (w * HALF + c0 + cols)[None, :]
+                    ok = (r + rows < n_rows)[:, None] & (cols < COLS)[None, :]
+                    part = tile.load(layout)
+                    _row_op(part, base + offs, out_base + offs, ok, has_prev, scale_ds, OP, MASKED)
+    else:
+        for r in gl.static_range(0, BLOCK_M, ROWS):
+            for c0 in gl.static_range(0, HEAD_DIM, COLS):
+                part = dq_smem.index(qb * NUM_WG).slice(r, ROWS, dim=0).slice(c0, COLS, dim=1).load(layout)
+                for w in gl.static_range(1, NUM_WG):
+                    tile = dq_smem.index(qb * NUM_WG + w).slice(r, ROWS, dim=0).slice(c0, COLS, dim=1)
+                    part = part + tile.load(layout)
+                offs = ((r + rows) * HEAD_DIM)[:, None] + (c0 + cols)[None, :]
+                ok = (r + rows < n_rows)[:, None] & (cols < COLS)[None, :]
+                _row_op(part, base + offs, out_base + offs, ok, has_prev, scale_ds, OP, MASKED)
+
+
+@gluon.jit
+def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr,
+            SPLIT_D: gl.constexpr, FINALIZE: gl.constexpr):
+    """The writer warp: per step, waits for both consumers' dQ partials and the query block's turn, adds
+    dQ_0 + dQ_1 into the fp32 accumulator (rows past seqlen_q dropped) and passes the turn on: each lane
+    adds 1 to the counter with release after its own atomic adds, so the next CTA, waiting for 32 more,
+    sees every one of them."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
+    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr = fbufs
+    C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = NUM_WG * BLOCK_N_WG
+    ROWS: gl.constexpr = 8  # one swizzle pattern of the dQ buffers' layout
+    COLS: gl.constexpr = 32  # 128 bytes of fp32: a lane's value per row
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
+    lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    n0, b, hk, lo, n_m, n_block = _tile_coords(gl.program_id(0), sizes, BLOCK_N, BLOCK_M, CAUSAL, True)
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    lanes = gl.zeros([32], gl.int32, lane_layout)
+    c = 0
+    for g in range(group):
+        bh = b * n_heads + hk * group + g
+        for mb in range(lo, n_m):
+            if CAUSAL:  # key blocks n_hi, n_hi - 1, ..., 0 add into query block mb, in that order
+                turns = gl.minimum(n_n_blocks - 1, (mb * BLOCK_M + BLOCK_M - 1) // BLOCK_N) + 1
+                turn = turns - 1 - n_block
+            else:  # key blocks 0, 1, ...
+                turns = n_n_blocks
+                turn = n_block
+            sem_lanes = sem_ptr + (bh * n_m + mb) + lanes
+            qb = c % DQ_BUFS
+            mbarrier.wait(dq_full.index(qb), (c // DQ_BUFS) & 1)
+            seen = _turn_count(sem_lanes, lanes)
+            while seen < turn * 32:
+                seen = _turn_count(sem_lanes, lanes)
+            row0 = mb * BLOCK_M
+            offset = (bh.to(gl.int64) * seqlen_q + row0) * HEAD_DIM
+            base = dq_ptr + offset
+            out_base = out_ptr + offset
+            n_rows = gl.minimum(seqlen_q - row0, BLOCK_M)
+            if FINALIZE and turn == turns - 1:  # the last turn: dq out
+                if n_rows == BLOCK_M:
+                    _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, turn > 0, scale_ds, NUM_WG,
+                                BLOCK_M, HEAD_DIM, False, SPLIT_D, 2)
+                else:
+                    _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, turn > 0, scale_ds, NUM_WG,
+                                BLOCK_M, HEAD_DIM, True, SPLIT_D, 2)
+            elif FINALIZE and turn == 0:  # the first turn (of several): the buffer starts as its partial
+                if n_rows == BLOCK_M:
+                    _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, False, scale_ds, NUM_WG,
+                                BLOCK_M, HEAD_DIM, False, SPLIT_D, 1)
+                else:
+                    _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, False, scale_ds, NUM_WG,
+                                BLOCK_M, HEAD_DIM, True, SPLIT_D, 1)
+            else:
+                if n_rows == BLOCK_M:
+                    _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, True, scale_ds, NUM_WG,
+                                BLOCK_M, HEAD_DIM, False, SPLIT_D, 0)
+                else:
+                    _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, True, scale_ds, NUM_WG,
+                                BLOCK_M, HEAD_DIM, True, SPLIT_D, 0)
+            mbarrier.arrive(dq_empty.index(qb), count=1)
+            gl.atomic_add(sem_lanes, lanes + 1, sem="release", scope="gpu")
+            c += 1
+
+
+@gluon.jit(do_not_specialize=SIZE_ARGS)
+def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, m_desc, l_desc,
+                                delta_desc, dq_ptr, out_ptr, sem_ptr, C1, scale_ds, n_heads, group,
+                                head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles, CAUSAL: gl.constexpr,
+                                NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, FINALIZE: gl.constexpr):
+    """dk, dv of key block / kv head ``program_id(0)`` (as ``attn_bwd_dkdv_gluon_kernel``), and that
+    block's share of dq added into ``dq_ptr``: fp32 (B, Hq, Sq, D) contiguous, unscaled. ``FINALIZE``: the
+    buffer needs no zeroing, and dq = scale_ds * (its sum) goes to ``out_ptr`` ((B, Hq, Sq, D) contiguous,
+    the input dtype); otherwise the buffer starts zeroed and holds the sum after the kernel. ``sem_ptr``:
+    int32 (B, Hq, cdiv(Sq, BLOCK_M)) zeroed turn counters."""
+    gl.static_assert(NUM_WG == 2)
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape,
+                                        do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_WG] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_WG] + v_desc.block_type.shape, v_desc.layout)
+    m_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + m_desc.block_type.shape, m_desc.layout)
+    l_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + l_desc.block_type.shape, l_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + delta_desc.block_type.shape,
+                                           delta_desc.layout)
+    if SPLIT_D:  # dS^T of all the CTA's keys, two steps' worth; dQ by columns
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([NUM_WG * BLOCK_N_WG, BLOCK_M],
+                                                                       q_desc.dtype)
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, NUM_WG * BLOCK_N_WG, BLOCK_M], ds_layout)
+        dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM // NUM_WG],
+                                                                       gl.float32)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS * NUM_WG, BLOCK_M, HEAD_DIM // NUM_WG],
+                                            dq_layout)
+    else:  # each warpgroup's dS^T; dQ by keys
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N_WG, BLOCK_M], q_desc.dtype)
+        ds_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG, BLOCK_N_WG, BLOCK_M], ds_layout)
+        dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS * NUM_WG, BLOCK_M, HEAD_DIM], dq_layout)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=NUM_WG)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=NUM_WG)  # (SPLIT_D) both consumers' dS^T rows are in
+    for i in gl.static_range(DQ_BUFS):
+        mbarrier.init(dq_full.index(i), count=NUM_WG)  # both consumers' partials are in
+        mbarrier.init(dq_empty.index(i), count=1)  # the writer has read them
+    bufs = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+            q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem)
+    fbufs = (ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr)
+    sizes = (C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles)
+    # (The constexprs go in literal tuples: a tuple assigned to a name first carries them as tensors.)
+    gl.warp_specialize([(_fused_consumer0, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS,
+                                            SPLIT_D)),
+                        (_fused_consumer1, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS,
+                                            SPLIT_D)),
+                        (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, True)),
+                        (_writer, (bufs, fbufs, sizes, CAUSAL, NUM_WG, DQ_BUFS, SPLIT_D, FINALIZE))],
+                       [4, 1, 1], [CONSUMER_REGS, WRITER_REGS, WRITER_REGS])

@@ -57,6 +57,8 @@ def path(q, k, v, mask, cu_q, is_causal: bool, softcap, wl: int, wr: int, sinks=
     if backward:
         why = attention_launch.gluon_bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr)
         gluon_dq = not attention_launch.gluon_dq_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr)
+        if not attention_launch.gluon_fused_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr):
+            return "gluon", attention_gluon.describe_bwd(q, is_causal, fused=True)
         return ("triton", why) if why else ("gluon", attention_gluon.describe_bwd(q, is_causal, gluon_dq))
     why = attention_launch.gluon_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, sinks=sinks)
     if why:

@@ -131,7 +131,8 @@ def settings() -> tuple:
     """What the path choice and the Gluon plans depend on beyond ``attention_launch.forward``'s plan keys
     (its plans are dropped when any of it changes)."""
     return (_config.gluon_enabled(), _config.gluon_bwd_setting(), PERSISTENT, L2_CHUNK_BYTES, reason, Plan,
-            device_reason, bwd_reason, GLUON_DQ, dq_reason, GLUON_SINKS, GLUON_WINDOW)
+            device_reason, bwd_reason, GLUON_DQ, dq_reason, GLUON_SINKS, GLUON_WINDOW, GLUON_FUSED,
+            fused_reason)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -384,6 +385,23 @@ def dq_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_
                        bwd_kernels().DQ_CONFIGS)
 
 
+# The fused Gluon backward (``attn_bwd_fused_gluon_kernel``: dk, dv and dq in one kernel, dq added into an
+# fp32 buffer in a fixed order of key blocks; delta from a delta-only launch of the Triton dq kernel). Off
+# until it is measured on the GPU: benchmarks and tests switch it on.
+GLUON_FUSED = False
+
+
+def fused_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_causal: bool, softcap,
+                 wl: int, wr: int, grad_dtype: torch.dtype | None = None) -> str:
+    """``""`` if the fused Gluon backward computes this backward's dq, dk and dv (``GLUON_FUSED`` on, and
+    what :func:`bwd_reason` asks of the inputs, at the head dims of ``FUSED_CONFIGS``), else why not."""
+    mode = _config.gluon_bwd_mode()
+    if not GLUON_FUSED or mode == "off":
+        return "the fused Gluon backward is off (attention_gluon.GLUON_FUSED: not measured yet)"
+    return _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, "on",
+                       bwd_kernels().FUSED_CONFIGS)
+
+
 def _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, mode, configs) -> str:
     if grad_dtype is not None and grad_dtype != q.dtype:
         return f"the Gluon backward writes dk / dv in the inputs' dtype, not {grad_dtype}"
@@ -410,11 +428,12 @@ def _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, mod
     return device_reason(q.device)
 
 
-def describe_bwd(q: torch.Tensor, is_causal: bool, gluon_dq: bool = False) -> str:
+def describe_bwd(q: torch.Tensor, is_causal: bool, gluon_dq: bool = False, fused: bool = False) -> str:
     """What the Gluon backward runs, in words (for a problem :func:`bwd_reason` accepts)."""
     dtype = "bf16" if q.dtype == torch.bfloat16 else "fp16"
     causal = "causal" if is_causal else "non-causal"
-    kernels = "Gluon dq, dk / dv" if gluon_dq else "Gluon dk / dv, Triton dq"
+    kernels = ("fused Gluon dq, dk / dv (dq added in a fixed order)" if fused
+               else "Gluon dq, dk / dv" if gluon_dq else "Gluon dk / dv, Triton dq")
     return f"{dtype} {causal} D={q.shape[-1]} on {_arch(q.device.index)}: {kernels}"
 
 
@@ -524,3 +543,73 @@ class DqPlan:
         self.launch(*descs, m, l, delta, *self.args)
         if dq_ is not dq:
             dq.copy_(dq_)
+
+
+class FusedPlan:
+    """The fused Gluon backward launch of one backward signature (shapes, strides, dtypes, alignment,
+    options): dk, dv and an fp32 dq accumulator in one kernel, then dq = scale_ds * accumulator."""
+
+    __slots__ = ("cfg", "block_shapes", "layouts", "stat_layout", "args", "launch", "copy", "scratch",
+                 "n_m_blocks", "scale_ds")
+
+    def __init__(self, q, k, v, grad, causal: bool, c1: float, scale_ds: float):
+        from ._launch import KernelLaunch
+
+        K = bwd_kernels()
+        batch, hq, sq, d = q.shape
+        hkv, sk = k.shape[1], k.shape[2]
+        cfg = self.cfg = K.FUSED_CONFIGS[d]
+        dtype = "bfloat16" if q.dtype == torch.bfloat16 else "float16"
+        shapes = K.block_shapes(cfg, d)
+        self.block_shapes = [shapes[n] for n in ("q", "k", "v", "do", "dk", "dv")]
+        self.layouts = [K.shared_layout(s[2], d, dtype) for s in self.block_shapes]
+        self.stat_layout = K.stat_layout(cfg)
+        self.copy = tuple(not _tma_ok(t, False) for t in (q, k, v, grad))
+        dk_like = torch.empty_like(k, device="meta")
+        self.scratch = not (dk_like.stride(-1) == 1 and all(
+            s > 0 and s % (16 // k.element_size()) == 0 for s in _view4(dk_like, False)[1][:-1]))
+        n_n_blocks = triton.cdiv(sk, cfg.block_n)
+        n_tiles = n_n_blocks * batch * hkv
+        if n_tiles >= 2**31:
+            raise ValueError(f"k: {n_tiles} key tiles, more than the 2**31 - 1 the launch grid allows")
+        self.n_m_blocks = triton.cdiv(sq, cfg.block_m)
+        if batch * hq * self.n_m_blocks >= 2**31 or batch * hq * sq * d >= 2**62:
+            raise ValueError("q: too many query blocks for the fused backward's turn counters")
+        qdo_bytes = 2 * (hq // hkv) * max(sq, 1) * d * q.element_size()  # one kv head's Q and dO
+        head_group = max(1, min(batch * hkv, L2_CHUNK_BYTES // qdo_bytes))
+        self.scale_ds = scale_ds
+        self.args = (c1, scale_ds, hq, hq // hkv, head_group, sq, sk, n_n_blocks, n_tiles)
+        kwargs = dict(K.fused_constexprs(cfg, causal), **K.LAUNCH_OPTIONS, enable_fp_fusion=_config.fp_fusion)
+        self.launch = KernelLaunch(K.attn_bwd_fused_gluon_kernel, (n_tiles,), kwargs)
+
+    def __call__(self, q, k, v, grad, m, l, delta, dq, dk, dv) -> None:
+        """Writes dq, dk and dv (q's, k's and v's shapes and dtype; any layout)."""
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        tensors = [_copy(t) if c else t for t, c in zip((q, k, v, grad), self.copy, strict=True)]
+        dk_ = torch.empty(k.shape, dtype=k.dtype, device=k.device) if self.scratch else dk
+        dv_ = torch.empty(v.shape, dtype=v.dtype, device=v.device) if self.scratch else dv
+        tensors += [dk_, dv_]
+        descs = [TensorDescriptor(t, *_view4(t, False), block, layout) for t, block, layout
+                 in zip(tensors, self.block_shapes, self.layouts, strict=True)]
+        stat_block = [1, 1, self.cfg.block_m]
+        for t in (m, l, delta):
+            t = _stat_view(t)
+            shape = list(t.shape)
+            strides = [s if n > 1 else 4 for n, s in zip(shape[:-1], t.stride()[:-1], strict=True)] + [1]
+            descs.append(TensorDescriptor(t, shape, strides, stat_block, self.stat_layout))
+        batch, hq, sq, d = q.shape
+        turns = torch.zeros(batch * hq * self.n_m_blocks, dtype=torch.int32, device=q.device)
+        if self.cfg.finalize:  # the kernel writes dq (contiguous) and needs no zeroed buffer
+            acc = torch.empty((batch, hq, sq, d), dtype=torch.float32, device=q.device)
+            out = dq if dq.is_contiguous() else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            self.launch(*descs, acc, out, turns, *self.args)
+            if out is not dq:
+                dq.copy_(out)
+        else:  # dq = scale_ds * (the buffer's fixed-order sum), one fp32 multiply, rounded once
+            acc = torch.zeros((batch, hq, sq, d), dtype=torch.float32, device=q.device)
+            self.launch(*descs, acc, q, turns, *self.args)
+            dq.copy_(acc.mul_(self.scale_ds))
+        if dk_ is not dk:
+            dk.copy_(dk_)
+            dv.copy_(dv_)

@@ -496,7 +496,8 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
 
     # dq first: its programs also compute delta = rowsum(dO * O) of their rows, which dk/dv reads (only delta
     # where the Gluon dq kernel computes dq, after it).
-    gluon_dq = not gluon_dq_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype)
+    fused = not gluon_fused_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype)
+    gluon_dq = fused or not gluon_dq_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype)
     qc = config("dq", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
     n_m_blocks = _cdiv(p.max_q, qc.block_m)
     _launch(k_mod.attn_bwd_dq_kernel, _backward_grid(n_m_blocks, p.batch * p.hq, p.masked),
@@ -509,10 +510,15 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
         EVEN=_even(p, qc), **_sinks_constexpr(sinks), **({"DELTA_ONLY": True} if gluon_dq else {}),
         **_launch_options(qc), record=record,
     )
-    if gluon_dq:
+    if fused:
+        _gluon_launch(_gluon.FusedPlan, (q_, k_, v_, g_), (dq_, dk_, dv_), is_causal, c1, scale_ds)(
+            q_, k_, v_, g_, row_max, row_sum, delta, dq_, dk_, dv_)
+    elif gluon_dq:
         _gluon_launch(_gluon.DqPlan, (q_, k_, v_, g_), (dq_,), is_causal, c1, scale_ds)(
             q_, k_, v_, g_, row_max, row_sum, delta, dq_)
-    if not gluon_bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype):
+    if fused:
+        pass  # dk / dv came with dq
+    elif not gluon_bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype):
         _gluon_launch(_gluon.BwdPlan, (q_, k_, v_, g_), (dk_, dv_), is_causal, c1, scale_ds)(
             q_, k_, v_, g_, row_max, row_sum, delta, dk_, dv_)
     else:
@@ -680,6 +686,14 @@ def gluon_bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype
     if "dkdv" in _override:
         return "a Triton dk/dv configuration is forced (attention_launch.config_override)"
     return _gluon.bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype)
+
+
+def gluon_fused_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype=None) -> str:
+    """The backward's path choice for the fused kernel: ``""`` when it computes dq, dk and dv
+    (``attention_gluon.fused_reason``), unless a Triton dq or dk/dv configuration is forced."""
+    if "dq" in _override or "dkdv" in _override:
+        return "a Triton dq or dk/dv configuration is forced (attention_launch.config_override)"
+    return _gluon.fused_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype)
 
 
 def gluon_dq_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype=None) -> str:
