@@ -111,7 +111,7 @@ _SCRIPT = textwrap.dedent(
             constexprs = KB.fused_constexprs(cfg, causal)
             sig = KB.fused_signature(cfg, d, dtype)
             aligned = ("dq_ptr", "out_ptr", "sem_ptr")
-            loader_regs = KB.WRITER_REGS  # the TMA warp shares its warpgroup with the writer warp
+            loader_regs = KB.writer_regs(cfg.consumer_regs)  # the TMA warp shares the writer's warpgroup
         else:  # the backward's dQ
             cfg = KB.DQ_CONFIGS[d]
             fn = KB.attn_bwd_dq_gluon_kernel
@@ -186,7 +186,7 @@ CONFIGS = [(kind, dtype, d, causal, varlen) for kind in FWD_KINDS for dtype in _
 # The contraction check's controls: one configuration of each kernel compiled with fp fusion on must show
 # f32 fma.
 FUSION_ON = [("fwd", "bfloat16", 128, True, False), ("bwd", "bfloat16", 128, False, False),
-             ("dq", "bfloat16", 128, True, False)]
+             ("dq", "bfloat16", 128, True, False), ("fused", "bfloat16", 128, True, False)]
 
 
 def _compile(jobs: list[tuple]) -> list[dict]:

@@ -738,15 +738,21 @@ class GluonFusedConfig:
         return self.num_wg * BLOCK_N_WG
 
 
+# D=64: 232 registers for the consumers leave the writer 48 (at 32 it spills 768 bytes, at 48 112).
 # D=128 splits dQ by columns (by keys, dK, dV and dQ in flight at once need more registers than are left, and
 # ptxas serializes the wgmmas; issuing dQ after dK / dV avoids that); a 3-deep ring would leave 144 bytes of
 # shared memory.
 FUSED_CONFIGS: dict[int, GluonFusedConfig] = {
-    64: GluonFusedConfig(block_m=64, num_stages=3, dq_bufs=2),
+    64: GluonFusedConfig(block_m=64, num_stages=3, dq_bufs=2, consumer_regs=232),
     128: GluonFusedConfig(block_m=64, num_stages=2, dq_bufs=1, split_d=True),
 }
-# Registers of the writer warp and (sharing its warpgroup) the TMA warp: 2 x 128 x 240 + 128 x 32 = 65536.
-WRITER_REGS = gl.constexpr(32)
+REGISTERS_PER_SM = 65536
+
+
+def writer_regs(consumer_regs: int) -> int:
+    """Registers per thread of the writer warp and the TMA warp (one warpgroup): what the two consumer
+    warpgroups leave of the SM's registers (240 -> 32, 232 -> 48)."""
+    return (REGISTERS_PER_SM - 2 * 128 * consumer_regs) // 128
 
 
 def fused_constexprs(cfg: GluonFusedConfig, causal: bool) -> dict:
@@ -1076,6 +1082,7 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
+    WRITER_REGS: gl.constexpr = (65536 - 2 * 128 * CONSUMER_REGS) // 128  # writer_regs()
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape,
                                         do_desc.layout)
