@@ -336,14 +336,17 @@ def fused_tile(tile: int, n_n_blocks: int, n_bh: int, head_group: int, causal: b
 
 
 def simulate_fused(n_m: int, n_n_blocks: int, n_bh: int, group: int, head_group: int, causal: bool,
-                   sms: int, dq_bufs: int, num_wg: int, seed: int, block_ratio: int = 2) -> dict:
+                   sms: int, dq_bufs: int, num_wg: int, seed: int, block_ratio: int = 2,
+                   split_d: bool = False, k_free_wait: bool = True) -> dict:
     """The fused backward (attn_bwd_fused_gluon_kernel) over its whole grid: CTAs start in tile order on at
     most ``sms`` slots (a GPU dispatches a grid in order) and leave when done. In each CTA the consumers
     hand each step's dQ partials to the writer through ``dq_bufs`` buffers (dq_full, count num_wg;
     dq_empty, count 1); the writer waits for the query block's turn, adds, and passes the turn on. Key
-    blocks are ``block_ratio`` query blocks long. Raises on deadlock, a buffer read before it is written or
-    overwritten before it is read, or additions out of the fixed order; returns {(q head, query block):
-    key blocks in the order they added}."""
+    blocks are ``block_ratio`` query blocks long. ``split_d`` (GluonFusedConfig.split_d): each consumer's dQ
+    products read every consumer's K, so a consumer may store its dK over its K only after the others' last
+    dQ products (k_free; ``k_free_wait=False`` drops that wait). Raises on deadlock, a buffer read before it
+    is written or overwritten before it is read, or additions out of the fixed order; returns {(q head,
+    query block): key blocks in the order they added}."""
     rnd = random.Random(seed)
     counters, added = {}, {}
     n_tiles = n_n_blocks * n_bh
@@ -364,15 +367,28 @@ def simulate_fused(n_m: int, n_n_blocks: int, n_bh: int, group: int, head_group:
         work = steps(n_block, bh)
         full, empty = [Barrier(num_wg) for _ in range(dq_bufs)], [Barrier(1) for _ in range(dq_bufs)]
         buf = [dict() for _ in range(dq_bufs)]
+        k_readers = [set() for _ in range(num_wg)]
+        k_free = Barrier(num_wg)
 
         def consumer(w):
             for c, key in enumerate(work):
                 b = c % dq_bufs
+                reads = range(num_wg) if split_d else [w]  # whose K the step's dQ products read
+                for u in reads:
+                    k_readers[u].add(w)
                 yield ("step",)  # the step's products
+                for u in reads:
+                    k_readers[u].discard(w)
                 yield ("wait", empty[b], ((c // dq_bufs) & 1) ^ 1)
                 assert w not in buf[b], f"tile {tile}: consumer {w} overwrote an unread dQ partial (step {c})"
                 buf[b][w] = (c, key)
                 full[b].arrive()
+            if split_d:
+                k_free.arrive()
+                if k_free_wait:
+                    yield ("wait", k_free, 0)
+            assert not k_readers[w], \
+                f"tile {tile}: consumer {w} stored dK over its K while {k_readers[w]} read it"
 
         def writer():
             for c, key in enumerate(work):
@@ -427,7 +443,8 @@ def simulate_fused(n_m: int, n_n_blocks: int, n_bh: int, group: int, head_group:
 def _random_fused(rnd: random.Random, seed: int) -> None:
     n_bh = rnd.randint(1, 4)
     simulate_fused(rnd.randint(1, 7), rnd.randint(1, 4), n_bh, rnd.randint(1, 3), rnd.randint(1, n_bh),
-                   rnd.random() < 0.5, rnd.randint(1, 6), rnd.randint(1, 2), 2, seed)
+                   rnd.random() < 0.5, rnd.randint(1, 6), rnd.randint(1, 2), 2, seed,
+                   split_d=rnd.random() < 0.5)
 
 
 def main() -> None:

@@ -100,3 +100,14 @@ def test_fused_writer_without_dq_empty_is_caught(monkeypatch):
     with pytest.raises(AssertionError, match="overwrote"):
         for seed in range(200):
             m.simulate_fused(6, 2, 1, 1, 1, False, 2, 1, 2, seed)
+
+
+def test_fused_split_d_stores_dk_only_after_both_dq_products():
+    """With dQ split by columns each consumer's dQ products read both consumers' K: storing dK over K
+    without the k_free barrier overwrites K under the other consumer's last dQ product."""
+    m = _model()
+    for seed in range(50):
+        m.simulate_fused(4, 2, 1, 1, 1, False, 2, 1, 2, seed, split_d=True)
+    with pytest.raises(AssertionError, match="stored dK over its K"):
+        for seed in range(200):
+            m.simulate_fused(4, 2, 1, 1, 1, False, 2, 1, 2, seed, split_d=True, k_free_wait=False)

@@ -775,7 +775,7 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
     warpgroup's 64 keys) handed to the writer through dQ buffer ``c % DQ_BUFS``."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
-    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr = fbufs
+    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free = fbufs
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
@@ -825,7 +825,7 @@ def _fused_step_split(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.con
     the CTA's keys."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
-    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr = fbufs
+    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free = fbufs
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
@@ -915,6 +915,10 @@ def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, N
                 dk, dv = _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, 0, w, s_layout, a_layout, False,
                                      NUM_STAGES, NUM_WG, DQ_BUFS, DQ_AFTER)
             c += 1
+    if SPLIT_D:  # the other warpgroup's dQ products read this one's K: dK goes there once they are done
+        ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free = fbufs
+        mbarrier.arrive(k_free, count=1)
+        mbarrier.wait(k_free, 0)
     dk = dk * scale_ds
     k_w.store(dk.to(dtype))
     v_w.store(dv.to(dtype))
@@ -1006,7 +1010,7 @@ def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_B
     sees every one of them."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
-    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr = fbufs
+    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free = fbufs
     C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -1106,6 +1110,7 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.float32)
         dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS * NUM_WG, BLOCK_M, HEAD_DIM], dq_layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -1119,12 +1124,13 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         mbarrier.init(q_empty.index(i), count=NUM_WG)
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=NUM_WG)  # (SPLIT_D) both consumers' dS^T rows are in
+    mbarrier.init(k_free, count=NUM_WG)  # (SPLIT_D) neither consumer's dQ reads K any more
     for i in gl.static_range(DQ_BUFS):
         mbarrier.init(dq_full.index(i), count=NUM_WG)  # both consumers' partials are in
         mbarrier.init(dq_empty.index(i), count=1)  # the writer has read them
     bufs = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
             q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem)
-    fbufs = (ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr)
+    fbufs = (ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free)
     sizes = (C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles)
     # (The constexprs go in literal tuples: a tuple assigned to a name first carries them as tensors.)
     gl.warp_specialize([(_fused_consumer0, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS,
