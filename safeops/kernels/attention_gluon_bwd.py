@@ -1037,9 +1037,11 @@ def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_B
             sem_lanes = sem_ptr + (bh * n_m + mb) + lanes
             qb = c % DQ_BUFS
             mbarrier.wait(dq_full.index(qb), (c // DQ_BUFS) & 1)
-            seen = _turn_count(sem_lanes, lanes)
+            # Poll with plain (volatile) loads, then one acquire read per lane, once the turn has come.
+            seen = gl.min(gl.load(sem_lanes, volatile=True), axis=0)
             while seen < turn * 32:
-                seen = _turn_count(sem_lanes, lanes)
+                seen = gl.min(gl.load(sem_lanes, volatile=True), axis=0)
+            seen = _turn_count(sem_lanes, lanes)
             row0 = mb * BLOCK_M
             offset = (bh.to(gl.int64) * seqlen_q + row0) * HEAD_DIM
             base = dq_ptr + offset
