@@ -12,6 +12,8 @@
 #             (SAFEOPS_GPU_SMALL=1 shrinks their shapes; SANITIZE_K picks the tests)
 #   sanitize2 the same for the attention and fp8 cast+transpose GPU tests (SANITIZE2_ARGS adds -k etc.)
 #   gluon     memcheck, racecheck and synccheck over small Gluon-kernel GPU tests (GLUON_SAN_K picks them)
+#   fused     the fused Gluon backward (off by default): its GPU tests (a deadlock shows as the step's timeout,
+#             T_FUSED), then bench/attention.py's backward with it beside the default and cuDNN
 #   bench     python3 bench/softmax.py --out $OUT     (softmax.csv, softmax.md, softmax.png)
 #   compile   python3 bench/compile.py                (a transformer block compiled stock vs safeops.register())
 #   attention python3 bench/attention.py --out $OUT   (attention.{csv,md,png}; ATTENTION_ARGS, e.g. --quick)
@@ -180,6 +182,14 @@ for s in "${STEPS[@]}"; do
                 tests/test_attention_gluon_bwd_gpu.py tests/test_attention_gluon_gpu.py \
                 -k "${GLUON_SAN_K:-keys_no_query_sees or test_sinks and causal-128-bf16 or test_sinks and not oracle and not varlen or test_exact_rows and causal-128}"
         done
+        ;;
+    fused)
+        # shellcheck disable=SC2046
+        step fused-tests "$(limit_for "${T_FUSED:-200}")" python3 -m pytest -m gpu $(pytest_opts fused) \
+            tests/test_attention_gluon_bwd_gpu.py -k fused
+        lim=$(limit_for "${T_ATTENTION:-300}")
+        step fused-bench "$lim" python3 bench/attention.py --out "$OUT" --budget-s $((lim > 90 ? lim - 45 : 30)) \
+            --quick --directions bwd --impl "safeops,safeops gluon fused,safeops gluon dq,sdpa cudnn"
         ;;
     bench)
         lim=$(limit_for "${T_BENCH:-520}")
