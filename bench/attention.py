@@ -121,16 +121,12 @@ def fp_fusion(on: bool):
 
 
 @contextlib.contextmanager
-def gluon_dq(on: bool):
-    """The Gluon dQ kernel (safeops.ops.attention_gluon.GLUON_DQ, off by default) for the block."""
+def gluon_switch(name: str, on: bool):
+    """A switch of safeops.ops.attention_gluon (GLUON_DQ, GLUON_FUSED: off by default) set for the block."""
     from safeops.ops import attention_gluon
 
-    saved = attention_gluon.GLUON_DQ
-    attention_gluon.GLUON_DQ = on
-    try:
+    with mock.patch.object(attention_gluon, name, on):
         yield
-    finally:
-        attention_gluon.GLUON_DQ = saved
 
 
 @contextlib.contextmanager
@@ -138,19 +134,6 @@ def gluon_bwd_everywhere(on: bool):
     """SAFEOPS_GLUON_BWD=1 for the block: the Gluon dK / dV kernel at every head dim it has."""
     with mock.patch.dict(os.environ, {"SAFEOPS_GLUON_BWD": "1"} if on else {}):
         yield
-
-
-@contextlib.contextmanager
-def gluon_fused(on: bool):
-    """The fused Gluon backward (safeops.ops.attention_gluon.GLUON_FUSED, off by default) for the block."""
-    from safeops.ops import attention_gluon
-
-    saved = attention_gluon.GLUON_FUSED
-    attention_gluon.GLUON_FUSED = on
-    try:
-        yield
-    finally:
-        attention_gluon.GLUON_FUSED = saved
 
 
 def build_safeops(case: H.Case, t: dict, fusion: bool = False, dq: bool = False, bwd: bool = False,
@@ -183,7 +166,7 @@ def build_safeops(case: H.Case, t: dict, fusion: bool = False, dq: bool = False,
     if fused:
         from safeops.ops import attention_gluon
 
-        with gluon_fused(True):
+        with gluon_switch("GLUON_FUSED", True):
             why = attention_gluon.fused_reason(q, k, v, None, None, causal, None, -1, 0 if causal else -1)
         if why:
             raise H.Refused(f"the fused Gluon backward does not take this backward: {why}")
@@ -192,7 +175,8 @@ def build_safeops(case: H.Case, t: dict, fusion: bool = False, dq: bool = False,
                                                 0 if causal else -1, code)
 
     def backward():
-        with fp_fusion(fusion), gluon_dq(dq), gluon_bwd_everywhere(bwd), gluon_fused(fused):
+        with (fp_fusion(fusion), gluon_switch("GLUON_DQ", dq), gluon_bwd_everywhere(bwd),
+              gluon_switch("GLUON_FUSED", fused)):
             return torch.ops.safeops.attention_backward(t["g"], q, k, v, out, m, l, None, 0, None, None, s, s,
                                                         causal, scale, None, -1, 0 if causal else -1, code)[0]
     return backward

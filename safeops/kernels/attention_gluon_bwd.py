@@ -770,69 +770,19 @@ def fused_signature(cfg: GluonFusedConfig, head_dim: int, dtype: str) -> dict[st
 @gluon.jit
 def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr, s_layout: gl.constexpr,
                 a_layout: gl.constexpr, MASKED: gl.constexpr, NUM_STAGES: gl.constexpr,
-                NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr, DQ_AFTER: gl.constexpr):
-    """One query block of consumer warpgroup ``w``: :func:`_step`'s dK / dV, and dQ_w = dS_w K_w (this
-    warpgroup's 64 keys) handed to the writer through dQ buffer ``c % DQ_BUFS``."""
-    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
-     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
-    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free = fbufs
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-    dtype: gl.constexpr = q_desc.dtype
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    slot = c % NUM_STAGES
-    q_s = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    do_s = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    st, dpt = _issue_st_dpt(bufs, k_w, v_w, q_s, do_s, slot, (c // NUM_STAGES) & 1, s_layout)
-    st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
-    pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED)
-    dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
-    delta = delta_smem.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
-    dst = (pt * (dpt - delta[None, :])).to(dtype)
-    # dS^T to shared memory: dQ's A operand is its transpose (queries x this warpgroup's keys).
-    ds_w = ds_smem.index(w)
-    ds_w.store(dst)
-    fence_async_shared()
-    p16 = gl.convert_layout(pt.to(dtype), a_layout)
-    dv = warpgroup_mma(p16, do_s, dv, is_async=True)
-    # dS^T enters both of its products from shared memory: no register copy beside P^T's.
-    dk = warpgroup_mma(ds_w, q_s, dk, is_async=True)
-    if DQ_AFTER:  # registers for dK, dV and dQ in flight at once are more than D=128 leaves
-        dk, dv, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p16))
-        mbarrier.arrive(q_empty.index(slot), count=1)
-    dq = warpgroup_mma(ds_w.permute((1, 0)), k_w, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout),
-                       use_acc=False, is_async=True)
-    if DQ_AFTER:
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-    else:
-        dk, dv, dq, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq, p16))
-        mbarrier.arrive(q_empty.index(slot), count=1)
-    qb = c % DQ_BUFS
-    mbarrier.wait(dq_empty.index(qb), ((c // DQ_BUFS) & 1) ^ 1)
-    dq_smem.index(qb * NUM_WG + w).store(dq)
-    gl.thread_barrier()  # every warp's part is in shared memory before the one arrive
-    mbarrier.arrive(dq_full.index(qb), count=1)
-    return dk, dv
-
-
-@gluon.jit
-def _fused_step_split(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr,
-                      s_layout: gl.constexpr, a_layout: gl.constexpr, MASKED: gl.constexpr,
-                      NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr):
-    """:func:`_fused_step` with dQ split by columns: this warpgroup's dS^T rows go to the step's shared dS^T
-    buffer (``c % 2``; a barrier with the other warpgroup), then dQ[:, w half] = dS K[:, w half] over all
-    the CTA's keys."""
+                NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, DQ_AFTER: gl.constexpr):
+    """One query block of consumer warpgroup ``w``: :func:`_step`'s dK / dV (dS^T entering dK from shared
+    memory), and this warpgroup's dQ partial handed to the writer through dQ buffer ``c % DQ_BUFS``: by keys,
+    dQ_w = dS_w K_w over its 64 keys and every column; ``SPLIT_D``, dQ[:, w half] = dS K[:, w half] over
+    all the CTA's keys, both warpgroups' dS^T in the step's shared buffer ``c % 2`` (a barrier between
+    them)."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
     ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free = fbufs
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
-    HALF: gl.constexpr = HEAD_DIM // NUM_WG
     dtype: gl.constexpr = q_desc.dtype
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HALF, 16])
     slot = c % NUM_STAGES
     q_s = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
     do_s = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
@@ -842,29 +792,52 @@ def _fused_step_split(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.con
     dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
     delta = delta_smem.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
     dst = (pt * (dpt - delta[None, :])).to(dtype)
-    b = c % 2
-    ds_all = ds_smem.index(b)
-    ds_w = ds_all.slice(w * BLOCK_N_WG, BLOCK_N_WG, dim=0)
+    # dS^T to shared memory: dQ's A operand is its transpose (queries x keys).
+    if SPLIT_D:
+        b = c % 2
+        ds_all = ds_smem.index(b)
+        ds_w = ds_all.slice(w * BLOCK_N_WG, BLOCK_N_WG, dim=0)
+    else:
+        ds_w = ds_smem.index(w)
     ds_w.store(dst)
     fence_async_shared()
-    gl.thread_barrier()  # every warp's rows are in (and fenced) before the one arrive
-    mbarrier.arrive(ds_ready.index(b), count=1)
+    if SPLIT_D:
+        gl.thread_barrier()  # every warp's rows are in (and fenced) before the one arrive
+        mbarrier.arrive(ds_ready.index(b), count=1)
     p16 = gl.convert_layout(pt.to(dtype), a_layout)
     dv = warpgroup_mma(p16, do_s, dv, is_async=True)
+    # dS^T enters both of its products from shared memory: no register copy beside P^T's.
     dk = warpgroup_mma(ds_w, q_s, dk, is_async=True)
-    mbarrier.wait(ds_ready.index(b), (c // 2) & 1)  # the other warpgroup's dS^T rows are in too
-    # dQ[:, w half] = dS_0 K_0[:, w half] + dS_1 K_1[:, w half]: the keys of both warpgroups, in that order.
-    dq = gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout)
-    for u in gl.static_range(NUM_WG):
-        k_u = k_smem.index(u).reshape([BLOCK_N_WG, HEAD_DIM]).slice(w * HALF, HALF, dim=1)
-        dq = warpgroup_mma(ds_all.slice(u * BLOCK_N_WG, BLOCK_N_WG, dim=0).permute((1, 0)), k_u, dq,
-                           use_acc=u > 0, is_async=True)
-    dk, dv, dq, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq, p16))
-    mbarrier.arrive(q_empty.index(slot), count=1)
+    if SPLIT_D:
+        HALF: gl.constexpr = HEAD_DIM // NUM_WG
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HALF, 16])
+        mbarrier.wait(ds_ready.index(b), (c // 2) & 1)  # the other warpgroup's dS^T rows are in too
+        # dQ[:, w half] = dS_0 K_0[:, w half] + dS_1 K_1[:, w half]: both warpgroups' keys, in that order.
+        dq = gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout)
+        for u in gl.static_range(NUM_WG):
+            k_u = k_smem.index(u).reshape([BLOCK_N_WG, HEAD_DIM]).slice(w * HALF, HALF, dim=1)
+            dq = warpgroup_mma(ds_all.slice(u * BLOCK_N_WG, BLOCK_N_WG, dim=0).permute((1, 0)), k_u, dq,
+                               use_acc=u > 0, is_async=True)
+        dk, dv, dq, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq, p16))
+        mbarrier.arrive(q_empty.index(slot), count=1)
+    else:
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        if DQ_AFTER:  # registers for dK, dV and dQ in flight at once are more than D=128 leaves
+            dk, dv, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p16))
+            mbarrier.arrive(q_empty.index(slot), count=1)
+        dq = warpgroup_mma(ds_w.permute((1, 0)), k_w, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout),
+                           use_acc=False, is_async=True)
+        if DQ_AFTER:
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        else:
+            dk, dv, dq, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq, p16))
+            mbarrier.arrive(q_empty.index(slot), count=1)
     qb = c % DQ_BUFS
     mbarrier.wait(dq_empty.index(qb), ((c // DQ_BUFS) & 1) ^ 1)
     dq_smem.index(qb * NUM_WG + w).store(dq)
-    gl.thread_barrier()
+    gl.thread_barrier()  # every warp's part is in shared memory before the one arrive
     mbarrier.arrive(dq_full.index(qb), count=1)
     return dk, dv
 
@@ -900,20 +873,12 @@ def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, N
     c = 0
     for _g in range(group):
         for mb in range(lo, mid):
-            if SPLIT_D:
-                dk, dv = _fused_step_split(bufs, fbufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, w,
-                                           s_layout, a_layout, True, NUM_STAGES, NUM_WG, DQ_BUFS)
-            else:
-                dk, dv = _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, w, s_layout,
-                                     a_layout, True, NUM_STAGES, NUM_WG, DQ_BUFS, DQ_AFTER)
+            dk, dv = _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, w, s_layout,
+                                 a_layout, True, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, DQ_AFTER)
             c += 1
         for _mb in range(mid, n_m):
-            if SPLIT_D:
-                dk, dv = _fused_step_split(bufs, fbufs, C1, k_w, v_w, dk, dv, c, 0, w, s_layout, a_layout,
-                                           False, NUM_STAGES, NUM_WG, DQ_BUFS)
-            else:
-                dk, dv = _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, 0, w, s_layout, a_layout, False,
-                                     NUM_STAGES, NUM_WG, DQ_BUFS, DQ_AFTER)
+            dk, dv = _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, 0, w, s_layout, a_layout, False,
+                                 NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, DQ_AFTER)
             c += 1
     if SPLIT_D:  # the other warpgroup's dQ products read this one's K: dK goes there once they are done
         ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free = fbufs

@@ -454,13 +454,20 @@ class BwdPlan:
 
     __slots__ = ("cfg", "block_shapes", "layouts", "stat_layout", "args", "launch", "copy", "scratch")
 
+    @staticmethod
+    def _kernel(K, d: int, causal: bool):
+        """(configuration, kernel, constexprs) of head dim ``d``."""
+        cfg = K.BWD_CONFIGS[d]
+        return cfg, K.attn_bwd_dkdv_gluon_kernel, K.constexprs(cfg, causal)
+
     def __init__(self, q, k, v, grad, causal: bool, c1: float, scale_ds: float):
         from ._launch import KernelLaunch
 
         K = bwd_kernels()
         batch, hq, sq, d = q.shape
         hkv, sk = k.shape[1], k.shape[2]
-        cfg = self.cfg = K.BWD_CONFIGS[d]
+        cfg, kernel, constexprs = self._kernel(K, d, causal)
+        self.cfg = cfg
         dtype = "bfloat16" if q.dtype == torch.bfloat16 else "float16"
         shapes = K.block_shapes(cfg, d)
         self.block_shapes = [shapes[n] for n in ("q", "k", "v", "do", "dk", "dv")]
@@ -477,11 +484,11 @@ class BwdPlan:
         qdo_bytes = 2 * (hq // hkv) * max(sq, 1) * d * q.element_size()  # one kv head's Q and dO
         head_group = max(1, min(batch * hkv, L2_CHUNK_BYTES // qdo_bytes))
         self.args = (c1, scale_ds, hq, hq // hkv, head_group, sq, sk, n_n_blocks, n_tiles)
-        kwargs = dict(K.constexprs(cfg, causal), **K.LAUNCH_OPTIONS, enable_fp_fusion=_config.fp_fusion)
-        self.launch = KernelLaunch(K.attn_bwd_dkdv_gluon_kernel, (n_tiles,), kwargs)
+        kwargs = dict(constexprs, **K.LAUNCH_OPTIONS, enable_fp_fusion=_config.fp_fusion)
+        self.launch = KernelLaunch(kernel, (n_tiles,), kwargs)
 
-    def __call__(self, q, k, v, grad, m, l, delta, dk, dv) -> None:
-        """Writes dk and dv (k's and v's shapes and dtype; any layout)."""
+    def _descriptors(self, q, k, v, grad, m, l, delta, dk, dv) -> tuple[list, torch.Tensor, torch.Tensor]:
+        """(the TMA descriptors of q, k, v, dO, dk, dv, m, l, delta; where dk and dv are written)."""
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         tensors = [_copy(t) if c else t for t, c in zip((q, k, v, grad), self.copy, strict=True)]
@@ -497,6 +504,11 @@ class BwdPlan:
             # A dimension of size 1 other than the last is never stepped along: a valid stride (16 bytes).
             strides = [s if n > 1 else 4 for n, s in zip(shape[:-1], t.stride()[:-1], strict=True)] + [1]
             descs.append(TensorDescriptor(t, shape, strides, stat_block, self.stat_layout))
+        return descs, dk_, dv_
+
+    def __call__(self, q, k, v, grad, m, l, delta, dk, dv) -> None:
+        """Writes dk and dv (k's and v's shapes and dtype; any layout)."""
+        descs, dk_, dv_ = self._descriptors(q, k, v, grad, m, l, delta, dk, dv)
         self.launch(*descs, *self.args)
         if dk_ is not dk:
             dk.copy_(dk_)
@@ -545,59 +557,29 @@ class DqPlan:
             dq.copy_(dq_)
 
 
-class FusedPlan:
+class FusedPlan(BwdPlan):
     """The fused Gluon backward launch of one backward signature (shapes, strides, dtypes, alignment,
-    options): dk, dv and an fp32 dq accumulator in one kernel, then dq = scale_ds * accumulator."""
+    options): dk, dv and dq in one kernel (:class:`BwdPlan`'s launch, plus an fp32 dq buffer, dq and the
+    turn counters)."""
 
-    __slots__ = ("cfg", "block_shapes", "layouts", "stat_layout", "args", "launch", "copy", "scratch",
-                 "n_m_blocks", "scale_ds")
+    __slots__ = ("n_m_blocks", "scale_ds")
+
+    @staticmethod
+    def _kernel(K, d: int, causal: bool):
+        cfg = K.FUSED_CONFIGS[d]
+        return cfg, K.attn_bwd_fused_gluon_kernel, K.fused_constexprs(cfg, causal)
 
     def __init__(self, q, k, v, grad, causal: bool, c1: float, scale_ds: float):
-        from ._launch import KernelLaunch
-
-        K = bwd_kernels()
+        super().__init__(q, k, v, grad, causal, c1, scale_ds)
         batch, hq, sq, d = q.shape
-        hkv, sk = k.shape[1], k.shape[2]
-        cfg = self.cfg = K.FUSED_CONFIGS[d]
-        dtype = "bfloat16" if q.dtype == torch.bfloat16 else "float16"
-        shapes = K.block_shapes(cfg, d)
-        self.block_shapes = [shapes[n] for n in ("q", "k", "v", "do", "dk", "dv")]
-        self.layouts = [K.shared_layout(s[2], d, dtype) for s in self.block_shapes]
-        self.stat_layout = K.stat_layout(cfg)
-        self.copy = tuple(not _tma_ok(t, False) for t in (q, k, v, grad))
-        dk_like = torch.empty_like(k, device="meta")
-        self.scratch = not (dk_like.stride(-1) == 1 and all(
-            s > 0 and s % (16 // k.element_size()) == 0 for s in _view4(dk_like, False)[1][:-1]))
-        n_n_blocks = triton.cdiv(sk, cfg.block_n)
-        n_tiles = n_n_blocks * batch * hkv
-        if n_tiles >= 2**31:
-            raise ValueError(f"k: {n_tiles} key tiles, more than the 2**31 - 1 the launch grid allows")
-        self.n_m_blocks = triton.cdiv(sq, cfg.block_m)
+        self.n_m_blocks = triton.cdiv(sq, self.cfg.block_m)
         if batch * hq * self.n_m_blocks >= 2**31 or batch * hq * sq * d >= 2**62:
             raise ValueError("q: too many query blocks for the fused backward's turn counters")
-        qdo_bytes = 2 * (hq // hkv) * max(sq, 1) * d * q.element_size()  # one kv head's Q and dO
-        head_group = max(1, min(batch * hkv, L2_CHUNK_BYTES // qdo_bytes))
         self.scale_ds = scale_ds
-        self.args = (c1, scale_ds, hq, hq // hkv, head_group, sq, sk, n_n_blocks, n_tiles)
-        kwargs = dict(K.fused_constexprs(cfg, causal), **K.LAUNCH_OPTIONS, enable_fp_fusion=_config.fp_fusion)
-        self.launch = KernelLaunch(K.attn_bwd_fused_gluon_kernel, (n_tiles,), kwargs)
 
     def __call__(self, q, k, v, grad, m, l, delta, dq, dk, dv) -> None:
         """Writes dq, dk and dv (q's, k's and v's shapes and dtype; any layout)."""
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-        tensors = [_copy(t) if c else t for t, c in zip((q, k, v, grad), self.copy, strict=True)]
-        dk_ = torch.empty(k.shape, dtype=k.dtype, device=k.device) if self.scratch else dk
-        dv_ = torch.empty(v.shape, dtype=v.dtype, device=v.device) if self.scratch else dv
-        tensors += [dk_, dv_]
-        descs = [TensorDescriptor(t, *_view4(t, False), block, layout) for t, block, layout
-                 in zip(tensors, self.block_shapes, self.layouts, strict=True)]
-        stat_block = [1, 1, self.cfg.block_m]
-        for t in (m, l, delta):
-            t = _stat_view(t)
-            shape = list(t.shape)
-            strides = [s if n > 1 else 4 for n, s in zip(shape[:-1], t.stride()[:-1], strict=True)] + [1]
-            descs.append(TensorDescriptor(t, shape, strides, stat_block, self.stat_layout))
+        descs, dk_, dv_ = self._descriptors(q, k, v, grad, m, l, delta, dk, dv)
         batch, hq, sq, d = q.shape
         turns = torch.zeros(batch * hq * self.n_m_blocks, dtype=torch.int32, device=q.device)
         if self.cfg.finalize:  # the kernel writes dq (contiguous) and needs no zeroed buffer
