@@ -1074,26 +1074,66 @@ def test_bits_same_for_every_batch_decoding(op, dtype, n, rng):
                     f"{int((a != b).sum())} elements differ; {rng}")
 
 
-@pytest.mark.xfail(strict=False, reason="known limit (README): the order of a row's additions follows the "
-                                        "tile layout Triton derives from the strides; measured 2026-11-30")
-@pytest.mark.parametrize("op", OPS)
-@given(rng=rngs())
-def test_bits_independent_of_memory_layout(op, rng):
-    """Contract section 6 read strictly: the same values laid out transposed (the reduced dim not
-    unit-stride) give the same bits, forward and backward. Recorded as an expected failure (fp32, where all
-    three ops differ today, bf16 less often); it passes (XPASS) once the reductions stop depending on the
-    layout."""
-    dtype = torch.float32
-    x = rng.randn((256, 1000), dtype, std=4.0)
-    g_shape = (256,) if op == "logsumexp" else (256, 1000)
-    g = rng.randn(g_shape, dtype, std=1.0)
+def _misaligned(t: torch.Tensor, elements: int = 1) -> torch.Tensor:
+    """The values of contiguous ``t`` at ``elements`` past a 16-byte-aligned allocation."""
+    flat = torch.empty(t.numel() + elements, dtype=t.dtype, device=t.device)[elements:]
+    return flat.view(t.shape).copy_(t)
 
-    def run(t):
-        t = t.detach().requires_grad_(True)
-        out = call(op, t, -1)
+
+def _layouts(t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The same values of a 2-D contiguous tensor, reduced over its last dim, in other memory layouts."""
+    return {"transposed": t.t().contiguous().t(), "misaligned": _misaligned(t),
+            "row stride off the 16-byte grid": torch.cat([t, t[:, :3]], 1)[:, :t.shape[1]]}
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("n", [1000, 4096, 40000])  # rows path (forward and backward), split backward, split
+@given(rng=rngs())
+def test_bits_independent_of_memory_layout(op, n, rng):
+    """Contract section 6: the same values in another memory layout (the reduced dim strided, a misaligned
+    start, row starts off the 16-byte grid), and an incoming gradient in another layout, give the same
+    bits, forward and backward, as the contiguous tensors (the launcher reads such inputs from rows-major
+    copies; tests/test_softmax_layouts.py checks offline that nothing else changes the kernels' reduction
+    layouts)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x = rng.randn((64, n), dtype, std=4.0)
+        g_shape = (64,) if op == "logsumexp" else (64, n)
+        g = rng.randn(g_shape, dtype, std=1.0)
+
+        def run(t, grad):
+            t = t.detach().requires_grad_(True)
+            out = call(op, t, -1)
+            return out, torch.autograd.grad(out, t, grad)[0]
+
+        ref = run(x, g)
+        for name, view in _layouts(x).items():
+            got = run(view, g)
+            for part, a, b in zip(("forward", "backward"), got, ref, strict=True):
+                assert torch.equal(a.view(INT_VIEW[dtype]), b.view(INT_VIEW[dtype])), (
+                    f"{op} {dtype} N={n} {name} {part}: {int((a != b).sum())} elements differ; {rng}")
+        if op != "logsumexp":
+            for name, g_view in _layouts(g).items():
+                got = run(x, g_view)[1]
+                differ = int((got != ref[1]).sum())
+                assert torch.equal(got.view(INT_VIEW[dtype]), ref[1].view(INT_VIEW[dtype])), (
+                    f"{op} {dtype} N={n} gradient {name}: {differ} elements differ; {rng}")
+
+
+@pytest.mark.parametrize("n", [1024, 40000])
+@given(rng=rngs())
+def test_bits_independent_of_the_masks_layout(n, rng):
+    """A mask is read like x: broadcast, materialized, misaligned or transposed, the same bits."""
+    x = rng.randn((64, n), torch.bfloat16, std=4.0)
+    keep = rng.rand((64, n)) > 0.3
+    g = rng.randn((64, n), torch.bfloat16, std=1.0)
+
+    def run(mask):
+        t = x.detach().requires_grad_(True)
+        out = safeops.softmax(t, -1, mask=mask)
         return out, torch.autograd.grad(out, t, g)[0]
 
-    flat = run(x)
-    transposed = run(x.t().contiguous().t())
-    for name, a, b in zip(("forward", "backward"), flat, transposed, strict=True):
-        assert torch.equal(a, b), f"{op} {dtype} {name}: {int((a != b).sum())} elements differ; {rng}"
+    ref = run(keep)
+    for name, view in {"transposed": keep.t().contiguous().t(), "misaligned": _misaligned(keep, 3)}.items():
+        for part, a, b in zip(("forward", "backward"), run(view), ref, strict=True):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (
+                f"N={n} mask {name} {part}: {int((a != b).sum())} elements differ; {rng}")

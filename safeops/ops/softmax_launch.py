@@ -155,19 +155,56 @@ def _scale_args(scale: float | None, scale_tensor: torch.Tensor | None, like: to
     return 0, like, 1.0
 
 
+# Tensors the kernels read tile by tile. Triton derives a kernel's register layout, and with it the order of
+# every row reduction, from these loads: a reduced dim that is not unit-stride, or (where the row length
+# allows the 16-byte claim) a row start that is not 16-byte aligned, would give the same row other bits
+# than its contiguous copy. So such inputs are read from a rows-major copy (contract section 6): per row
+# length, dtype and op, every call runs one kernel specialization. Outputs keep their layout; a store's
+# layout does not reach the reductions (tests/test_softmax_layouts.py compiles every variant the
+# launchers can produce for sm_90 and compares the reductions' layouts).
+_INPUTS = ("x", "mask", "grad")
+
+
+def _rows_major(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """A copy of ``t`` with the reduced dim innermost (unit stride) and the batch dims in order."""
+    return t.movedim(dim, -1).clone(memory_format=torch.contiguous_format).movedim(-1, dim)
+
+
+def canonical_input(t: torch.Tensor, dim: int) -> bool:
+    """Whether the kernels read ``t`` in place: the reduced dim unit-stride (or of size 1), and every row
+    start 16-byte aligned when the row length is a multiple of 16 bytes (``_aligns`` then claims it)."""
+    n = t.shape[dim]
+    if n > 1 and t.stride(dim) != 1:
+        return False
+    per16 = max(1, 16 // t.element_size())
+    if n % per16:
+        return True  # no alignment is claimed for any tensor of this row length
+    return t.data_ptr() % 16 == 0 and all(
+        t.stride(d) % per16 == 0 for d in range(t.dim()) if d != dim and t.shape[d] > 1)
+
+
 def _layout(shape, dim, tensors: dict[str, torch.Tensor | None]) -> tuple[Rows, dict[str, torch.Tensor]]:
-    """Row view of the tensors. Outputs (``out``, ``dx``) may be replaced by contiguous scratch tensors
+    """Row view of the tensors, after replacing inputs the kernels must not read in place by rows-major
+    copies (``canonical_input``). Outputs (``out``, ``dx``) may be replaced by rows-major scratch tensors
     when the layout needs more than three batch dims; the caller copies those back (see ``_write_back``).
     """
+    tensors = {k: (_rows_major(t, dim) if k in _INPUTS and t is not None and not canonical_input(t, dim)
+                   else t) for k, t in tensors.items()}
     rows = rows_of(shape, dim, tensors)
     if rows is None:
-        # More than three non-mergeable batch dims: read contiguous copies and write contiguous scratch.
-        tensors = {k: (None if t is None else t.contiguous() if k in ("x", "mask", "grad")
-                       else torch.empty(t.shape, dtype=t.dtype, device=t.device))
+        # More than three non-mergeable batch dims: read rows-major copies and write rows-major scratch
+        # (one batch dim for all).
+        tensors = {k: (None if t is None else _rows_major(t, dim) if k in _INPUTS
+                       else _rows_major_shape(t, dim))
                    for k, t in tensors.items()}
         rows = rows_of(shape, dim, tensors)
         assert rows is not None
     return rows, tensors
+
+
+def _rows_major_shape(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """An uninitialised tensor like ``t`` laid out as ``_rows_major`` lays it out."""
+    return torch.empty(t.movedim(dim, -1).shape, dtype=t.dtype, device=t.device).movedim(-1, dim)
 
 
 def _write_back(result: torch.Tensor, written: torch.Tensor | None) -> None:
