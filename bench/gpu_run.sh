@@ -20,6 +20,12 @@
 #   cast      python3 bench/cast_transpose.py --out $OUT   (cast_transpose.{csv,md,png}; CAST_ARGS)
 #   model     python3 bench/model.py                  (a ~1B Llama training step, sdpa vs safeops; MODEL_ARGS;
 #             needs transformers: carry its wheels in .whl)
+#   profile   Nsight Compute over one measured call per case of bench/profile.py (PROFILE_CASES, default the
+#             attention forward D64 / D128 and backward D128, the 32K softmax backward, the 32K
+#             cross-entropy forward, the rowwise fp8 cast), sections SpeedOfLight, ComputeWorkloadAnalysis
+#             (pipe use: tensor, XU / MUFU, FMA), InstructionStats, WarpStateStats (stall reasons),
+#             Occupancy, MemoryWorkloadAnalysis; then bench/profile.py cast-compiled (torch.profiler: the
+#             registered compiled fp8 path against stock Inductor, per call)
 #
 # The whole run stays inside BUDGET_S seconds (default 530, under the device's 10-minute command limit): a
 # step gets at most its own timeout and what is left of the budget; the benchmark stops starting new shapes
@@ -217,8 +223,24 @@ for s in "${STEPS[@]}"; do
         # shellcheck disable=SC2086
         step model "$(limit_for "${T_MODEL:-240}")" python3 bench/model.py --out "$OUT/model.md" ${MODEL_ARGS:-}
         ;;
+    profile)
+        NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+        for c in ${PROFILE_CASES:-attn-fwd-d64 attn-fwd-d128 attn-bwd-d128 softmax-bwd-32k xent-fwd-32k \
+                 cast-rowwise-4k}; do
+            if [ -z "$NCU" ]; then
+                log "=== profile-$c: skipped, ncu not found"
+                SUMMARY+=("profile-$c: no ncu")
+                continue
+            fi
+            step "profile-$c" "$(limit_for "${T_PROFILE:-150}")" "$NCU" --profile-from-start off \
+                --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats \
+                --section WarpStateStats --section Occupancy --section MemoryWorkloadAnalysis \
+                python3 bench/profile.py "$c"
+        done
+        step profile-cast-compiled "$(limit_for "${T_PROFILE:-150}")" python3 bench/profile.py cast-compiled
+        ;;
     *)
-        log "unknown step '$s' (steps: info tests alltests sanitize sanitize2 gluon bench compile attention cast model)"
+        log "unknown step '$s' (steps: info tests alltests sanitize sanitize2 gluon fused bench compile attention cast model profile)"
         SUMMARY+=("$s: unknown step")
         FAILED=1
         ;;

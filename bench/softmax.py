@@ -17,8 +17,13 @@ backward reads two tensors and writes dx (3 * numel * bytes). What each backward
 
 Every output is checked once per shape against torch in fp32 (loosely) before it is timed.
 
+``--layout transposed`` gives every implementation the same values with the reduced dim strided (x, y and dy
+are ``(N, M)``-contiguous tensors seen as ``(M, N)``): what a softmax over a non-innermost dim reads.
+safeops reads such inputs through a rows-major copy (its bits then equal the contiguous input's, contract
+section 6); the table shows what that costs against the peers' strided paths.
+
     python bench/softmax.py [--dtype bf16|fp32|both] [--n 256,4K,1M] [--direction fwd|bwd|both] [--quick]
-                            [--out DIR] [--budget-s SECONDS]
+                            [--layout contiguous|transposed] [--out DIR] [--budget-s SECONDS]
 
 Needs a CUDA GPU; without one it exits with a message.
 """
@@ -63,12 +68,24 @@ def make_cases(dtypes, ns, directions) -> list[H.Case]:
     return [H.Case(d, dt, (max(1, TOTAL // n), n)) for dt in dtypes for d in directions for n in ns]
 
 
+LAYOUT = "contiguous"  # or "transposed" (--layout)
+
+
+def _randn(shape, dtype) -> torch.Tensor:
+    if LAYOUT == "transposed":
+        return torch.randn(tuple(reversed(shape)), device="cuda", dtype=dtype).t()
+    return torch.randn(shape, device="cuda", dtype=dtype)
+
+
 def make_inputs(case: H.Case) -> dict:
-    x = torch.randn(case.shape, device="cuda", dtype=case.dtype)
+    x = _randn(case.shape, case.dtype)
     if case.direction == "fwd":
         return {"x": x}
-    dy = torch.randn(case.shape, device="cuda", dtype=case.dtype)
-    return {"x": x, "dy": dy, "y": torch.softmax(x, DIM)}
+    dy = _randn(case.shape, case.dtype)
+    y = torch.softmax(x, DIM)
+    if LAYOUT == "transposed":
+        y = y.t().contiguous().t()
+    return {"x": x, "dy": dy, "y": y}
 
 
 def reference(case: H.Case, t: dict) -> torch.Tensor:
@@ -255,9 +272,13 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=0,
                    help="stop starting new shapes after this many seconds (0: no limit)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--layout", choices=("contiguous", "transposed"), default="contiguous",
+                   help="transposed: the reduced dim strided (see above)")
     args = p.parse_args(argv)
 
     H.require_cuda("bench/softmax.py")
+    global LAYOUT
+    LAYOUT = args.layout
     import safeops  # noqa: F401
 
     t0 = time.time()
@@ -275,7 +296,8 @@ def main(argv=None) -> int:
     bench = build_benchmark(make_cases(dtypes, ns, directions), only)
     results = H.run(bench, warmup_ms=warmup, rep_ms=rep, deadline=deadline,
                     log=lambda s: print(s, flush=True))
-    H.report(results, meta, copy_gbps, out_dir, "softmax", plot=not args.no_plot)
+    name = "softmax" if LAYOUT == "contiguous" else "softmax_transposed"
+    H.report(results, meta, copy_gbps, out_dir, name, plot=not args.no_plot)
     print(f"total {time.time() - t0:.0f} s")
     return 0
 

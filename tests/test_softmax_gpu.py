@@ -1087,7 +1087,9 @@ def _layouts(t: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("n", [1000, 4096, 40000])  # rows path (forward and backward), split backward, split
+# 1000 and 4096: rows paths both ways; 1001: no alignment claim at this length; 16384: the persistent
+# pipelined backward (bf16); 20000: rows forward, split backward; 40000: split both ways.
+@pytest.mark.parametrize("n", [1000, 1001, 4096, 16384, 20000, 40000])
 @given(rng=rngs())
 def test_bits_independent_of_memory_layout(op, n, rng):
     """Contract section 6: the same values in another memory layout (the reduced dim strided, a misaligned
@@ -1119,12 +1121,13 @@ def test_bits_independent_of_memory_layout(op, n, rng):
                     f"{op} {dtype} N={n} gradient {name}: {differ} elements differ; {rng}")
 
 
-@pytest.mark.parametrize("n", [1024, 40000])
+@pytest.mark.parametrize("n", [1000, 1024, 16384, 40000])  # 1000: a length with no mask alignment claim
 @given(rng=rngs())
 def test_bits_independent_of_the_masks_layout(n, rng):
-    """A mask is read like x: broadcast, materialized, misaligned or transposed, the same bits."""
+    """A mask is used like x: broadcast or materialized, transposed or misaligned, the same bits."""
     x = rng.randn((64, n), torch.bfloat16, std=4.0)
-    keep = rng.rand((64, n)) > 0.3
+    row = rng.rand((1, n)) > 0.3
+    keep = (rng.rand((64, n)) > 0.3) & row
     g = rng.randn((64, n), torch.bfloat16, std=1.0)
 
     def run(mask):
@@ -1132,8 +1135,29 @@ def test_bits_independent_of_the_masks_layout(n, rng):
         out = safeops.softmax(t, -1, mask=mask)
         return out, torch.autograd.grad(out, t, g)[0]
 
-    ref = run(keep)
-    for name, view in {"transposed": keep.t().contiguous().t(), "misaligned": _misaligned(keep, 3)}.items():
-        for part, a, b in zip(("forward", "backward"), run(view), ref, strict=True):
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (
-                f"N={n} mask {name} {part}: {int((a != b).sum())} elements differ; {rng}")
+    cases = ((keep, {"transposed": keep.t().contiguous().t(), "misaligned": _misaligned(keep, 3)}),
+             (row.expand(64, n).contiguous(), {"broadcast": row, "expanded": row.expand(64, n)}))
+    for ref_mask, views in cases:
+        ref = run(ref_mask)
+        for name, view in views.items():
+            for part, a, b in zip(("forward", "backward"), run(view), ref, strict=True):
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (
+                    f"N={n} mask {name} {part}: {int((a != b).sum())} elements differ; {rng}")
+
+
+@pytest.mark.parametrize("n", [1024, 16384, 40000])
+@given(rng=rngs())
+def test_dx_bits_do_not_depend_on_the_scale_gradient(n, rng):
+    """With a scale tensor, dx is the same whether the scale's gradient is wanted or not (the kernels
+    compute its terms either way: wanting it must not change the kernel)."""
+    x = rng.randn((64, n), torch.bfloat16, std=4.0)
+    g = rng.randn((64, n), torch.bfloat16, std=1.0)
+    scale = torch.tensor(0.75, device=DEV)
+    keep = rng.rand((64, n)) > 0.2
+    results = []
+    for wanted in (False, True):
+        t = x.detach().requires_grad_(True)
+        s = scale.detach().requires_grad_(wanted)
+        out = safeops.softmax(t, -1, scale=s, mask=keep)
+        results.append(torch.autograd.grad(out, t, g)[0])
+    assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16)), f"N={n}; {rng}"

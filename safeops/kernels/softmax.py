@@ -4,7 +4,10 @@ Only ``@triton.jit`` code lives here; ``safeops.ops.softmax_launch`` picks block
 
 Every kernel sees the input as rows: a row index maps to a memory offset through up to three batch
 dimensions (sizes ``B0 x B1 x B2``, per-tensor strides), and the reduced dimension has its own stride, so
-transposed, sliced and broadcast (stride 0) tensors are read in place.
+the kernels can address any layout. The launcher gives them each tensor in one canonical form per row
+length (the reduced dim unit-stride, 16-byte-aligned row starts where the length allows), copying the
+others: Triton derives the order of every row reduction from the layout a kernel is compiled for, and a
+row's bits must not depend on its memory layout (contract section 6; ``softmax_launch.canonical_layout``).
 
 Numerics (docs/contract.md): each logit becomes ONE fp32 value ``z = fp32(x) * scale`` (excluded entries
 ``-inf``) that feeds both the row max and ``z - m``; the launcher compiles these kernels with

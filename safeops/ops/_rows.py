@@ -1,4 +1,4 @@
-"""View any tensor, reduced along any dim, as rows that a strided kernel can read in place.
+"""View tensors reduced along any dim as rows that a strided kernel can address in place.
 
 The reduced dimension keeps its own stride; the other dimensions are coalesced (jointly for every tensor
 that takes part) into at most ``MAX_BATCH_DIMS`` batch dimensions. Only when more remain, which takes an

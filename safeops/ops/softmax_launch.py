@@ -155,23 +155,25 @@ def _scale_args(scale: float | None, scale_tensor: torch.Tensor | None, like: to
     return 0, like, 1.0
 
 
-# Tensors the kernels read tile by tile. Triton derives a kernel's register layout, and with it the order of
-# every row reduction, from these loads: a reduced dim that is not unit-stride, or (where the row length
-# allows the 16-byte claim) a row start that is not 16-byte aligned, would give the same row other bits
-# than its contiguous copy. So such inputs are read from a rows-major copy (contract section 6): per row
-# length, dtype and op, every call runs one kernel specialization. Outputs keep their layout; a store's
-# layout does not reach the reductions (tests/test_softmax_layouts.py compiles every variant the
-# launchers can produce for sm_90 and compares the reductions' layouts).
+# Triton derives a kernel's register layout, and with it the order of every row reduction, from the
+# strides and alignment the kernel is specialized for: a reduced dim that is not unit-stride, or (where the
+# row length allows the 16-byte claim) row starts off the 16-byte grid, in an input or an output, can give
+# the same row other bits than its contiguous copy. So every tensor the kernels address tile by tile is
+# used in one canonical form per row length (contract section 6): inputs that are not are read from a
+# rows-major copy, outputs that are not are written to rows-major scratch and copied back. Per row length,
+# dtype and op, every call then runs one kernel specialization, up to the variations
+# tests/test_softmax_layouts.py compiles for sm_90 and finds to leave the reductions' layouts unchanged.
 _INPUTS = ("x", "mask", "grad")
 
 
 def _rows_major(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """A copy of ``t`` with the reduced dim innermost (unit stride) and the batch dims in order."""
+    """A copy of ``t`` (always a fresh allocation) with the reduced dim innermost and the batch dims in
+    order."""
     return t.movedim(dim, -1).clone(memory_format=torch.contiguous_format).movedim(-1, dim)
 
 
-def canonical_input(t: torch.Tensor, dim: int) -> bool:
-    """Whether the kernels read ``t`` in place: the reduced dim unit-stride (or of size 1), and every row
+def canonical_layout(t: torch.Tensor, dim: int) -> bool:
+    """Whether the kernels address ``t`` in place: the reduced dim unit-stride (or of size 1), and every row
     start 16-byte aligned when the row length is a multiple of 16 bytes (``_aligns`` then claims it)."""
     n = t.shape[dim]
     if n > 1 and t.stride(dim) != 1:
@@ -183,20 +185,24 @@ def canonical_input(t: torch.Tensor, dim: int) -> bool:
         t.stride(d) % per16 == 0 for d in range(t.dim()) if d != dim and t.shape[d] > 1)
 
 
+def _canonical(name: str, t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
+    """``t`` itself if canonical, else a rows-major copy (inputs) or rows-major scratch (outputs)."""
+    if t is None or canonical_layout(t, dim):
+        return t
+    return _rows_major(t, dim) if name in _INPUTS else _rows_major_shape(t, dim)
+
+
 def _layout(shape, dim, tensors: dict[str, torch.Tensor | None]) -> tuple[Rows, dict[str, torch.Tensor]]:
-    """Row view of the tensors, after replacing inputs the kernels must not read in place by rows-major
-    copies (``canonical_input``). Outputs (``out``, ``dx``) may be replaced by rows-major scratch tensors
-    when the layout needs more than three batch dims; the caller copies those back (see ``_write_back``).
-    """
-    tensors = {k: (_rows_major(t, dim) if k in _INPUTS and t is not None and not canonical_input(t, dim)
-                   else t) for k, t in tensors.items()}
+    """Row view of the tensors, in their canonical forms (``_canonical``: inputs may be replaced by copies,
+    outputs by scratch, which the caller copies back with ``_write_back``). When the layouts need more than
+    three batch dims, every tensor goes rows-major (one batch dim)."""
+    given = tensors
+    tensors = {k: _canonical(k, t, dim) for k, t in tensors.items()}
     rows = rows_of(shape, dim, tensors)
     if rows is None:
-        # More than three non-mergeable batch dims: read rows-major copies and write rows-major scratch
-        # (one batch dim for all).
-        tensors = {k: (None if t is None else _rows_major(t, dim) if k in _INPUTS
-                       else _rows_major_shape(t, dim))
-                   for k, t in tensors.items()}
+        # A tensor replaced above is rows-major already; the others are replaced now.
+        tensors = {k: (t if t is None or t is not given[k] else _rows_major(t, dim) if k in _INPUTS
+                       else _rows_major_shape(t, dim)) for k, t in tensors.items()}
         rows = rows_of(shape, dim, tensors)
         assert rows is not None
     return rows, tensors
@@ -428,7 +434,8 @@ def _backward_plan(kind, grad, x, dim, scale, scale_tensor, mask, need_dscale, d
     al = _aligns(rows, {"x": x, "dx": dx, "mask": mask_u8, "grad": grad_in})
     scale_mode = _scale_args(scale, scale_tensor, x)[0]
     _, B1, B2 = rows.sizes
-    kwargs = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask is not None, NEED_DSCALE=need_dscale,
+    # NEED_DSCALE whenever there is a scale tensor: see _backward_general.
+    kwargs = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask is not None, NEED_DSCALE=scale_mode == 2,
                   WIDE=_wide(rows), **al, ROW_DIMS=_row_dims(rows), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   STAGES=cfg.stages, **_launch_options(cfg))
     grid = cfg.grid(rows.n_rows, x.device)
@@ -555,7 +562,7 @@ def backward(
     if plan is _GENERAL:
         return _backward_general(kind, grad, x, row_max, row_sum, dim, scale, scale_tensor, mask, need_dscale,
                                  dx, dscale)
-    dscale_rows = x.new_empty((plan.n_rows if need_dscale else 1,), dtype=torch.float32)
+    dscale_rows = x.new_empty((plan.n_rows if scale_tensor is not None else 1,), dtype=torch.float32)
     if dscale_rows.data_ptr() % 16:
         return _backward_general(kind, grad, x, row_max, row_sum, dim, scale, scale_tensor, mask, need_dscale,
                                  dx, dscale)
@@ -584,22 +591,26 @@ def _backward_general(kind, grad, x, row_max, row_sum, dim, scale, scale_tensor,
     mask_arg = mask_ if mask_ is not None else x_
     _, B1, B2 = rows.sizes
     need_dscale = bool(need_dscale and scale_tensor is not None)
+    # With a scale tensor the kernels always compute the scale gradient's per-row terms, wanted or not:
+    # whether it is wanted must not change the kernel, hence not dx's bits (contract section 6; the extra
+    # reduction can change the tile layout, tests/test_softmax_layouts.py).
+    dscale_terms = scale_tensor is not None
     cfg = rows_config(rows.n_cols, x.element_size(), rows.args("x")[3] == 1, backward=True)
     if cfg is not None:
-        dscale_rows = x.new_empty((rows.n_rows if need_dscale else 1,), dtype=torch.float32)
+        dscale_rows = x.new_empty((rows.n_rows if dscale_terms else 1,), dtype=torch.float32)
         grid = cfg.grid(rows.n_rows, x.device)
         k.softmax_bwd_rows_kernel[grid](
             grad_, x_, dx_, mask_arg, scale_ptr, row_max, row_sum, dscale_rows,
             rows.n_rows, rows.n_cols, B1, B2,
             *rows.args("grad"), *rows.args("x"), *rows.args("dx"), *rows.args("mask"),
             scale_value,
-            KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, NEED_DSCALE=need_dscale,
+            KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, NEED_DSCALE=dscale_terms,
             WIDE=_wide(rows), **al, ROW_DIMS=_row_dims(rows), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             STAGES=cfg.stages, **_launch_options(cfg),
         )
     else:
         dscale_rows = _backward_split(k, kind, rows, grad_, x_, dx_, mask_arg, mask_ is not None, scale_mode,
-                                      scale_ptr, scale_value, row_max, row_sum, need_dscale, al)
+                                      scale_ptr, scale_value, row_max, row_sum, dscale_terms, al)
     _write_back(dx, dx_)
     if need_dscale:
         dscale = dscale_rows.sum()

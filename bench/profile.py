@@ -1,0 +1,200 @@
+"""One measured call per case, for profilers: Nsight Compute (``ncu``) and torch.profiler.
+
+Issue 19 asks, for a missed speed target, for the Nsight Compute profile of the gap (tensor-pipe use, stall
+reasons); issues 20 and 22 need the same for the long-row softmax, cross-entropy and the registered
+compiled fp8 path. Each case compiles and warms up its kernels first, then runs the measured call between
+``cudaProfilerStart`` / ``cudaProfilerStop``, so ``ncu --profile-from-start off`` profiles exactly the
+measured launches:
+
+    ncu --profile-from-start off --section SpeedOfLight --section ComputeWorkloadAnalysis \\
+        --section WarpStateStats --section Occupancy python3 bench/profile.py attn-fwd-d128
+
+``bash bench/gpu_run.sh profile`` runs every ncu case that way (PROFILE_CASES picks them) and then
+``python3 bench/profile.py cast-compiled``, which needs no ncu: a torch.profiler trace of back-to-back
+calls of the fp8 cast + transpose expression compiled by stock Inductor and under ``safeops.register()``
+(host time per call, GPU kernels per call, and the gaps between them).
+
+    python3 bench/profile.py CASE [CASE ...]      (``--list`` names the cases)
+
+Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+for path in (str(HERE.parent), str(HERE)):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import torch  # noqa: E402
+
+
+def _attention(d: int, backward: bool, causal: bool = False):
+    import safeops
+
+    b, h, s = 4, 16, 4096
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+               for _ in range(3))
+    if not backward:
+        return lambda: safeops.attention(q, k, v, is_causal=causal)
+    out = safeops.attention(q, k, v, is_causal=causal)
+    g = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+
+
+def _softmax_bwd(n: int):
+    import safeops
+
+    x = torch.randn(2**28 // n, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = safeops.softmax(x, -1)
+    g = torch.randn_like(y)
+    return lambda: torch.autograd.grad(y, x, g, retain_graph=True)
+
+
+def _softmax_fwd(n: int):
+    import safeops
+
+    x = torch.randn(2**28 // n, n, device="cuda", dtype=torch.bfloat16)
+    return lambda: safeops.softmax(x, -1)
+
+
+def _xent(v: int, backward: bool):
+    import safeops
+
+    x = torch.randn(8192, v, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+    t = torch.randint(0, v, (8192,), device="cuda")
+    if not backward:
+        return lambda: safeops.cross_entropy(x, t, reduction="none")
+    loss = safeops.cross_entropy(x, t)
+    return lambda: torch.autograd.grad(loss, x, retain_graph=True)
+
+
+def _cast(rowwise: bool, n: int = 4096):
+    import safeops
+
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16) * 300
+    s = torch.exp2(torch.rand(n, 1, device="cuda") * 4 - 2) if rowwise else torch.tensor(0.731, device="cuda")
+    return lambda: safeops.cast_transpose(x, s, torch.float8_e4m3fn, rowwise=rowwise)
+
+
+NCU_CASES = {
+    "attn-fwd-d64": lambda: _attention(64, False),
+    "attn-fwd-d128": lambda: _attention(128, False),
+    "attn-fwd-d128-causal": lambda: _attention(128, False, causal=True),
+    "attn-bwd-d64": lambda: _attention(64, True),
+    "attn-bwd-d128": lambda: _attention(128, True),
+    "softmax-fwd-256k": lambda: _softmax_fwd(2**18),
+    "softmax-bwd-32k": lambda: _softmax_bwd(2**15),
+    "xent-fwd-32k": lambda: _xent(2**15, False),
+    "xent-bwd-128k": lambda: _xent(2**17, True),
+    "cast-rowwise-4k": lambda: _cast(True),
+    "cast-tensorwise-4k": lambda: _cast(False),
+}
+
+
+def profile_ncu_case(name: str) -> None:
+    fn = NCU_CASES[name]()
+    for _ in range(3):  # compile, autotune nothing, fill the plan caches
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print(f"[profile] {name}: one measured call profiled", flush=True)
+
+
+def cast_compiled(calls: int = 50) -> None:
+    """torch.profiler over back-to-back calls of the compiled fp8 expression, stock vs registered."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import safeops
+
+    fp8 = torch.float8_e4m3fn
+
+    def expression(x, s):
+        y = (x.float() * s).clamp(-448.0, 448.0).to(fp8)
+        return y, y.t().contiguous().t()
+
+    for n, rowwise in ((4096, True), (4096, False), (8192, True)):
+        x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16) * 300
+        s = torch.exp2(torch.rand(n, 1, device="cuda") * 4 - 2) if rowwise else torch.tensor(0.731,
+                                                                                           device="cuda")
+        for registered in (False, True):
+            torch._dynamo.reset()
+
+            def fn(a, b):
+                return expression(a, b)
+
+            compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+            if registered:
+                with safeops.registered():
+                    compiled(x, s)
+            else:
+                compiled(x, s)
+            for _ in range(10):
+                compiled(x, s)
+            torch.cuda.synchronize()
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                compiled(x, s)
+            host = (time.perf_counter() - t0) / calls * 1e6
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / calls * 1e6
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    compiled(x, s)
+                torch.cuda.synchronize()
+            events = prof.key_averages()
+            kernels = [e for e in events if getattr(e, "device_type", None) is not None
+                       and str(e.device_type).endswith("CUDA") and e.count]
+            scaling = "rowwise" if rowwise else "tensorwise"
+            label = f"{n}x{n} {scaling} {'registered' if registered else 'stock'}"
+            recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+            print(f"[cast-compiled] {label}: host {host:.1f} us/call issued, {wall:.1f} us/call with the GPU "
+                  f"done; graphs compiled while timed: {recompiles}")
+            def device_us(e):
+                return getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0))
+
+            gpu_us = sum(device_us(e) for e in kernels) / calls
+            per_call = sum(e.count for e in kernels) / calls
+            print(f"  GPU time per call {gpu_us:.1f} us in {per_call:.1f} kernels:")
+            for e in sorted(kernels, key=lambda e: -device_us(e))[:6]:
+                print(f"    {e.count / calls:4.1f} x {device_us(e) / e.count:8.1f} us  {e.key[:90]}")
+            print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+            bytes_moved = n * n * (2 + 1 + 1)
+            print(f"  {bytes_moved / (wall * 1e-6) / 1e12:.2f} TB/s by wall time per call (x read once, "
+                  f"y and y_t written once)", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("cases", nargs="*")
+    p.add_argument("--list", action="store_true")
+    args = p.parse_args(argv)
+    names = [*NCU_CASES, "cast-compiled"]
+    if args.list or not args.cases:
+        print(" ".join(names))
+        return 0
+    unknown = [c for c in args.cases if c not in names]
+    if unknown:
+        p.error(f"unknown case(s) {unknown}; cases: {' '.join(names)}")
+    if not torch.cuda.is_available():
+        print("bench/profile.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    for case in args.cases:
+        if case == "cast-compiled":
+            cast_compiled()
+        else:
+            profile_ncu_case(case)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
