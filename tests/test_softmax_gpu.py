@@ -1161,3 +1161,19 @@ def test_dx_bits_do_not_depend_on_the_scale_gradient(n, rng):
         out = safeops.softmax(t, -1, scale=s, mask=keep)
         results.append(torch.autograd.grad(out, t, g)[0])
     assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16)), f"N={n}; {rng}"
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("n", [256, 1000, 4096, 32768, 40000])
+@given(rng=rngs())
+def test_forward_bits_do_not_depend_on_recording(op, n, rng):
+    """An eager call that records nothing skips the row statistics (a kernel without their stores); its
+    output has the bits of a recording call and of the registered op, which compiled graphs call."""
+    for dtype in (torch.bfloat16, torch.float32):
+        x = rng.randn((32, n), dtype, std=4.0)
+        plain = call(op, x, -1)
+        recorded = call(op, x.detach().requires_grad_(True), -1).detach()
+        registered = getattr(torch.ops.safeops, op)(x, 1, None, None, None, None)[0]
+        for name, other in (("recording", recorded), ("registered op", registered)):
+            assert torch.equal(plain.view(INT_VIEW[dtype]), other.view(INT_VIEW[dtype])), (
+                f"{op} {dtype} N={n}: no-record vs {name}: {int((plain != other).sum())} differ; {rng}")

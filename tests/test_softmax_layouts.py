@@ -64,6 +64,8 @@ _SCRIPT = textwrap.dedent(
         constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
         sig, attrs = {}, {}
         for i, a in enumerate(fn.arg_names):
+            if a not in constexprs and fn.params[i].is_constexpr:  # a constexpr left at its default
+                constexprs[a] = fn.params[i].default
             if a in constexprs:
                 continue
             if a.endswith("_ptr"):
@@ -180,7 +182,7 @@ def _cases():
 
 def _variants(case: dict):
     """(name, constexprs, ints, unaligned pointers): every launch of this row length, dtype and op the
-    launcher can still make once its tensors are canonical. Then the controls: a tensor strided along the
+    launcher can still make once its tensors are canonical, with or without the row statistics. Then the controls: a tensor strided along the
     row, which the launcher copies (an input) or replaces by scratch (an output) because it does move the
     reductions."""
     cx, ints = case["cx"], case["ints"]
@@ -190,6 +192,8 @@ def _variants(case: dict):
     if "ROW_DIMS" in cx:  # batch sizes and strides are do_not_specialize arguments
         for dims in (2, 3):
             out.append((f"{dims} batch dims", dict(cx, ROW_DIMS=dims, WIDE=dims == 3), ints, ()))
+    if case["kernel"] == "softmax_fwd_rows_kernel":  # an eager call that records no backward
+        out.append(("no row statistics", dict(cx, STATS=False), ints, ()))
     if cx.get("SCALE_MODE") == 2:
         out.append(("scale tensor misaligned", cx, ints, ("scale_ptr",)))
     for t in case["tensors"]:

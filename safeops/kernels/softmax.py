@@ -218,8 +218,10 @@ def softmax_fwd_rows_kernel(
     scale_value,
     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
     XA: tl.constexpr, OA: tl.constexpr, MA: tl.constexpr, ROW_DIMS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STATS: tl.constexpr = True,
 ):
+    """STATS: write the row max and sum (a call that records no backward does not need them; the same
+    arithmetic either way)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -235,8 +237,9 @@ def softmax_fwd_rows_kernel(
     m_safe = _safe_max(m)
     e = _exp_shifted(z, m_safe[:, None], KIND == 2)
     l = tl.sum(e, 1)
-    tl.store(row_max_ptr + rows, m, mask=row_ok)
-    tl.store(row_sum_ptr + rows, l, mask=row_ok)
+    if STATS:
+        tl.store(row_max_ptr + rows, m, mask=row_ok)
+        tl.store(row_sum_ptr + rows, l, mask=row_ok)
 
     if KIND == 2:
         tl.store(out_ptr + rows, cast(m + _log_sum(l), out_ptr.dtype.element_ty), mask=row_ok)

@@ -53,13 +53,15 @@ def _fake_outputs(kind, x, dim, out_dtype):
     return out, x.new_empty(batch_shape, dtype=acc), x.new_empty(batch_shape, dtype=acc)
 
 
-def _forward_impl(kind, x, dim, scale, scale_tensor, mask, out_dtype):
+def _forward_impl(kind, x, dim, scale, scale_tensor, mask, out_dtype, stats=True):
+    """``(out, row_max, row_sum)``; with ``stats=False`` the statistics may be None (see
+    ``softmax_launch.forward``)."""
     if _runs_reference(x, out_dtype):
         out, m, l = reference.forward(kind, x, dim, scale, scale_tensor, mask, out_dtype)
         # Same layout as the fake (and the Triton path): out like x, stats contiguous.
         like, m_like, l_like = _fake_outputs(kind, x, dim, out_dtype)
         return like.copy_(out), m_like.copy_(m), l_like.copy_(l)
-    return softmax_launch.forward(kind, x, dim, scale, scale_tensor, mask, out_dtype or x.dtype)
+    return softmax_launch.forward(kind, x, dim, scale, scale_tensor, mask, out_dtype or x.dtype, stats)
 
 
 def _scale_grad(grad_scale, scale_tensor, need_dscale):
@@ -213,10 +215,11 @@ def needs_autograd(*tensors) -> bool:
 
 
 def forward(kind, x, dim, scale, scale_tensor, mask, out_dtype):
-    """``(out, row_max, row_sum)`` of the op ``kind``: the eager fast path when it applies, else the op."""
+    """``(out, row_max, row_sum)`` of the op ``kind``: the eager fast path when it applies, else the op. An
+    eager call that records nothing does not keep the row statistics: they may be None then."""
     if eager_fast_path(x, scale_tensor, mask):
         if not needs_autograd(x, scale_tensor):
-            return _forward_impl(kind, x, dim, scale, scale_tensor, mask, out_dtype)
+            return _forward_impl(kind, x, dim, scale, scale_tensor, mask, out_dtype, stats=False)
         return _EagerSoftmax.apply(kind, x, dim, scale, scale_tensor, mask, out_dtype)
     return _OPS[kind](x, dim, scale, scale_tensor, mask, out_dtype)
 

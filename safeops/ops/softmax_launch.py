@@ -310,33 +310,44 @@ def forward(
     scale_tensor: torch.Tensor | None,
     mask: torch.Tensor | None,
     out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    stats: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(out, row_max, row_sum)``. ``stats=False`` (a call that records no backward): the row statistics
+    may be skipped, ``(out, None, None)``; the rows kernel then writes none (two allocations and their
+    stores fewer per call), with the same arithmetic, hence the same ``out``."""
     if not x.is_cuda:
         _check_device(x)
     batch_shape = x.shape[:dim] + x.shape[dim + 1:]
-    row_max = x.new_empty(batch_shape, dtype=torch.float32)
-    row_sum = x.new_empty(batch_shape, dtype=torch.float32)
     if kind == 2:
         out = x.new_empty(batch_shape, dtype=out_dtype)
     else:
         out = torch.empty_like(x, dtype=out_dtype)
+    row_max = row_sum = None
+    if stats or x.numel() == 0:
+        row_max = x.new_empty(batch_shape, dtype=torch.float32)
+        row_sum = x.new_empty(batch_shape, dtype=torch.float32)
     if x.numel() == 0:
         return _forward_general(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_sum)
     # Every tensor argument's dtype, strides and alignment, or what decides them: out (out_dtype; strides
-    # follow x's), row_max / row_sum (fp32, fresh), mask (its dtype: the op takes bool, viewed as uint8).
+    # follow x's), row_max / row_sum (fp32, fresh; or, without stats, out in their place), mask (its dtype:
+    # the op takes bool, viewed as uint8).
     key = (kind, dim, x.shape, x.stride(), x.dtype, x.get_device(), out_dtype,
            None if mask is None else (mask.stride(), mask.dtype),
            0 if scale_tensor is None else scale_tensor.dtype,
-           scale is None, _alignment(x, out, mask, scale_tensor, row_max, row_sum))
+           scale is None, stats, _alignment(x, out, mask, scale_tensor, row_max, row_sum))
     plan = _plans(_FORWARD).get(key)
     if plan is None:
         plan = _remember(_FORWARD, key, _forward_plan(kind, x, dim, scale, scale_tensor, mask, out, row_max,
-                                                       row_sum))
+                                                       row_sum, stats))
     if plan is _GENERAL:
+        if row_max is None:
+            row_max = x.new_empty(batch_shape, dtype=torch.float32)
+            row_sum = x.new_empty(batch_shape, dtype=torch.float32)
         return _forward_general(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_sum)
     # The plan's launch with this call's tensors: the argument list _forward_general would build.
     plan.launch(x, out, x if mask is None else mask.view(torch.uint8),
-                x if scale_tensor is None else scale_tensor, row_max, row_sum, *plan.scalars,
+                x if scale_tensor is None else scale_tensor,
+                out if row_max is None else row_max, out if row_sum is None else row_sum, *plan.scalars,
                 1.0 if scale is None or scale_tensor is not None else float(scale))
     return out, row_max, row_sum
 
@@ -400,8 +411,9 @@ class _RowsPlan:
     n_rows: int
 
 
-def _forward_plan(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_sum):
-    """The rows-path launch of :func:`_forward_general` for this signature, or ``_GENERAL``."""
+def _forward_plan(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_sum, stats=True):
+    """The rows-path launch of :func:`_forward_general` for this signature (without the row statistics'
+    stores unless ``stats``), or ``_GENERAL``."""
     if x.shape[dim] == 0:
         return _GENERAL
     mask_u8 = mask.view(torch.uint8) if mask is not None else None
@@ -415,7 +427,8 @@ def _forward_plan(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_sum
     scale_mode = _scale_args(scale, scale_tensor, x)[0]
     _, B1, B2 = rows.sizes
     kwargs = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask is not None, WIDE=_wide(rows), **al,
-                  ROW_DIMS=_row_dims(rows), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **_launch_options(cfg))
+                  ROW_DIMS=_row_dims(rows), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STATS=stats,
+                  **_launch_options(cfg))
     grid = cfg.grid(rows.n_rows, x.device)
     scalars = (rows.n_rows, rows.n_cols, B1, B2, *rows.args("x"), *rows.args("out"), *rows.args("mask"))
     return _RowsPlan(KernelLaunch(kernels().softmax_fwd_rows_kernel, grid, kwargs), scalars, rows.n_rows)
