@@ -182,9 +182,9 @@ def _cases():
 
 def _variants(case: dict):
     """(name, constexprs, ints, unaligned pointers): every launch of this row length, dtype and op the
-    launcher can still make once its tensors are canonical, with or without the row statistics. Then the controls: a tensor strided along the
-    row, which the launcher copies (an input) or replaces by scratch (an output) because it does move the
-    reductions."""
+    launcher can still make once its tensors are canonical, with or without the row statistics. Then the
+    controls: a tensor strided along the row, which the launcher copies (an input) or replaces by scratch
+    (an output) because it does move the reductions."""
     cx, ints = case["cx"], case["ints"]
     out = [("canonical", cx, ints, ())]
     if "WIDE" in cx:
