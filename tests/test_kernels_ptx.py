@@ -56,7 +56,7 @@ _SCRIPT = textwrap.dedent(
         return (len(re.findall(r"\bfma\.rn(\.ftz)?\.f32\b", ptx))
                 + len(re.findall(r"\b(mul|add|sub)(\.ftz)?\.f32\b", ptx)))
 
-    rows = L.rows_config(4096, 2, True)
+    rows = L.rows_config(4096, 2)
     split = L.split_config(1 << 20, 2)
     results = {}
     # With fusion off every variant the launcher can compile; the fusion-on control compiles one variant of

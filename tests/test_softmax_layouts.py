@@ -139,7 +139,7 @@ def _cases():
                                  (torch.bfloat16, 1001, 0, False), (torch.float16, 4096, 0, True),
                                  (torch.bfloat16, 32768, 0, False), (torch.bfloat16, 4096, 2, False),
                                  (torch.float32, 1024, 0, False), (torch.float32, 16384, 2, True)):
-        cfg = L.rows_config(n, dtype.itemsize, True)
+        cfg = L.rows_config(n, dtype.itemsize)
         tensors = ("x_ptr",) + (("mask_ptr",) if mask else ()) + (("out_ptr",) if kind != 2 else ())
         cx = dict(KIND=kind, SCALE_MODE=1, HAS_MASK=mask, WIDE=False, ROW_DIMS=1, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n)
@@ -148,7 +148,7 @@ def _cases():
     for dtype, n, kind, mask in ((torch.bfloat16, 256, 0, False), (torch.bfloat16, 1000, 1, True),
                                  (torch.bfloat16, 16384, 0, True), (torch.float16, 16384, 1, False),
                                  (torch.float32, 4096, 1, False), (torch.float32, 1024, 2, True)):
-        cfg = L.rows_config(n, dtype.itemsize, True, backward=True)
+        cfg = L.rows_config(n, dtype.itemsize, backward=True)
         tensors = ("x_ptr", "dx_ptr") + (("mask_ptr",) if mask else ()) + (("grad_ptr",) if kind != 2 else ())
         # With a scale tensor (SCALE_MODE 2) the launcher always has the scale gradient's terms computed
         # (NEED_DSCALE), wanted or not; logsumexp's backward has no other row sum.
@@ -199,10 +199,21 @@ def _variants(case: dict):
     for t in case["tensors"]:
         if cx[_ALIGN[t]] == 1:  # no claim for this tensor at this row length: its base may be anywhere
             out.append((f"{t} base misaligned", cx, ints, (t,)))
-    for t in case["tensors"]:
-        out.append((f"{t} strided (made canonical by the launcher)", dict(cx, **{_ALIGN[t]: 1}),
-                    dict(ints, **{_COL[t]: 8}), (t,)))
+    for name, t in _CONTROLS:
+        if name == case["name"]:
+            out.append((f"{t} strided (made canonical by the launcher)", dict(cx, **{_ALIGN[t]: 1}),
+                        dict(ints, **{_COL[t]: 8}), (t,)))
     return out
+
+
+# (case, tensor) pairs where a strided tensor moves the reductions' layout (compiled as controls).
+_CONTROLS = (("fwd rows bf16 N=256 kind=0 mask=False", "x_ptr"),
+             ("fwd rows fp32 N=1024 kind=0 mask=False", "x_ptr"),
+             ("fwd rows bf16 N=1000 kind=1 mask=True", "mask_ptr"),
+             ("bwd rows bf16 N=256 kind=0 mask=False stages=0", "grad_ptr"),
+             ("bwd rows fp16 N=16384 kind=1 mask=False stages=3", "x_ptr"),
+             ("bwd rows fp16 N=16384 kind=1 mask=False stages=3", "dx_ptr"),
+             ("fwd partial bf16", "mask_ptr"))
 
 
 @pytest.fixture(scope="module")
@@ -247,13 +258,8 @@ def test_the_comparison_sees_strided_tensors(layouts):
     anchor the layout (e.g. a mask), but nothing says it always will."""
     moved = {(c, v) for c, vs in layouts.items() for v, r in vs.items()
              if "made canonical" in v and r.get("reductions") != vs["canonical"]["reductions"]}
-    for case, tensor in (("fwd rows bf16 N=256 kind=0 mask=False", "x_ptr"),
-                         ("fwd rows fp32 N=1024 kind=0 mask=False", "x_ptr"),
-                         ("fwd rows bf16 N=1000 kind=1 mask=True", "mask_ptr"),
-                         ("bwd rows bf16 N=256 kind=0 mask=False stages=0", "grad_ptr"),
-                         ("bwd rows fp16 N=16384 kind=1 mask=False stages=3", "x_ptr"),
-                         ("bwd rows fp16 N=16384 kind=1 mask=False stages=3", "dx_ptr"),
-                         ("fwd partial bf16", "mask_ptr")):
+    assert len(_CONTROLS) == 7
+    for case, tensor in _CONTROLS:
         assert (case, f"{tensor} strided (made canonical by the launcher)") in moved, (case, tensor)
 
 

@@ -154,8 +154,8 @@ SPLIT_CASES = {
 def test_long_rows_split_path_match_oracle(backend, op, case, seed):
     dtype, shape, dim = SPLIT_CASES[case]
     elem = torch.finfo(dtype).bits // 8
-    assert softmax_launch.rows_config(shape[dim], elem, True, backward=True) is None, "no longer a split case"
-    forward_rows = softmax_launch.rows_config(shape[dim], elem, True) is not None
+    assert softmax_launch.rows_config(shape[dim], elem, backward=True) is None, "no longer a split case"
+    forward_rows = softmax_launch.rows_config(shape[dim], elem) is not None
     assert forward_rows == (shape[dim] <= 32768), "the forward's row-resident limit moved"
     assert softmax_launch.split_config(shape[dim], elem).n_splits > 1, "one program per row"
     x = seed.randn(*shape, dtype=dtype, std=3.0)

@@ -44,13 +44,13 @@ def test_persistent_backward_matches_one_tile_per_program(op, seed, triton_backe
     mask[5] = False  # a fully masked row
     scale = torch.tensor(seed.uniform(0.3, 1.5))
 
-    cfg = SL.rows_config(n, 4, True, backward=True)
+    cfg = SL.rows_config(n, 4, backward=True)
     assert cfg.stages == 0, "fp32 rows are not persistent by default"
     ref = _backward(op, x, g, mask, scale)
 
     with monkeypatch.context() as m:  # undone after each example
         m.setattr(SL, "ROWS_BWD_PERSIST", {**SL.ROWS_BWD_PERSIST, 4: (64,)})
-        cfg = SL.rows_config(n, 4, True, backward=True)
+        cfg = SL.rows_config(n, 4, backward=True)
         assert cfg.stages >= 2 and cfg.grid(rows, x.device)[0] < triton_cdiv(rows, cfg.block_m)
         got = _backward(op, x, g, mask, scale)
 
@@ -68,16 +68,15 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def test_persistent_only_for_16k_unit_stride_half_rows(monkeypatch):
-    cfg = SL.rows_config(16384, 2, True, backward=True)
+def test_persistent_only_for_16k_half_rows(monkeypatch):
+    cfg = SL.rows_config(16384, 2, backward=True)
     assert cfg.stages >= 2 and cfg.programs_per_sm >= 1
-    assert SL.rows_config(16384, 2, False, backward=True).stages == 0  # strided rows: no async copies
-    assert SL.rows_config(16384, 2, True).stages == 0  # the forward
-    assert SL.rows_config(4096, 2, True, backward=True).stages == 0
-    assert SL.rows_config(16384, 4, True, backward=True).stages == 0
+    assert SL.rows_config(16384, 2).stages == 0  # the forward
+    assert SL.rows_config(4096, 2, backward=True).stages == 0
+    assert SL.rows_config(16384, 4, backward=True).stages == 0
     # Wider rows (if the row-resident limit is ever raised) would not fit the pipeline's shared memory.
     monkeypatch.setattr(SL, "ROW_RESIDENT_MAX_COLS", {**SL.ROW_RESIDENT_MAX_COLS, 2: 65536})
-    assert SL.rows_config(65536, 2, True, backward=True).stages == 0
+    assert SL.rows_config(65536, 2, backward=True).stages == 0
 
 
 @pytest.mark.parametrize("dims", (2, 3))

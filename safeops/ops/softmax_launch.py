@@ -94,9 +94,10 @@ class SplitConfig:
     maxnreg: int | None = None
 
 
-def rows_config(n_cols: int, elem_size: int, col_stride_is_one: bool, backward: bool = False
-                ) -> RowsConfig | None:
-    """Whole rows per program. Tile and elements per thread are tuned on an H200 (bench/softmax.py)."""
+def rows_config(n_cols: int, elem_size: int, backward: bool = False) -> RowsConfig | None:
+    """Whole rows per program. Tile and elements per thread are tuned on an H200 (bench/softmax.py). The
+    kernels get every row unit-stride (``canonical_layout``), so the tile depends on the row length and
+    the element size only."""
     limit = ROW_RESIDENT_MAX_COLS.get(elem_size, 8192)
     if not backward:
         limit = max(limit, ROW_RESIDENT_MAX_COLS_FWD.get(elem_size, 0))
@@ -104,12 +105,9 @@ def rows_config(n_cols: int, elem_size: int, col_stride_is_one: bool, backward: 
         return None
     block_n = triton.next_power_of_2(max(n_cols, 1))
     min_tile, per_thread = (ROWS_BWD if backward else ROWS_FWD).get(elem_size, (1024, 16))
-    if not col_stride_is_one:
-        # The reduced dim is strided: take more rows per program so neighbouring rows share sectors.
-        min_tile = max(min_tile, 8192)
     block_m = max(1, min(64, min_tile // block_n))
     num_warps = max(1, min(32, block_m * block_n // (32 * per_thread)))
-    if backward and col_stride_is_one and block_n in ROWS_BWD_PERSIST.get(elem_size, ()):
+    if backward and block_n in ROWS_BWD_PERSIST.get(elem_size, ()):
         return RowsConfig(block_m=block_m, block_n=block_n, num_warps=num_warps, stages=ROWS_BWD_STAGES,
                           programs_per_sm=ROWS_BWD_PERSIST_PER_SM)
     return RowsConfig(block_m=block_m, block_n=block_n, num_warps=num_warps)
@@ -420,7 +418,7 @@ def _forward_plan(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_sum
     rows, t = _layout(x.shape, dim, {"x": x, "out": out if kind != 2 else None, "mask": mask_u8})
     if t["x"] is not x or (kind != 2 and t["out"] is not out) or t["mask"] is not mask_u8:
         return _GENERAL  # copies: the general path makes them every call
-    cfg = rows_config(rows.n_cols, x.element_size(), rows.args("x")[3] == 1)
+    cfg = rows_config(rows.n_cols, x.element_size())
     if cfg is None:
         return _GENERAL
     al = _aligns(rows, {"x": x, "out": t["out"], "mask": mask_u8})
@@ -441,7 +439,7 @@ def _backward_plan(kind, grad, x, dim, scale, scale_tensor, mask, need_dscale, d
     rows, t = _layout(x.shape, dim, {"x": x, "dx": dx, "mask": mask_u8, "grad": grad_in})
     if t["x"] is not x or t["dx"] is not dx or t["mask"] is not mask_u8 or t["grad"] is not grad_in:
         return _GENERAL
-    cfg = rows_config(rows.n_cols, x.element_size(), rows.args("x")[3] == 1, backward=True)
+    cfg = rows_config(rows.n_cols, x.element_size(), backward=True)
     if cfg is None:
         return _GENERAL
     al = _aligns(rows, {"x": x, "dx": dx, "mask": mask_u8, "grad": grad_in})
@@ -479,7 +477,7 @@ def _forward_general(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_
     mask_arg = mask_ if mask_ is not None else x_
     _, B1, B2 = rows.sizes
     elem = x.element_size()
-    cfg = rows_config(rows.n_cols, elem, rows.args("x")[3] == 1)
+    cfg = rows_config(rows.n_cols, elem)
     if cfg is not None:
         grid = cfg.grid(rows.n_rows, x.device)
         k.softmax_fwd_rows_kernel[grid](
@@ -613,7 +611,7 @@ def _backward_general(kind, grad, x, row_max, row_sum, dim, scale, scale_tensor,
     # whether it is wanted must not change the kernel, hence not dx's bits (contract section 6; the extra
     # reduction can change the tile layout, tests/test_softmax_layouts.py).
     dscale_terms = scale_tensor is not None
-    cfg = rows_config(rows.n_cols, x.element_size(), rows.args("x")[3] == 1, backward=True)
+    cfg = rows_config(rows.n_cols, x.element_size(), backward=True)
     if cfg is not None:
         dscale_rows = x.new_empty((rows.n_rows if dscale_terms else 1,), dtype=torch.float32)
         grid = cfg.grid(rows.n_rows, x.device)
