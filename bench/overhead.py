@@ -214,6 +214,8 @@ def gpu(calls: int, device: str = "cuda") -> None:
         ("forward, general path + JITFunction.run", general_fwd),
         ("forward, cached plan + JITFunction.run", _with_direct(False, launcher_fwd)),
         ("forward, cached plan + direct launch", launcher_fwd),
+        ("forward without row statistics (eager, nothing recorded), direct launch",
+         lambda: softmax_launch.forward(0, x, 1, None, None, None, x.dtype, False)),
         ("backward, general path + JITFunction.run", general_bwd),
         ("backward, cached plan + JITFunction.run", _with_direct(False, launcher_bwd)),
         ("backward, cached plan + direct launch", launcher_bwd),
@@ -261,6 +263,8 @@ def cpu(calls: int) -> None:
         _print([
             ("forward, general path (every decision again)", general_fwd),
             ("forward, cached plan", lambda: softmax_launch.forward(0, x, 1, None, None, None, x.dtype)),
+            ("forward, cached plan, no row statistics",
+             lambda: softmax_launch.forward(0, x, 1, None, None, None, x.dtype, False)),
             ("forward + scale + mask, cached plan",
              lambda: softmax_launch.forward(0, x, 1, 0.5, None, mask.expand(64, 1024), x.dtype)),
             ("backward, general path", general_bwd),

@@ -574,9 +574,12 @@ def backward(
         return _backward_general(kind, grad, x, row_max, row_sum, dim, scale, scale_tensor, mask, need_dscale,
                                  dx, dscale)
     # Without a scale tensor the kernel never touches dscale_ptr (NEED_DSCALE off): row_max stands in for
-    # it (same dtype; its alignment is in the key), one allocation fewer per call.
-    if scale_tensor is None:
+    # it (same dtype; its alignment is in the key, and an aligned pointer keeps the plan's launch), one
+    # allocation fewer per call.
+    if scale_tensor is None and row_max.data_ptr() % 16 == 0:
         dscale_rows = row_max
+    elif scale_tensor is None:
+        dscale_rows = x.new_empty((1,), dtype=torch.float32)
     else:
         dscale_rows = x.new_empty((plan.n_rows,), dtype=torch.float32)
     if dscale_rows.data_ptr() % 16:
