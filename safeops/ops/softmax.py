@@ -180,18 +180,23 @@ def no_double_backward(ctx, saved) -> None:
 
 
 class _EagerSoftmax(torch.autograd.Function):
+    """The recorded eager call. Only ``out`` is an output: the row statistics are kept for the backward as
+    plain attributes (fresh tensors nothing else holds, so no version check is needed), which spares
+    autograd wrapping two more outputs per call."""
+
     @staticmethod
     def forward(ctx, kind, x, dim, scale, scale_tensor, mask, out_dtype):
         out, row_max, row_sum = _forward_impl(kind, x, dim, scale, scale_tensor, mask, out_dtype)
         ctx.kind, ctx.dim, ctx.scale = kind, dim, scale
         ctx.has_scale_tensor = scale_tensor is not None
-        ctx.save_for_backward(x, row_max, row_sum, scale_tensor, mask)
-        ctx.mark_non_differentiable(row_max, row_sum)
-        return out, row_max, row_sum
+        ctx.save_for_backward(x, scale_tensor, mask)
+        ctx.stats = row_max, row_sum
+        return out
 
     @staticmethod
-    def backward(ctx, grad_out, grad_max, grad_sum):
-        x, row_max, row_sum, scale_tensor, mask = ctx.saved_tensors
+    def backward(ctx, grad_out):
+        x, scale_tensor, mask = ctx.saved_tensors
+        row_max, row_sum = ctx.stats
         no_double_backward(ctx, (x, scale_tensor, grad_out))
         need_dscale = ctx.has_scale_tensor and ctx.needs_input_grad[4]
         grad_x, grad_scale = _backward_impl(
@@ -220,7 +225,7 @@ def forward(kind, x, dim, scale, scale_tensor, mask, out_dtype):
     if eager_fast_path(x, scale_tensor, mask):
         if not needs_autograd(x, scale_tensor):
             return _forward_impl(kind, x, dim, scale, scale_tensor, mask, out_dtype, stats=False)
-        return _EagerSoftmax.apply(kind, x, dim, scale, scale_tensor, mask, out_dtype)
+        return _EagerSoftmax.apply(kind, x, dim, scale, scale_tensor, mask, out_dtype), None, None
     return _OPS[kind](x, dim, scale, scale_tensor, mask, out_dtype)
 
 
