@@ -432,7 +432,7 @@ def _forward_plan(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_sum
     return _RowsPlan(KernelLaunch(kernels().softmax_fwd_rows_kernel, grid, kwargs), scalars, rows.n_rows)
 
 
-def _backward_plan(kind, grad, x, dim, scale, scale_tensor, mask, need_dscale, dx, row_max, row_sum):
+def _backward_plan(kind, grad, x, dim, scale, scale_tensor, mask, dx, row_max, row_sum):
     """The rows-path launch of :func:`_backward_general` for this signature, or ``_GENERAL``."""
     mask_u8 = mask.view(torch.uint8) if mask is not None else None
     grad_in = None if kind == 2 else grad
@@ -565,11 +565,11 @@ def backward(
     key = (kind, dim, x.shape, x.stride(), x.dtype, x.get_device(), grad.stride(), grad.dtype, dx.dtype,
            row_max.dtype, row_sum.dtype, None if mask is None else (mask.stride(), mask.dtype),
            0 if scale_tensor is None else scale_tensor.dtype,
-           scale is None, need_dscale, _alignment(grad, x, dx, mask, scale_tensor, row_max, row_sum))
+           scale is None, _alignment(grad, x, dx, mask, scale_tensor, row_max, row_sum))
     plan = _plans(_BACKWARD).get(key)
     if plan is None:
-        plan = _remember(_BACKWARD, key, _backward_plan(kind, grad, x, dim, scale, scale_tensor, mask,
-                                                         need_dscale, dx, row_max, row_sum))
+        plan = _remember(_BACKWARD, key, _backward_plan(kind, grad, x, dim, scale, scale_tensor, mask, dx,
+                                                         row_max, row_sum))
     if plan is _GENERAL:
         return _backward_general(kind, grad, x, row_max, row_sum, dim, scale, scale_tensor, mask, need_dscale,
                                  dx, dscale)
