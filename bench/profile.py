@@ -34,8 +34,13 @@ for path in (str(HERE.parent), str(HERE)):
 import torch  # noqa: E402
 
 
-def _attention(d: int, backward: bool, causal: bool = False):
+def _attention(d: int, backward: bool, causal: bool = False, fused: bool = False):
     import safeops
+
+    if fused:  # the fused Gluon backward, switched off by default until it is measured faster
+        from safeops.ops import attention_gluon
+
+        attention_gluon.GLUON_FUSED = True
 
     b, h, s = 4, 16, 4096
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
@@ -88,6 +93,8 @@ NCU_CASES = {
     "attn-fwd-d128-causal": lambda: _attention(128, False, causal=True),
     "attn-bwd-d64": lambda: _attention(64, True),
     "attn-bwd-d128": lambda: _attention(128, True),
+    "attn-bwd-d128-fused": lambda: _attention(128, True, fused=True),
+    "attn-bwd-d64-fused": lambda: _attention(64, True, fused=True),
     "softmax-fwd-256k": lambda: _softmax_fwd(2**18),
     "softmax-bwd-32k": lambda: _softmax_bwd(2**15),
     "xent-fwd-32k": lambda: _xent(2**15, False),
