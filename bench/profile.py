@@ -80,11 +80,13 @@ def _xent(v: int, backward: bool):
 
 
 def _cast(rowwise: bool, n: int = 4096):
+    import _harness as H
+    import cast_transpose as CT
+
     import safeops
 
-    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16) * 300
-    s = torch.exp2(torch.rand(n, 1, device="cuda") * 4 - 2) if rowwise else torch.tensor(0.731, device="cuda")
-    return lambda: safeops.cast_transpose(x, s, torch.float8_e4m3fn, rowwise=rowwise)
+    t = CT.make_inputs(H.Case("rowwise" if rowwise else "tensorwise", torch.bfloat16, (n, n)))
+    return lambda: safeops.cast_transpose(t["x"], t["s"], torch.float8_e4m3fn, rowwise=rowwise)
 
 
 NCU_CASES = {
@@ -117,51 +119,34 @@ def profile_ncu_case(name: str) -> None:
 
 
 def cast_compiled(calls: int = 50) -> None:
-    """torch.profiler over back-to-back calls of the compiled fp8 expression, stock vs registered."""
+    """torch.profiler over back-to-back calls of the compiled fp8 expression, stock vs registered: the
+    expression, inputs and compiles of bench/cast_transpose.py."""
+    import _harness as H
+    import cast_transpose as CT
     from torch.profiler import ProfilerActivity, profile
 
-    import safeops
-
-    fp8 = torch.float8_e4m3fn
-
-    def expression(x, s):
-        y = (x.float() * s).clamp(-448.0, 448.0).to(fp8)
-        return y, y.t().contiguous().t()
-
-    for n, rowwise in ((4096, True), (4096, False), (8192, True)):
-        x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16) * 300
-        s = torch.exp2(torch.rand(n, 1, device="cuda") * 4 - 2) if rowwise else torch.tensor(0.731,
-                                                                                           device="cuda")
+    for n, scaling in ((4096, "rowwise"), (4096, "tensorwise"), (8192, "rowwise")):
+        case = H.Case(scaling, torch.bfloat16, (n, n))
+        t = CT.make_inputs(case)
         for registered in (False, True):
-            torch._dynamo.reset()
-
-            def fn(a, b):
-                return expression(a, b)
-
-            compiled = torch.compile(fn, dynamic=False, fullgraph=True)
-            if registered:
-                with safeops.registered():
-                    compiled(x, s)
-            else:
-                compiled(x, s)
+            call = CT.build_compiled(case, t, registered=registered)  # compiles it, once per variant
             for _ in range(10):
-                compiled(x, s)
+                call()
             torch.cuda.synchronize()
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             t0 = time.perf_counter()
             for _ in range(calls):
-                compiled(x, s)
+                call()
             host = (time.perf_counter() - t0) / calls * 1e6
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / calls * 1e6
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(calls):
-                    compiled(x, s)
+                    call()
                 torch.cuda.synchronize()
             events = prof.key_averages()
             kernels = [e for e in events if getattr(e, "device_type", None) is not None
                        and str(e.device_type).endswith("CUDA") and e.count]
-            scaling = "rowwise" if rowwise else "tensorwise"
             label = f"{n}x{n} {scaling} {'registered' if registered else 'stock'}"
             recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
             print(f"[cast-compiled] {label}: host {host:.1f} us/call issued, {wall:.1f} us/call with the GPU "
