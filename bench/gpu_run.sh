@@ -21,7 +21,8 @@
 #   model     python3 bench/model.py                  (a ~1B Llama training step, sdpa vs safeops; MODEL_ARGS;
 #             needs transformers: carry its wheels in .whl)
 #   profile   Nsight Compute over one measured call per case of bench/profile.py (PROFILE_CASES, default the
-#             attention forward D64 / D128 and backward D128 (default and fused), the 32K softmax backward, the 32K
+#             attention forward D64 / D128 and backward D128 (default and fused), cuDNN's forward / backward at D128
+#             through SDPA (the same shapes: the yardstick of the gap), the 32K softmax backward, the 32K
 #             cross-entropy forward, the rowwise fp8 cast), sections SpeedOfLight, ComputeWorkloadAnalysis
 #             (pipe use: tensor, XU / MUFU, FMA), InstructionStats, WarpStateStats (stall reasons),
 #             Occupancy, MemoryWorkloadAnalysis; then bench/profile.py cast-compiled (torch.profiler: the
@@ -225,7 +226,8 @@ for s in "${STEPS[@]}"; do
         ;;
     profile)
         NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-        for c in ${PROFILE_CASES:-attn-fwd-d64 attn-fwd-d128 attn-bwd-d128 attn-bwd-d128-fused softmax-bwd-32k \
+        for c in ${PROFILE_CASES:-attn-fwd-d64 attn-fwd-d128 cudnn-fwd-d128 attn-bwd-d128 cudnn-bwd-d128 \
+                 attn-bwd-d128-fused softmax-bwd-32k \
                  xent-fwd-32k cast-rowwise-4k}; do
             if [ -z "$NCU" ]; then
                 log "=== profile-$c: skipped, ncu not found"

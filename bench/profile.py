@@ -52,6 +52,28 @@ def _attention(d: int, backward: bool, causal: bool = False, fused: bool = False
     return lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
 
 
+def _attention_cudnn(d: int, backward: bool, causal: bool = False):
+    """The same shapes through SDPA's cuDNN backend: the yardstick of issue 19's gap, profiled alike."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    b, h, s = 4, 16, 4096
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+               for _ in range(3))
+
+    def run(fn):
+        def call():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return fn()
+        return call
+
+    if not backward:
+        return run(lambda: sdpa(q, k, v, is_causal=causal))
+    out = run(lambda: sdpa(q, k, v, is_causal=causal))()
+    g = torch.randn_like(out)
+    return run(lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True))
+
+
 def _softmax_bwd(n: int):
     import safeops
 
@@ -97,6 +119,9 @@ NCU_CASES = {
     "attn-bwd-d128": lambda: _attention(128, True),
     "attn-bwd-d128-fused": lambda: _attention(128, True, fused=True),
     "attn-bwd-d64-fused": lambda: _attention(64, True, fused=True),
+    "cudnn-fwd-d64": lambda: _attention_cudnn(64, False),
+    "cudnn-fwd-d128": lambda: _attention_cudnn(128, False),
+    "cudnn-bwd-d128": lambda: _attention_cudnn(128, True),
     "softmax-fwd-256k": lambda: _softmax_fwd(2**18),
     "softmax-bwd-32k": lambda: _softmax_bwd(2**15),
     "xent-fwd-32k": lambda: _xent(2**15, False),
