@@ -20,12 +20,12 @@
 #   cast      python3 bench/cast_transpose.py --out $OUT   (cast_transpose.{csv,md,png}; CAST_ARGS)
 #   model     python3 bench/model.py                  (a ~1B Llama training step, sdpa vs safeops; MODEL_ARGS;
 #             needs transformers: carry its wheels in .whl)
-#   profile   Nsight Compute over one measured call per case of bench/profile.py (PROFILE_CASES, default the
+#   profile   Nsight Compute over one measured call per case of bench/profiling.py (PROFILE_CASES, default the
 #             attention forward D64 / D128 and backward D128 (default and fused), cuDNN's forward / backward at D128
 #             through SDPA (the same shapes: the yardstick of the gap), the 32K softmax backward, the 32K
 #             cross-entropy forward, the rowwise fp8 cast), sections SpeedOfLight, ComputeWorkloadAnalysis
 #             (pipe use: tensor, XU / MUFU, FMA), InstructionStats, WarpStateStats (stall reasons),
-#             Occupancy, MemoryWorkloadAnalysis; then bench/profile.py cast-compiled (torch.profiler: the
+#             Occupancy, MemoryWorkloadAnalysis; then bench/profiling.py cast-compiled (torch.profiler: the
 #             registered compiled fp8 path against stock Inductor, per call)
 #
 # The whole run stays inside BUDGET_S seconds (default 530, under the device's 10-minute command limit): a
@@ -237,9 +237,9 @@ for s in "${STEPS[@]}"; do
             step "profile-$c" "$(limit_for "${T_PROFILE:-150}")" "$NCU" --profile-from-start off \
                 --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats \
                 --section WarpStateStats --section Occupancy --section MemoryWorkloadAnalysis \
-                python3 bench/profile.py "$c"
+                python3 bench/profiling.py "$c"
         done
-        step profile-cast-compiled "$(limit_for "${T_PROFILE:-150}")" python3 bench/profile.py cast-compiled
+        step profile-cast-compiled "$(limit_for "${T_PROFILE:-150}")" python3 bench/profiling.py cast-compiled
         ;;
     *)
         log "unknown step '$s' (steps: info tests alltests sanitize sanitize2 gluon fused bench compile attention cast model profile)"

@@ -7,14 +7,18 @@ compiled fp8 path. Each case compiles and warms up its kernels first, then runs 
 measured launches:
 
     ncu --profile-from-start off --section SpeedOfLight --section ComputeWorkloadAnalysis \\
-        --section WarpStateStats --section Occupancy python3 bench/profile.py attn-fwd-d128
+        --section WarpStateStats --section Occupancy python3 bench/profiling.py attn-fwd-d128
 
 ``bash bench/gpu_run.sh profile`` runs every ncu case that way (PROFILE_CASES picks them) and then
-``python3 bench/profile.py cast-compiled``, which needs no ncu: a torch.profiler trace of back-to-back
+``python3 bench/profiling.py cast-compiled``, which needs no ncu: a torch.profiler trace of back-to-back
 calls of the fp8 cast + transpose expression compiled by stock Inductor and under ``safeops.register()``
 (host time per call, GPU kernels per call, and the gaps between them).
 
-    python3 bench/profile.py CASE [CASE ...]      (``--list`` names the cases)
+    python3 bench/profiling.py CASE [CASE ...]      (``--list`` names the cases)
+
+(Not ``bench/profile.py``: run as a script, its folder comes first on sys.path, and a file of that name
+shadows the standard library's ``profile``, which ``cProfile`` imports when torch._dynamo loads: the
+cast-compiled case failed that way on the GPU.)
 
 Needs a CUDA GPU.
 """
@@ -203,7 +207,7 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown case(s) {unknown}; cases: {' '.join(names)}")
     if not torch.cuda.is_available():
-        print("bench/profile.py needs a CUDA GPU", file=sys.stderr)
+        print("bench/profiling.py needs a CUDA GPU", file=sys.stderr)
         return 2
     for case in args.cases:
         if case == "cast-compiled":
