@@ -4,7 +4,8 @@ Contract section 1 at the instruction level (as tests/test_kernels_ptx.py for th
 fusion off no f32 multiply and add may become an fma, so every f32 mul/add/sub carries ``.rn`` and no
 ``fma.rn.f32`` appears; with fusion on the same compile must show some, so the check can fail. It also
 shows that every configuration the launcher uses on the GPU compiles for sm_90 (the row-sum tree over
-4096 lanes included).
+4096 lanes included), and that the forward's fixed-order lane sums stay spread over the threads (the f32
+adds a thread executes are counted in the PTX).
 """
 
 from __future__ import annotations
@@ -62,10 +63,15 @@ _SCRIPT = textwrap.dedent(
         "on": [("bwd/short/mean", k.cross_entropy_bwd_kernel,
                 dict(every, REDUCE=1, DA=8, BLOCK_M=64, BLOCK_N=64), 8)],
     }
-    results = {}
+    results = {"adds": {}}
     for mode, entries in configs.items():
         FUSION[0] = mode == "on"
-        results[mode] = {name: fmas(compile_ptx(fn, c, warps)) for name, fn, c, warps in entries}
+        results[mode] = {}
+        for name, fn, c, warps in entries:
+            ptx = compile_ptx(fn, c, warps)
+            results[mode][name] = fmas(ptx)
+            if mode == "off":
+                results["adds"][name] = len(re.findall(r"\badd\.rn\.f32\b", ptx))
     print(json.dumps(results))
     """
 )
@@ -85,3 +91,13 @@ def test_no_fma_in_the_cross_entropy_kernels(counts):
 
 def test_check_can_fail_with_fp_fusion_on(counts):
     assert any(counts["on"].values()), "with enable_fp_fusion=True nothing was contracted: the check is blind"
+
+
+def test_forward_lane_sums_stay_parallel(counts):
+    """The forward's two fixed-order lane sums (row sum, smoothing sum) over 4096 lanes, 8 warps: 16 lanes
+    per thread. Spread over all threads, as ``row_sum_tree`` folds them now, a thread's f32 adds stay within
+    a small multiple of that (84 on Triton 3.6, loop adds included); the earlier spelling of the folds
+    (permute + split) left them to one thread's serial adds (578 in the PTX, 2,091 FADD in the SASS), the
+    cross-entropy forward's main cost until 2026-12-05 (bench/RESULTS.md)."""
+    adds = counts["adds"]["fwd/long/none"]
+    assert adds <= 192, f"{adds} f32 adds per thread in the 4096-lane forward: serial lane sums?"
