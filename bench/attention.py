@@ -9,9 +9,9 @@ FLOPs: forward 4 * B * H * Sq * Sk * D (halved for causal), backward 2.5x the fo
 - safeops, fusion on: the same kernels compiled with ``enable_fp_fusion=True``
   (``safeops._config.fp_fusion``), to measure what the contraction-free build costs (target < 3%); it is
   our variant, not a peer;
-- safeops gluon dq (backward only): dq from the Gluon dQ kernel (``attention_gluon.GLUON_DQ``, off by
-  default: 2026-12-03 it measured +6% non-causal, -3% causal at D=128), where the backward's dk / dv take
-  the Gluon kernel;
+- safeops triton dq (backward only): dq from the Triton dq kernel (``attention_gluon.GLUON_DQ`` off, the
+  default until 2026-12-05) where the backward's dk / dv take the Gluon kernel; "safeops" takes dq from the
+  Gluon dQ kernel there;
 - safeops gluon fused (backward only): the fused Gluon backward (``attention_gluon.GLUON_FUSED``, off by
   default until measured): dk, dv and dq in one kernel, dq added in a fixed order of key blocks;
 - safeops gluon bwd (backward only): the Gluon dK / dV kernel at a head dim where the backward does not take
@@ -122,7 +122,7 @@ def fp_fusion(on: bool):
 
 @contextlib.contextmanager
 def gluon_switch(name: str, on: bool):
-    """A switch of safeops.ops.attention_gluon (GLUON_DQ, GLUON_FUSED: off by default) set for the block."""
+    """A switch of safeops.ops.attention_gluon (GLUON_DQ: on by default; GLUON_FUSED: off), for the block."""
     from safeops.ops import attention_gluon
 
     with mock.patch.object(attention_gluon, name, on):
@@ -136,7 +136,7 @@ def gluon_bwd_everywhere(on: bool):
         yield
 
 
-def build_safeops(case: H.Case, t: dict, fusion: bool = False, dq: bool = False, bwd: bool = False,
+def build_safeops(case: H.Case, t: dict, fusion: bool = False, triton_dq: bool = False, bwd: bool = False,
                   fused: bool = False):
     import safeops
 
@@ -144,7 +144,7 @@ def build_safeops(case: H.Case, t: dict, fusion: bool = False, dq: bool = False,
     prec = PRECISION_NAMES[case.shape[5]] if case.dtype == torch.float32 else None
     scale = 1.0 / math.sqrt(q.shape[-1])
     if case.direction == "fwd":
-        if dq or bwd or fused:
+        if triton_dq or bwd or fused:
             raise H.Refused("a backward variant")
         def call():
             with fp_fusion(fusion):
@@ -175,8 +175,8 @@ def build_safeops(case: H.Case, t: dict, fusion: bool = False, dq: bool = False,
                                                 0 if causal else -1, code)
 
     def backward():
-        with (fp_fusion(fusion), gluon_switch("GLUON_DQ", dq), gluon_bwd_everywhere(bwd),
-              gluon_switch("GLUON_FUSED", fused)):
+        with (fp_fusion(fusion), gluon_switch("GLUON_DQ", False) if triton_dq else contextlib.nullcontext(),
+              gluon_bwd_everywhere(bwd), gluon_switch("GLUON_FUSED", fused)):
             return torch.ops.safeops.attention_backward(t["g"], q, k, v, out, m, l, None, 0, None, None, s, s,
                                                         causal, scale, None, -1, 0 if causal else -1, code)[0]
     return backward
@@ -259,7 +259,7 @@ def build_benchmark(cases: list[H.Case], only: set[str] | None = None) -> H.Benc
     impls = [
         ("safeops", build_safeops, dict(role="ours")),
         ("safeops fusion on", lambda c, t: build_safeops(c, t, fusion=True), dict(role="variant")),
-        ("safeops gluon dq", lambda c, t: build_safeops(c, t, dq=True), dict(role="variant")),
+        ("safeops triton dq", lambda c, t: build_safeops(c, t, triton_dq=True), dict(role="variant")),
         ("safeops gluon bwd", lambda c, t: build_safeops(c, t, bwd=True), dict(role="variant")),
         ("safeops gluon fused", lambda c, t: build_safeops(c, t, fused=True), dict(role="variant")),
         ("sdpa flash", sdpa_builder("FLASH_ATTENTION"), dict(tag="F")),
@@ -277,8 +277,8 @@ def build_benchmark(cases: list[H.Case], only: set[str] | None = None) -> H.Benc
 
 # --quick's default set: the peers the issue's targets name (cuDNN, FlexAttention), SDPA flash, and our
 # fusion-on variant for the safety cost. SDPA efficient / math only in the full run.
-QUICK_IMPLS = {"safeops", "safeops fusion on", "safeops gluon dq", "safeops gluon bwd", "safeops gluon fused",
-               "sdpa cudnn", "sdpa flash", "flex"}
+QUICK_IMPLS = {"safeops", "safeops fusion on", "safeops triton dq", "safeops gluon bwd",
+               "safeops gluon fused", "sdpa cudnn", "sdpa flash", "flex"}
 
 
 def _skip_slow_peers(bench: H.Benchmark) -> None:

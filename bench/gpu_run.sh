@@ -196,7 +196,7 @@ for s in "${STEPS[@]}"; do
             tests/test_attention_gluon_bwd_gpu.py -k fused
         lim=$(limit_for "${T_ATTENTION:-300}")
         step fused-bench "$lim" python3 bench/attention.py --out "$OUT" --budget-s $((lim > 90 ? lim - 45 : 30)) \
-            --quick --directions bwd --impl "safeops,safeops gluon fused,safeops gluon dq,sdpa cudnn"
+            --quick --directions bwd --impl "safeops,safeops gluon fused,safeops triton dq,sdpa cudnn"
         ;;
     bench)
         lim=$(limit_for "${T_BENCH:-520}")

@@ -349,7 +349,7 @@ def test_backward_answers(monkeypatch):
         "triton", "the Gluon kernel needs a CUDA device; q is on cpu")
     _on_hopper(monkeypatch)
     assert safeops.attention_backend(q, k, v, is_causal=True, backward=True) == (
-        "gluon", "bf16 causal D=128 on sm_90: Gluon dk / dv, Triton dq")
+        "gluon", "bf16 causal D=128 on sm_90: Gluon dq, dk / dv")
     assert safeops.attention_backend(q, k, v, is_causal=True)[0] == "gluon"  # the forward's answer
     sinks = torch.zeros(2)
     assert safeops.attention_backend(q, k, v, sinks=sinks, backward=True)[0] == "gluon"
@@ -360,7 +360,11 @@ def test_backward_answers(monkeypatch):
     monkeypatch.setenv("SAFEOPS_GLUON_BWD", "1")
     q64, k64, v64 = _qkv(d=64, dtype=torch.float16)
     assert safeops.attention_backend(q64, k64, v64, backward=True) == (
+        "gluon", "fp16 non-causal D=64 on sm_90: Gluon dq, dk / dv")
+    monkeypatch.setattr(G, "GLUON_DQ", False)  # the switch: dq back on the Triton kernel
+    assert safeops.attention_backend(q64, k64, v64, backward=True) == (
         "gluon", "fp16 non-causal D=64 on sm_90: Gluon dk / dv, Triton dq")
+    monkeypatch.setattr(G, "GLUON_DQ", True)
     monkeypatch.setenv("SAFEOPS_GLUON", "0")
     assert safeops.attention_backend(q, k, v, backward=True) == (
         "triton", "SAFEOPS_GLUON=0 keeps dk / dv on the Triton kernel")
@@ -392,11 +396,13 @@ def test_backward_answer_depends_on_no_size_or_layout(monkeypatch):
 @pytest.mark.parametrize("sq", [150, 151, 1])
 def test_backward_launch_matches_the_compiled_signature(sq, monkeypatch, recorded):
     """dk / dv through a Gluon launch whose arguments are, in order, of the types the offline test compiles
-    (KB.signature) with its constexprs; dq from the (interpreted) Triton kernel. Row statistics of a length
-    that is not a multiple of 4 are padded copies (their row stride must be 16-byte aligned for TMA)."""
+    (KB.signature) with its constexprs; dq from the (interpreted) Triton kernel (``GLUON_DQ`` off; on, the
+    test below). Row statistics of a length that is not a multiple of 4 are padded copies (their row stride
+    must be 16-byte aligned for TMA)."""
     from safeops.kernels import attention_gluon_bwd as KB
 
     _on_hopper(monkeypatch)
+    monkeypatch.setattr(G, "GLUON_DQ", False)
     d = 128
     q = torch.randn(2, sq, 4, d).to(BF16).transpose(1, 2)  # (B, S, H, D) memory
     k, v = (torch.randn(2, 2, 120, d).to(BF16) for _ in range(2))
@@ -547,7 +553,7 @@ def test_gluon_fused_launch_matches_the_compiled_signature(monkeypatch, recorded
     c1, _, scale_ds = L.constants(0.1, None)
     assert args[12:] == (c1, scale_ds, 4, 2, 2, sq, sk, n_n, n_n * 2) and grid == (n_n * 2,)  # one head chunk
     monkeypatch.setattr(G, "GLUON_FUSED", False)
-    assert safeops.attention_backend(q, k, v, is_causal=True, backward=True)[1].endswith("Triton dq")
+    assert safeops.attention_backend(q, k, v, is_causal=True, backward=True)[1].endswith("Gluon dq, dk / dv")
 
 
 def test_backward_settings_edge_cases(monkeypatch, recorded):

@@ -1,7 +1,8 @@
-"""GPU tests of the Gluon backward's dK / dV kernel (safeops.kernels.attention_gluon_bwd), the CUDA
+"""GPU tests of the Gluon backward's dK / dV and dQ kernels (safeops.kernels.attention_gluon_bwd), the CUDA
 default for head dim 128 where ``safeops.attention_backend(..., backward=True)`` says "gluon" (sm_90, Triton
-3.6, bf16 / fp16, dense, no mask, softcap or window); head dim 64 with ``SAFEOPS_GLUON_BWD=1``. dq stays on
-the Triton kernel. Skipped without such a GPU (the device check's reason is the skip reason).
+3.6, bf16 / fp16, dense, no mask, softcap or window); head dim 64 with ``SAFEOPS_GLUON_BWD=1``. dq comes from
+the Gluon dQ kernel (``attention_gluon.GLUON_DQ``), delta and the sinks' gradient from a delta-only launch of
+the Triton dq kernel. Skipped without such a GPU (the device check's reason is the skip reason).
 
 - against the float64 oracle (tests/oracle.py): bf16 / fp16 x D 64 / 128 x causal or not, GQA and MQA with
   partial blocks, Sq != Sk both ways, a sequence length that is not a multiple of 4 (the row statistics are
@@ -71,7 +72,7 @@ def _gluon_ran(monkeypatch, q, k, v, **options):
 def test_path_and_reasons(rng, monkeypatch):
     q, k, v = (rng.randn(2, 4, 300, 128, dtype=BF16) for _ in range(3))
     assert safeops.attention_backend(q, k, v, is_causal=True, backward=True) == (
-        "gluon", "bf16 causal D=128 on sm_90: Gluon dk / dv, Triton dq")
+        "gluon", "bf16 causal D=128 on sm_90: Gluon dq, dk / dv")
     q64 = q[..., :64].contiguous()
     path, why = safeops.attention_backend(q64, q64, q64, backward=True)
     assert path == "triton" and why.startswith("head dim 64: the Triton dk/dv kernel"), why
@@ -192,7 +193,7 @@ def test_sinks(rng):
     check_sinks_oracle(q, k, v, sinks, rng, is_causal=True)
 
 
-# The Gluon dQ kernel (attention_gluon.GLUON_DQ, off by default until measured): dq from it, delta from a
+# The Gluon dQ kernel (attention_gluon.GLUON_DQ, on by default since 2026-12-05): dq from it, delta from a
 # delta-only launch of the Triton dq kernel, dk / dv from the Gluon dK / dV kernel.
 
 @pytest.fixture

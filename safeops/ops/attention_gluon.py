@@ -339,8 +339,8 @@ def warm_cache(jobs: list[tuple] | None = None, workers: int = 8) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------------
-# The backward's dK / dV (``safeops.kernels.attention_gluon_bwd``); dQ and delta come from the Triton dq
-# kernel, launched first by ``attention_launch``.
+# The backward's dK / dV and dQ (``safeops.kernels.attention_gluon_bwd``); delta (and dq with GLUON_DQ off)
+# come from the Triton dq kernel, launched first by ``attention_launch``.
 # ------------------------------------------------------------------------------------------------------
 
 _bwd_kernels = None
@@ -357,8 +357,9 @@ def bwd_kernels():
 
 
 # The Gluon dQ kernel (``attn_bwd_dq_gluon_kernel``; delta then comes from a delta-only launch of the Triton
-# dq kernel). Off until it is measured on the GPU: benchmarks and tests switch it on.
-GLUON_DQ = False
+# dq kernel). On: the whole backward +8% at D=128, +4% causal, against the Triton dq kernel on the H200
+# (bench/RESULTS.md, 2026-12-05); False puts dq back on the Triton kernel.
+GLUON_DQ = True
 
 
 def bwd_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_causal: bool, softcap,
@@ -380,7 +381,7 @@ def dq_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_
     :func:`bwd_reason` asks of the inputs, at the head dims of ``DQ_CONFIGS``), else why not."""
     mode = _config.gluon_bwd_mode()
     if not GLUON_DQ or mode == "off":
-        return "the Gluon dq kernel is off (attention_gluon.GLUON_DQ: not measured yet)"
+        return "the Gluon dq kernel is off (attention_gluon.GLUON_DQ)"
     return _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, mode,
                        bwd_kernels().DQ_CONFIGS)
 
