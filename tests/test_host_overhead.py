@@ -2,17 +2,25 @@
 
 - SAFEOPS_BACKEND is still read on every call: only the parsing of an entry already seen is cached, and an
   invalid value raises on every call, also after valid ones.
+- ``eager_fast_path`` queries torch._C directly; it must answer as the public wrappers it replaced do, in
+  every situation that must keep the registered op.
+- A ``dim`` of type int skips the abstract-class check; other integral types still work, bools and floats
+  still raise.
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 import safeops
 from safeops import _config
+from safeops.ops import softmax as softmax_ops
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -56,3 +64,83 @@ def test_invalid_backend_raises_on_every_call(monkeypatch):
             _config.backend_name()
         with pytest.raises(ValueError, match="SAFEOPS_BACKEND"):
             safeops.softmax(torch.zeros(2, 3))
+
+
+# --------------------------------------------------------------------------------------------------
+# eager_fast_path
+# --------------------------------------------------------------------------------------------------
+
+
+def _public_fast_path(*tensors) -> bool:
+    """eager_fast_path as it was written with torch's public wrappers (the reference for the rewrite)."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    if torch.jit.is_tracing() or torch.jit.is_scripting():
+        return False
+    if torch._C._is_torch_function_mode_enabled():
+        return False
+    if torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.Python):
+        return False
+    if _get_current_dispatch_mode() is not None:
+        return False
+    return all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def test_eager_fast_path_answers_as_the_public_checks():
+    x = torch.randn(2, 3)
+    cases = {"plain": (x, None), "parameter": (torch.nn.Parameter(x), None), "no tensors": (),
+             "subclass": (x.as_subclass(_Subclass), None), "subclass second": (x, x.as_subclass(_Subclass))}
+    seen = []
+
+    def both(*tensors):
+        answer = softmax_ops.eager_fast_path(*tensors)
+        assert answer == _public_fast_path(*tensors)
+        seen.append(answer)
+        return answer
+
+    for tensors in cases.values():
+        both(*tensors)
+    assert seen == [True, True, True, False, False]
+
+    class FunctionMode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class DispatchMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with FunctionMode():
+        assert not both(x)
+    with DispatchMode():
+        assert not both(x)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert not both(x)
+    traced = []
+    torch.jit.trace(lambda t: (traced.append(both(t)), t + 1)[1], (x,), check_trace=False)
+    assert traced == [False]
+    vmapped = []
+    torch.vmap(lambda t: (vmapped.append(both(t)), t * 2)[1])(x)
+    assert vmapped and not any(vmapped)
+    assert both(x)  # and back to eager
+
+
+# --------------------------------------------------------------------------------------------------
+# dim checking
+# --------------------------------------------------------------------------------------------------
+
+
+def test_dim_of_an_integral_type_other_than_int_still_works(reference_backend):
+    x = torch.randn(3, 5)
+    want = safeops.softmax(x, 1)
+    for dim in (np.int64(1), np.int32(-1), torch.tensor(1).item()):
+        assert torch.equal(safeops.softmax(x, dim), want)
+    for dim in (True, 1.0, np.float64(1.0)):
+        with pytest.raises(TypeError, match=r"\bdim\b"):
+            safeops.softmax(x, dim)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import _config, reference
 from . import softmax_launch
@@ -157,18 +156,25 @@ logsumexp_op = _make_forward_op(LOGSUMEXP)
 # dispatch or function modes) keeps the registered op.
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PYTHON_KEY = torch._C.DispatchKey.Python
+
+
 def eager_fast_path(*tensors) -> bool:
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    # Every eager call runs this: the torch._C queries directly (torch.jit.is_tracing() is
+    # torch._C._is_tracing() outside TorchScript, which never compiles this; a dispatch mode is current
+    # exactly when the mode stack is not empty) and a plain loop, half the cost of the wrappers and all().
+    C = torch._C
+    if torch.compiler.is_compiling() or C._are_functorch_transforms_active() or C._is_tracing():
         return False
-    if torch.jit.is_tracing() or torch.jit.is_scripting():
+    if C._is_torch_function_mode_enabled() or C._dispatch_tls_is_dispatch_key_included(_PYTHON_KEY):
         return False
-    if torch._C._is_torch_function_mode_enabled():
+    if C._len_torch_dispatch_stack():
         return False
-    if torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.Python):
-        return False
-    if _get_current_dispatch_mode() is not None:
-        return False
-    return all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+    for t in tensors:
+        if t is not None and type(t) not in _PLAIN:
+            return False
+    return True
 
 
 def no_double_backward(ctx, saved) -> None:
