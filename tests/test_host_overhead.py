@@ -6,6 +6,8 @@
   every situation that must keep the registered op.
 - A ``dim`` of type int skips the abstract-class check; other integral types still work, bools and floats
   still raise.
+- The softmax launcher's forward allocates the row statistics from its plan after the lookup: the same
+  bits as the general path, and statistics that are not 16-byte aligned take the general path.
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ import os
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from strategies import seeds
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 import safeops
 from safeops import _config
 from safeops.ops import softmax as softmax_ops
+from safeops.ops import softmax_launch as SL
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -144,3 +149,78 @@ def test_dim_of_an_integral_type_other_than_int_still_works(reference_backend):
     for dim in (True, 1.0, np.float64(1.0)):
         with pytest.raises(TypeError, match=r"\bdim\b"):
             safeops.softmax(x, dim)
+
+
+# --------------------------------------------------------------------------------------------------
+# The launcher's forward: row statistics allocated after the plan lookup
+# --------------------------------------------------------------------------------------------------
+
+
+def _general_only(monkeypatch):
+    monkeypatch.setattr(SL, "_forward_plan", lambda *args, **kwargs: SL._GENERAL)
+    monkeypatch.setattr(SL, "_backward_plan", lambda *args, **kwargs: SL._GENERAL)
+    SL.clear_plans()
+
+
+@pytest.mark.parametrize("shape,dim", [((6, 40), 1), ((2, 3, 40), 2), ((40,), 0), ((3, 1, 40), 2)])
+@pytest.mark.parametrize("kind", [0, 1, 2])
+@given(seed=seeds())
+def test_planned_forward_gives_the_general_paths_bits(triton_backend, monkeypatch, shape, dim, kind, seed):
+    x = (seed.randn(*shape) * 3).to(torch.bfloat16)
+    SL.clear_plans()
+    planned = [SL.forward(kind, x, dim, None, None, None, x.dtype, stats) for stats in (True, False, True)]
+    assert any(p is not SL._GENERAL for p in SL._plans(SL._FORWARD).values())
+    with monkeypatch.context() as m:
+        _general_only(m)
+        general = SL.forward(kind, x, dim, None, None, None, x.dtype, True)
+    SL.clear_plans()
+    batch = x.shape[:dim] + x.shape[dim + 1:]
+    for out, row_max, row_sum in planned:
+        _same_bits(out, general[0], "out")
+        if row_max is not None:
+            assert row_max.shape == row_sum.shape == batch
+            _same_bits(row_max, general[1], "row_max")
+            _same_bits(row_sum, general[2], "row_sum")
+    assert planned[1][1] is None and planned[1][2] is None
+
+
+def test_unaligned_row_statistics_take_the_general_path(triton_backend, monkeypatch):
+    x = torch.randn(8, 32)
+    SL.clear_plans()
+    want = SL.forward(0, x, 1, None, None, None, x.dtype)
+    plan = next(p for p in SL._plans(SL._FORWARD).values() if p is not SL._GENERAL)
+    launches = []
+    real_launch = plan.launch
+
+    class Spy:
+        def __call__(self, *args):
+            launches.append(args)
+            return real_launch(*args)
+
+    object.__setattr__(plan, "launch", Spy())
+    general_calls = []
+    real_general = SL._forward_general
+
+    def general(*args):
+        general_calls.append(args)
+        return real_general(*args)
+
+    monkeypatch.setattr(SL, "_forward_general", general)
+    real_new_empty = torch.Tensor.new_empty
+
+    def unaligned_new_empty(self, size, *, dtype=None, **kwargs):
+        if dtype == torch.float32:  # the row statistics: one element past a 16-byte boundary
+            n = size if isinstance(size, int) else int(np.prod(size))
+            return real_new_empty(self, n + 1, dtype=dtype)[1:].view(size)
+        return real_new_empty(self, size, dtype=dtype, **kwargs)
+
+    SL.forward(0, x, 1, None, None, None, x.dtype)
+    assert len(launches) == 1 and not general_calls
+    monkeypatch.setattr(torch.Tensor, "new_empty", unaligned_new_empty)
+    got = SL.forward(0, x, 1, None, None, None, x.dtype)
+    monkeypatch.undo()
+    SL.clear_plans()
+    assert len(launches) == 1 and len(general_calls) == 1
+    assert got[1].data_ptr() % 16
+    for a, b, what in zip(got, want, ("out", "row_max", "row_sum"), strict=True):
+        _same_bits(a, b, what)
