@@ -8,6 +8,8 @@
   still raise.
 - The softmax launcher's forward allocates the row statistics from its plan after the lookup: the same
   bits as the general path, and statistics that are not 16-byte aligned take the general path.
+- The recorded eager call passes only x (and a scale tensor) to its autograd.Function: same gradients as
+  the registered op, the mask still version-checked.
 """
 
 from __future__ import annotations
@@ -224,3 +226,42 @@ def test_unaligned_row_statistics_take_the_general_path(triton_backend, monkeypa
     assert got[1].data_ptr() % 16
     for a, b, what in zip(got, want, ("out", "row_max", "row_sum"), strict=True):
         _same_bits(a, b, what)
+
+
+# --------------------------------------------------------------------------------------------------
+# The recorded eager call
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", ["softmax", "log_softmax", "logsumexp"])
+@pytest.mark.parametrize("extra", ["none", "scale", "scale tensor", "mask", "scale tensor + mask"])
+@given(seed=seeds())
+def test_recorded_eager_call_matches_the_registered_op(backend, fn, extra, seed):
+    x, g_seed = seed.randn(4, 9), seed.randn(4, 9)
+    s = torch.tensor(0.7)
+    keep = seed.rand(4, 9) > 0.3
+    op = getattr(torch.ops.safeops, fn).default
+
+    def run(through_op: bool):
+        xg = x.clone().requires_grad_(True)
+        sg = s.clone().requires_grad_(True) if "scale tensor" in extra else None
+        mask = keep if "mask" in extra else None
+        scale = 0.7 if extra == "scale" else None
+        if through_op:
+            out = op(xg, 1, scale, None if sg is None else sg.reshape(()), mask, None)[0]
+        else:
+            out = getattr(safeops, fn)(xg, 1, scale=scale if sg is None else sg, mask=mask)
+        g = g_seed if fn != "logsumexp" else g_seed[:, 0]
+        return (out.detach(), *torch.autograd.grad(out, (xg,) if sg is None else (xg, sg), g))
+
+    for a, b in zip(run(False), run(True), strict=True):
+        _same_bits(a, b, f"{fn} {extra}")
+
+
+def test_recorded_eager_call_checks_the_saved_mask(reference_backend):
+    x = torch.randn(3, 5, requires_grad=True)
+    keep = torch.ones(3, 5, dtype=torch.bool)
+    out = safeops.softmax(x, -1, mask=keep)
+    keep[0, 0] = False
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()

@@ -186,30 +186,37 @@ def no_double_backward(ctx, saved) -> None:
 
 
 class _EagerSoftmax(torch.autograd.Function):
-    """The recorded eager call. Only ``out`` is an output: the row statistics are kept for the backward as
-    plain attributes (fresh tensors nothing else holds, so no version check is needed), which spares
-    autograd wrapping two more outputs per call."""
+    """The recorded eager call, ``apply(x, call)`` or ``apply(x, call, scale_tensor)`` with ``call = (kind,
+    dim, scale, mask, out_dtype)``. Only the tensors that can have a gradient are inputs: every argument of
+    ``apply`` and every saved slot costs autograd host time per call, and the bool mask has no gradient (it
+    is still saved, so changing it in place before the backward raises as for any saved tensor). Only
+    ``out`` is an output: the row statistics are kept for the backward as plain attributes (fresh tensors
+    nothing else holds, so no version check is needed), which spares autograd wrapping two more outputs."""
 
     @staticmethod
-    def forward(ctx, kind, x, dim, scale, scale_tensor, mask, out_dtype):
+    def forward(ctx, x, call, scale_tensor=None):
+        kind, dim, scale, mask, out_dtype = call
         out, row_max, row_sum = _forward_impl(kind, x, dim, scale, scale_tensor, mask, out_dtype)
-        ctx.kind, ctx.dim, ctx.scale = kind, dim, scale
-        ctx.has_scale_tensor = scale_tensor is not None
-        ctx.save_for_backward(x, scale_tensor, mask)
-        ctx.stats = row_max, row_sum
+        ctx.call, ctx.stats = call, (row_max, row_sum)
+        if scale_tensor is None and mask is None:
+            ctx.save_for_backward(x)
+        else:
+            ctx.save_for_backward(x, scale_tensor, mask)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, scale_tensor, mask = ctx.saved_tensors
+        kind, dim, scale, _, _ = ctx.call
+        saved = ctx.saved_tensors
+        x, scale_tensor, mask = saved if len(saved) == 3 else (saved[0], None, None)
         row_max, row_sum = ctx.stats
         no_double_backward(ctx, (x, scale_tensor, grad_out))
-        need_dscale = ctx.has_scale_tensor and ctx.needs_input_grad[4]
+        need_dscale = scale_tensor is not None and ctx.needs_input_grad[2]
         grad_x, grad_scale = _backward_impl(
-            grad_out, x, row_max, row_sum, ctx.dim, ctx.kind, ctx.scale, scale_tensor, mask, need_dscale,
+            grad_out, x, row_max, row_sum, dim, kind, scale, scale_tensor, mask, need_dscale,
             dscale_placeholder=False,
         )
-        return None, grad_x, None, None, _scale_grad(grad_scale, scale_tensor, need_dscale), None, None
+        return grad_x, None, _scale_grad(grad_scale, scale_tensor, need_dscale)
 
 
 _OPS = {}
@@ -231,7 +238,10 @@ def forward(kind, x, dim, scale, scale_tensor, mask, out_dtype):
     if eager_fast_path(x, scale_tensor, mask):
         if not needs_autograd(x, scale_tensor):
             return _forward_impl(kind, x, dim, scale, scale_tensor, mask, out_dtype, stats=False)
-        return _EagerSoftmax.apply(kind, x, dim, scale, scale_tensor, mask, out_dtype), None, None
+        call = (kind, dim, scale, mask, out_dtype)
+        if scale_tensor is None:
+            return _EagerSoftmax.apply(x, call), None, None
+        return _EagerSoftmax.apply(x, call, scale_tensor), None, None
     return _OPS[kind](x, dim, scale, scale_tensor, mask, out_dtype)
 
 
