@@ -18,7 +18,9 @@ one layer at a time:
 - a check that the direct launch gives the same bits as ``JITFunction.run`` and compiles nothing new.
 
 ``--cpu`` measures the Python part on a machine without a GPU: the launcher's decisions with the kernels
-replaced by no-ops (the general path against the cached plan), and the registered op's layers on a tiny
+replaced by no-ops (the general path against the cached plan), the public function on that route (forward
+with and without a gradient to record, forward + backward through ``torch.autograd.grad``, with torch's own
+forward + backward on the CPU, its math included, for orientation), and the registered op's layers on a tiny
 CPU tensor with the reference backend.
 
 Then ``safeops.cast_transpose`` (fp8 cast + transpose), layer by layer: the public function (eager fast
@@ -275,7 +277,11 @@ def cpu(calls: int) -> None:
         with _gpu_route_on_cpu([]):  # the public function on the launcher's route
             print("public safeops.softmax on the same route (kernels replaced by no-ops), 64 x 1024 bf16")
             _print([("safeops.softmax, x not requiring grad", lambda: safeops.softmax(x, -1)),
-                    ("safeops.softmax, x requiring grad", lambda: safeops.softmax(xg, -1))], calls, 10)
+                    ("safeops.softmax, x requiring grad", lambda: safeops.softmax(xg, -1)),
+                    ("fwd+bwd safeops.softmax (torch.autograd.grad)",
+                     lambda: torch.autograd.grad(safeops.softmax(xg, -1), xg, g)),
+                    ("fwd+bwd torch.softmax (CPU math included)",
+                     lambda: torch.autograd.grad(torch.softmax(xg, -1), xg, g))], calls, 10)
     finally:
         softmax_launch._kernels, softmax_launch._check_device = real
     os.environ["SAFEOPS_BACKEND"] = "reference"

@@ -35,10 +35,41 @@ fp_fusion: bool = False
 one_launch_long_rows: bool = False
 
 
+def _environ_entry(name: str):
+    """``os.environ``'s raw entry for ``name`` (None if unset), read on every call.
+
+    ``os.environ.get`` runs three Python-level calls per read (``Mapping.get``, ``__getitem__``, the key's
+    encoding): ~0.6 us on a 2-core CPU, and every eager call reads SAFEOPS_BACKEND at least once. The dict
+    behind it (CPython's ``os.environ._data``, keyed by the encoded name, updated by every change made
+    through ``os.environ``) answers the same in one lookup. The entry is bytes on POSIX (``str`` elsewhere
+    and where that dict is missing).
+    """
+    environ = os.environ
+    data = getattr(environ, "_data", None)
+    if data is None:
+        return environ.get(name)
+    key = _ENCODED_KEYS.get(name)
+    if key is None:
+        key = _ENCODED_KEYS[name] = environ.encodekey(name)
+    return data.get(key)
+
+
+_ENCODED_KEYS: dict = {}
+# SAFEOPS_BACKEND's raw entries seen so far -> the backend they name (only valid ones are kept).
+_backend_names: dict = {}
+
+
 def backend_name() -> str:
-    name = os.environ.get("SAFEOPS_BACKEND", "auto").strip().lower() or "auto"
+    entry = _environ_entry("SAFEOPS_BACKEND")
+    name = _backend_names.get(entry)
+    if name is not None:
+        return name
+    value = os.environ.decodevalue(entry) if isinstance(entry, bytes) else entry or "auto"
+    name = value.strip().lower() or "auto"
     if name not in BACKENDS:
         raise ValueError(f"SAFEOPS_BACKEND must be one of {BACKENDS}, got {name!r}")
+    if len(_backend_names) < 64:
+        _backend_names[entry] = name
     return name
 
 
@@ -78,7 +109,7 @@ def use_triton(x: torch.Tensor) -> bool:
         return False
     if name == "triton":
         return True
-    return x.device.type == "cuda"
+    return x.is_cuda
 
 
 def _interpret_without_gpu() -> None:

@@ -25,9 +25,10 @@ def _check_x(x) -> None:
 
 
 def _normalize_dim(dim, ndim: int) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
-        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
-    dim = int(dim)
+    if type(dim) is not int:  # a plain int skips the abstract-class check (~0.3 us per call)
+        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+            raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+        dim = int(dim)
     rank = max(ndim, 1)
     if not -rank <= dim < rank:
         raise ValueError(f"dim {dim} is out of range for a tensor with {ndim} dimensions")

@@ -213,12 +213,14 @@ class _Compiled:
 
     def __init__(self, log, dtypes):
         self.log, self.dtypes = log, dtypes
+        self.launches: list = []  # each direct launch's arguments to the launcher
 
     def launch_metadata(self, grid, stream, *args):
-        return None
+        return ("metadata", grid, stream, args)
 
     def run(self, *launch_args):
         self.log.append(("direct", self.dtypes))
+        self.launches.append(launch_args)
 
 
 class _Kernel:
@@ -282,6 +284,42 @@ def test_kernel_launch_guard_on_a_non_tensor_argument(stub_runtime):
     assert kernel.log == [("jit", (F32,))]
     launch(x, y, 2)
     assert kernel.log[-1] == ("direct", (F32, F32))
+
+
+def test_direct_launch_passes_metadata_and_hooks_only_while_a_hook_is_set(monkeypatch):
+    """Triton keeps its launch hooks in HookChains that are never None; with no hook in either chain a direct
+    launch passes None for the metadata and both hooks (the launcher then calls nothing), otherwise exactly
+    what JITFunction.run passes: the compiled kernel's launch metadata and the two chains."""
+    from triton.knobs import HookChain
+
+    hooks = types.SimpleNamespace(launch_enter_hook=HookChain(), launch_exit_hook=HookChain(reversed=True))
+    monkeypatch.setitem(_launch._runtime, "value", (lambda: 0, lambda device: 7, hooks))
+    monkeypatch.setattr(_launch, "DIRECT", True)
+    kernel = _Kernel()
+    launch = _launch.KernelLaunch(kernel, (3,), {"BLOCK": 64})
+    x, y = torch.zeros(4), torch.zeros(4)
+    launch(x, y, 4)  # through JITFunction.run, which keeps the compiled kernel
+    compiled = launch._compiled[0][0]
+    full = (x, y, 4, 64)
+    metadata = ("metadata", (3,), 7, full)
+
+    def last_launch():
+        launch(x, y, 4)
+        return compiled.launches[-1]
+
+    assert last_launch() == (3, 1, 1, 7, "fn", "packed", None, None, None, *full)
+    seen = []
+    hooks.launch_exit_hook.add(seen.append)
+    args = last_launch()
+    assert args[:9] == (3, 1, 1, 7, "fn", "packed", metadata, hooks.launch_enter_hook, hooks.launch_exit_hook)
+    args[8](args[6])  # what the launcher does after the kernel
+    assert seen == [metadata]
+    hooks.launch_exit_hook.remove(seen.append)
+    assert last_launch()[6:9] == (None, None, None)
+    hooks.launch_enter_hook = seen.append  # a plain callable (not a HookChain) is a hook
+    assert last_launch()[6:9] == (metadata, seen.append, hooks.launch_exit_hook)
+    hooks.launch_enter_hook = hooks.launch_exit_hook = None  # slots that hold None: Triton passes None too
+    assert last_launch()[6:9] == (None, None, None)
 
 
 def test_kernel_launch_guard_off_without_direct_launches(stub_runtime, monkeypatch):

@@ -11,7 +11,8 @@ compile options (``enable_fp_fusion=False``), same bits.
 
 The direct launch uses ``CompiledKernel.run`` / ``.function`` / ``.packed_metadata`` /
 ``.launch_metadata`` and ``triton.knobs.runtime.launch_enter_hook`` / ``launch_exit_hook``, the calls
-``JITFunction.run`` itself makes in Triton 3.4-3.6 and 3.9. Before it is used for a kernel, the argument
+``JITFunction.run`` itself makes in Triton 3.4-3.6 and 3.9 (the metadata and the hooks only while a launch
+hook is set: ``_no_hook``). Before it is used for a kernel, the argument
 list is checked once against what Triton's own binder produces; when anything there is missing or differs
 (another Triton version), every launch goes through ``JITFunction.run``. The interpreter
 (``TRITON_INTERPRET=1``) always launches through ``kernel[grid](...)``.
@@ -34,6 +35,11 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
+try:
+    from triton.knobs import HookChain as _HookChain
+except ImportError:  # an older Triton: every hook slot that is not None counts as a hook
+    _HookChain = None
+
 # Launch compiled kernels directly once a KernelLaunch has made its first launch (see the module docstring).
 DIRECT = True
 # Direct launches refused by the dtype guard (launched through JITFunction.run instead); should stay 0.
@@ -55,6 +61,16 @@ def _triton_runtime():
         except Exception:  # noqa: BLE001 - any missing piece means: launch through JITFunction.run
             _runtime["value"] = None
     return _runtime["value"]
+
+
+def _no_hook(hook) -> bool:
+    """Whether a launch hook slot holds no hook. Triton 3.4-3.9 keep the launch hooks in a ``HookChain``
+    (never None; its ``calls`` list is empty unless a profiler added a hook), so ``JITFunction.run`` builds
+    the launch metadata (``CompiledKernel.launch_metadata``: a LazyDict per launch) and its launcher calls
+    both empty chains, Python calls that change nothing. The launcher calls a hook slot only when it is not
+    None and reads the metadata only in the hooks: with no hook in either slot, a direct launch passes None
+    for all three. A hook of any other kind (a plain callable) counts as a hook."""
+    return hook is None or (type(hook) is _HookChain and not hook.calls)
 
 
 def _same_args(bound: list, full: list) -> bool:
@@ -106,9 +122,14 @@ class KernelLaunch:
                     compiled, run, g0, g1, g2 = entry
                     full = (*args, *self._tail)
                     stream = stream_of(device)
-                    run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata,
-                        compiled.launch_metadata(self.grid, stream, *full),
-                        runtime.launch_enter_hook, runtime.launch_exit_hook, *full)
+                    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+                    if _no_hook(enter) and _no_hook(leave):
+                        # Nothing would read the launch metadata: no hooks, no metadata (see _no_hook).
+                        run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                            *full)
+                    else:
+                        run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata,
+                            compiled.launch_metadata(self.grid, stream, *full), enter, leave, *full)
                     return
                 # Not what the kept kernel was compiled for: JITFunction.run specializes (nothing kept).
                 guard_fallbacks += 1

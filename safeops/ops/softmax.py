@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .. import _config, reference
 from . import softmax_launch
@@ -157,18 +156,25 @@ logsumexp_op = _make_forward_op(LOGSUMEXP)
 # dispatch or function modes) keeps the registered op.
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PYTHON_KEY = torch._C.DispatchKey.Python
+
+
 def eager_fast_path(*tensors) -> bool:
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    # Every eager call runs this: the torch._C queries directly (torch.jit.is_tracing() is
+    # torch._C._is_tracing() outside TorchScript, which never compiles this; a dispatch mode is current
+    # exactly when the mode stack is not empty) and a plain loop, half the cost of the wrappers and all().
+    C = torch._C
+    if torch.compiler.is_compiling() or C._are_functorch_transforms_active() or C._is_tracing():
         return False
-    if torch.jit.is_tracing() or torch.jit.is_scripting():
+    if C._is_torch_function_mode_enabled() or C._dispatch_tls_is_dispatch_key_included(_PYTHON_KEY):
         return False
-    if torch._C._is_torch_function_mode_enabled():
+    if C._len_torch_dispatch_stack():
         return False
-    if torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.Python):
-        return False
-    if _get_current_dispatch_mode() is not None:
-        return False
-    return all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+    for t in tensors:
+        if t is not None and type(t) not in _PLAIN:
+            return False
+    return True
 
 
 def no_double_backward(ctx, saved) -> None:
@@ -180,30 +186,37 @@ def no_double_backward(ctx, saved) -> None:
 
 
 class _EagerSoftmax(torch.autograd.Function):
-    """The recorded eager call. Only ``out`` is an output: the row statistics are kept for the backward as
-    plain attributes (fresh tensors nothing else holds, so no version check is needed), which spares
-    autograd wrapping two more outputs per call."""
+    """The recorded eager call, ``apply(x, call)`` or ``apply(x, call, scale_tensor)`` with ``call = (kind,
+    dim, scale, mask, out_dtype)``. Only the tensors that can have a gradient are inputs: every argument of
+    ``apply`` and every saved slot costs autograd host time per call, and the bool mask has no gradient (it
+    is still saved, so changing it in place before the backward raises as for any saved tensor). Only
+    ``out`` is an output: the row statistics are kept for the backward as plain attributes (fresh tensors
+    nothing else holds, so no version check is needed), which spares autograd wrapping two more outputs."""
 
     @staticmethod
-    def forward(ctx, kind, x, dim, scale, scale_tensor, mask, out_dtype):
+    def forward(ctx, x, call, scale_tensor=None):
+        kind, dim, scale, mask, out_dtype = call
         out, row_max, row_sum = _forward_impl(kind, x, dim, scale, scale_tensor, mask, out_dtype)
-        ctx.kind, ctx.dim, ctx.scale = kind, dim, scale
-        ctx.has_scale_tensor = scale_tensor is not None
-        ctx.save_for_backward(x, scale_tensor, mask)
-        ctx.stats = row_max, row_sum
+        ctx.call, ctx.stats = call, (row_max, row_sum)
+        if scale_tensor is None and mask is None:
+            ctx.save_for_backward(x)
+        else:
+            ctx.save_for_backward(x, scale_tensor, mask)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, scale_tensor, mask = ctx.saved_tensors
+        kind, dim, scale, _, _ = ctx.call
+        saved = ctx.saved_tensors
+        x, scale_tensor, mask = saved if len(saved) == 3 else (saved[0], None, None)
         row_max, row_sum = ctx.stats
         no_double_backward(ctx, (x, scale_tensor, grad_out))
-        need_dscale = ctx.has_scale_tensor and ctx.needs_input_grad[4]
+        need_dscale = scale_tensor is not None and ctx.needs_input_grad[2]
         grad_x, grad_scale = _backward_impl(
-            grad_out, x, row_max, row_sum, ctx.dim, ctx.kind, ctx.scale, scale_tensor, mask, need_dscale,
+            grad_out, x, row_max, row_sum, dim, kind, scale, scale_tensor, mask, need_dscale,
             dscale_placeholder=False,
         )
-        return None, grad_x, None, None, _scale_grad(grad_scale, scale_tensor, need_dscale), None, None
+        return grad_x, None, _scale_grad(grad_scale, scale_tensor, need_dscale)
 
 
 _OPS = {}
@@ -225,7 +238,10 @@ def forward(kind, x, dim, scale, scale_tensor, mask, out_dtype):
     if eager_fast_path(x, scale_tensor, mask):
         if not needs_autograd(x, scale_tensor):
             return _forward_impl(kind, x, dim, scale, scale_tensor, mask, out_dtype, stats=False)
-        return _EagerSoftmax.apply(kind, x, dim, scale, scale_tensor, mask, out_dtype), None, None
+        call = (kind, dim, scale, mask, out_dtype)
+        if scale_tensor is None:
+            return _EagerSoftmax.apply(x, call), None, None
+        return _EagerSoftmax.apply(x, call, scale_tensor), None, None
     return _OPS[kind](x, dim, scale, scale_tensor, mask, out_dtype)
 
 

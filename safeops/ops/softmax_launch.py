@@ -315,39 +315,42 @@ def forward(
     stores fewer per call), with the same arithmetic, hence the same ``out``."""
     if not x.is_cuda:
         _check_device(x)
-    batch_shape = x.shape[:dim] + x.shape[dim + 1:]
     if kind == 2:
-        out = x.new_empty(batch_shape, dtype=out_dtype)
+        out = x.new_empty(x.shape[:dim] + x.shape[dim + 1:], dtype=out_dtype)
     else:
         out = torch.empty_like(x, dtype=out_dtype)
-    row_max = row_sum = None
-    if stats or x.numel() == 0:
-        row_max = x.new_empty(batch_shape, dtype=torch.float32)
-        row_sum = x.new_empty(batch_shape, dtype=torch.float32)
     if x.numel() == 0:
-        return _forward_general(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_sum)
+        return _forward_general(kind, x, dim, scale, scale_tensor, mask, out, *_new_row_stats(x, dim))
     # Every tensor argument's dtype, strides and alignment, or what decides them: out (out_dtype; strides
-    # follow x's), row_max / row_sum (fp32, fresh; or, without stats, out in their place), mask (its dtype:
-    # the op takes bool, viewed as uint8).
+    # follow x's), mask (its dtype: the op takes bool, viewed as uint8); row_max / row_sum are fp32, fresh
+    # and 16-byte aligned (checked below), or, without stats, out in their place.
     key = (kind, dim, x.shape, x.stride(), x.dtype, x.get_device(), out_dtype,
            None if mask is None else (mask.stride(), mask.dtype),
            0 if scale_tensor is None else scale_tensor.dtype,
-           scale is None, stats, _alignment(x, out, mask, scale_tensor, row_max, row_sum))
+           scale is None, stats, _alignment(x, out, mask, scale_tensor))
     plan = _plans(_FORWARD).get(key)
     if plan is None:
-        plan = _remember(_FORWARD, key, _forward_plan(kind, x, dim, scale, scale_tensor, mask, out, row_max,
-                                                       row_sum, stats))
+        plan = _remember(_FORWARD, key, _forward_plan(kind, x, dim, scale, scale_tensor, mask, out, stats))
     if plan is _GENERAL:
-        if row_max is None:
-            row_max = x.new_empty(batch_shape, dtype=torch.float32)
-            row_sum = x.new_empty(batch_shape, dtype=torch.float32)
-        return _forward_general(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_sum)
+        return _forward_general(kind, x, dim, scale, scale_tensor, mask, out, *_new_row_stats(x, dim))
+    if stats:
+        # The plan holds the statistics' shape (an int for one batch dim: the cheapest allocation call).
+        row_max = x.new_empty(plan.stats_shape, dtype=torch.float32)
+        row_sum = x.new_empty(plan.stats_shape, dtype=torch.float32)
+        if (row_max.data_ptr() | row_sum.data_ptr()) & 15:
+            # The plan's kernel is specialized for aligned statistics (which fresh allocations always are).
+            return _forward_general(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_sum)
     # The plan's launch with this call's tensors: the argument list _forward_general would build.
     plan.launch(x, out, x if mask is None else mask.view(torch.uint8),
                 x if scale_tensor is None else scale_tensor,
-                out if row_max is None else row_max, out if row_sum is None else row_sum, *plan.scalars,
+                row_max if stats else out, row_sum if stats else out, *plan.scalars,
                 1.0 if scale is None or scale_tensor is not None else float(scale))
-    return out, row_max, row_sum
+    return (out, row_max, row_sum) if stats else (out, None, None)
+
+
+def _new_row_stats(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    batch_shape = x.shape[:dim] + x.shape[dim + 1:]
+    return x.new_empty(batch_shape, dtype=torch.float32), x.new_empty(batch_shape, dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -407,9 +410,15 @@ class _RowsPlan:
     launch: KernelLaunch
     scalars: tuple
     n_rows: int
+    stats_shape: int | tuple = ()  # the forward's row statistics: x's shape without dim
 
 
-def _forward_plan(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_sum, stats=True):
+def _stats_shape(x: torch.Tensor, dim: int) -> int | tuple:
+    batch = tuple(x.shape[:dim] + x.shape[dim + 1:])
+    return batch[0] if len(batch) == 1 else batch
+
+
+def _forward_plan(kind, x, dim, scale, scale_tensor, mask, out, stats=True):
     """The rows-path launch of :func:`_forward_general` for this signature (without the row statistics'
     stores unless ``stats``), or ``_GENERAL``."""
     if x.shape[dim] == 0:
@@ -429,7 +438,8 @@ def _forward_plan(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_sum
                   **_launch_options(cfg))
     grid = cfg.grid(rows.n_rows, x.device)
     scalars = (rows.n_rows, rows.n_cols, B1, B2, *rows.args("x"), *rows.args("out"), *rows.args("mask"))
-    return _RowsPlan(KernelLaunch(kernels().softmax_fwd_rows_kernel, grid, kwargs), scalars, rows.n_rows)
+    return _RowsPlan(KernelLaunch(kernels().softmax_fwd_rows_kernel, grid, kwargs), scalars, rows.n_rows,
+                     _stats_shape(x, dim))
 
 
 def _backward_plan(kind, grad, x, dim, scale, scale_tensor, mask, dx, row_max, row_sum):
