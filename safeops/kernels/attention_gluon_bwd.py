@@ -786,9 +786,15 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
     slot = c % NUM_STAGES
     q_s = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
     do_s = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    st, dpt = _issue_st_dpt(bufs, k_w, v_w, q_s, do_s, slot, (c // NUM_STAGES) & 1, s_layout)
-    st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+    # S^T first and P^T from it, then dP^T: with both products in flight beside dK / dV the consumers
+    # spill (experiment).
+    s_zero = gl.zeros([BLOCK_N_WG, BLOCK_M], gl.float32, s_layout)
+    mbarrier.wait(q_ready.index(slot), (c // NUM_STAGES) & 1)
+    st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    st = warpgroup_mma_wait(num_outstanding=0, deps=(st,))
     pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED)
+    mbarrier.wait(do_ready.index(slot), (c // NUM_STAGES) & 1)
+    dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
     delta = delta_smem.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
     dst = (pt * (dpt - delta[None, :])).to(dtype)
