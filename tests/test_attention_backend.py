@@ -545,13 +545,14 @@ def test_gluon_fused_launch_matches_the_compiled_signature(monkeypatch, recorded
     assert torch.equal(args[6].base, m) and torch.equal(args[7].base, l)  # copies padded for TMA (Sq = 130)
     expected = (o.double() * g.double()).sum(-1)
     torch.testing.assert_close(args[8].base.double(), expected, rtol=1e-5, atol=1e-4)  # delta
-    acc, out, turns = args[9], args[10], args[11]
+    acc_desc, acc, out, turns = args[9], args[10], args[11], args[12]
     n_m, n_n = -(-sq // cfg.block_m), -(-sk // cfg.block_n)
     assert acc.shape == q.shape and acc.dtype == torch.float32 and acc.is_contiguous()
+    assert acc_desc.base is acc and acc_desc.block_shape == KB.dqacc_block_shape(cfg, d)  # TMA_REDUCE's view
     assert out is dq and cfg.finalize  # the kernel's last turn writes dq itself
     assert turns.shape == (4 * n_m,) and turns.dtype == torch.int32 and not turns.any()
     c1, _, scale_ds = L.constants(0.1, None)
-    assert args[12:] == (c1, scale_ds, 4, 2, 2, sq, sk, n_n, n_n * 2) and grid == (n_n * 2,)  # one head chunk
+    assert args[13:] == (c1, scale_ds, 4, 2, 2, sq, sk, n_n, n_n * 2) and grid == (n_n * 2,)  # one head chunk
     monkeypatch.setattr(G, "GLUON_FUSED", False)
     assert safeops.attention_backend(q, k, v, is_causal=True, backward=True)[1].endswith("Gluon dq, dk / dv")
 

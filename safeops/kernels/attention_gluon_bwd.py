@@ -32,8 +32,10 @@ blocks ascending), no atomics: deterministic, and batch-invariant.
 
 from dataclasses import dataclass
 
+from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin as _builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -732,6 +734,10 @@ class GluonFusedConfig:
     finalize: bool = True
     num_wg: int = 2
     consumer_regs: int = 240
+    # (split_d, finalize off) The writer adds each warpgroup's dQ partial into the buffer with one TMA
+    # reduce-add from shared memory (cp.reduce.async.bulk.tensor) instead of per-element atomic adds, and
+    # passes the turn once the reduction has completed.
+    tma_reduce: bool = False
 
     @property
     def block_n(self) -> int:
@@ -757,14 +763,50 @@ def writer_regs(consumer_regs: int) -> int:
 
 def fused_constexprs(cfg: GluonFusedConfig, causal: bool) -> dict:
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
-                DQ_BUFS=cfg.dq_bufs, SPLIT_D=cfg.split_d, FINALIZE=cfg.finalize)
+                DQ_BUFS=cfg.dq_bufs, SPLIT_D=cfg.split_d, FINALIZE=cfg.finalize, TMA_REDUCE=cfg.tma_reduce)
 
 
 def fused_signature(cfg: GluonFusedConfig, head_dim: int, dtype: str) -> dict[str, str]:
     """Runtime argument types of the fused kernel as Triton's compiler spells them, in argument order."""
     types = signature(GluonBwdConfig(block_m=cfg.block_m, num_stages=cfg.num_stages), head_dim, dtype)
-    types.update(dq_ptr="*fp32", out_ptr=f"*{_SHORT[dtype]}", sem_ptr="*i32")
+    block = dqacc_block_shape(cfg, head_dim)
+    types.update(dqacc_desc=f"tensordesc<fp32[{', '.join(map(str, block))}],{dqacc_layout(cfg, head_dim)!r}>",
+                 dq_ptr="*fp32", out_ptr=f"*{_SHORT[dtype]}", sem_ptr="*i32")
     return {name: types[name] for name in attn_bwd_fused_gluon_kernel.arg_names if name in types}
+
+
+def dqacc_block_shape(cfg: GluonFusedConfig, head_dim: int) -> list[int]:
+    """TMA block of the fp32 dq buffer ((B, Hq, Sq, D)): one warpgroup's dQ partial (split by columns: its
+    half of the head dim)."""
+    return [1, 1, cfg.block_m, head_dim // cfg.num_wg if cfg.split_d else head_dim]
+
+
+def dqacc_layout(cfg: GluonFusedConfig, head_dim: int) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for(dqacc_block_shape(cfg, head_dim), gl.float32)
+
+
+@_builtin
+def _tma_reduce_add(desc, coord, src, _semantic=None):
+    """TMA reduce-add of shared-memory tile ``src`` into ``desc``'s tensor at ``coord`` (Triton 3.6's Gluon
+    builder has the operation; its Python API does not name it)."""
+    offsets = _semantic._convert_to_ir_values(coord, require_i64=False)
+    kind = _ir.DESCRIPTOR_REDUCE_KIND.ADD
+    _semantic.builder.create_async_tma_reduce(kind, desc.handle, offsets, src.handle)
+
+
+@gluon.jit
+def _bulk_done(lanes):
+    """Waits until this thread's bulk async operations have completed (their writes performed, not only
+    their shared-memory reads), then orders them before the thread's later generic-proxy accesses."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
+                              "=r,r", [lanes], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _async_after_acquire(lanes):
+    """Orders this thread's acquired generic-proxy view before its later async-proxy (TMA) accesses."""
+    gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r,r", [lanes],
+                              dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -778,7 +820,7 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
     them)."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
-    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free = fbufs
+    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free, dqacc_desc = fbufs
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
@@ -786,9 +828,15 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
     slot = c % NUM_STAGES
     q_s = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
     do_s = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    st, dpt = _issue_st_dpt(bufs, k_w, v_w, q_s, do_s, slot, (c // NUM_STAGES) & 1, s_layout)
-    st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+    # S^T first and P^T from it, then dP^T: with both products in flight beside dK / dV the consumers
+    # spill (experiment).
+    s_zero = gl.zeros([BLOCK_N_WG, BLOCK_M], gl.float32, s_layout)
+    mbarrier.wait(q_ready.index(slot), (c // NUM_STAGES) & 1)
+    st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    st = warpgroup_mma_wait(num_outstanding=0, deps=(st,))
     pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED)
+    mbarrier.wait(do_ready.index(slot), (c // NUM_STAGES) & 1)
+    dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
     delta = delta_smem.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
     dst = (pt * (dpt - delta[None, :])).to(dtype)
@@ -881,7 +929,7 @@ def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, N
                                  NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, DQ_AFTER)
             c += 1
     if SPLIT_D:  # the other warpgroup's dQ products read this one's K: dK goes there once they are done
-        ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free = fbufs
+        ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free, dqacc_desc = fbufs
         mbarrier.arrive(k_free, count=1)
         mbarrier.wait(k_free, 0)
     dk = dk * scale_ds
@@ -968,14 +1016,14 @@ def _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, has_prev, scale
 
 @gluon.jit
 def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr,
-            SPLIT_D: gl.constexpr, FINALIZE: gl.constexpr):
+            SPLIT_D: gl.constexpr, FINALIZE: gl.constexpr, TMA_REDUCE: gl.constexpr):
     """The writer warp: per step, waits for both consumers' dQ partials and the query block's turn, adds
     dQ_0 + dQ_1 into the fp32 accumulator (rows past seqlen_q dropped) and passes the turn on: each lane
     adds 1 to the counter with release after its own atomic adds, so the next CTA, waiting for 32 more,
     sees every one of them."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
-    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free = fbufs
+    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free, dqacc_desc = fbufs
     C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -1008,47 +1056,61 @@ def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_B
                 seen = gl.min(gl.load(sem_lanes, volatile=True), axis=0)
             seen = _turn_count(sem_lanes, lanes)
             row0 = mb * BLOCK_M
-            offset = (bh.to(gl.int64) * seqlen_q + row0) * HEAD_DIM
-            base = dq_ptr + offset
-            out_base = out_ptr + offset
-            n_rows = gl.minimum(seqlen_q - row0, BLOCK_M)
-            if FINALIZE and turn == turns - 1:  # the last turn: dq out
-                if n_rows == BLOCK_M:
-                    _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, turn > 0, scale_ds, NUM_WG,
-                                BLOCK_M, HEAD_DIM, False, SPLIT_D, 2)
-                else:
-                    _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, turn > 0, scale_ds, NUM_WG,
-                                BLOCK_M, HEAD_DIM, True, SPLIT_D, 2)
-            elif FINALIZE and turn == 0:  # the first turn (of several): the buffer starts as its partial
-                if n_rows == BLOCK_M:
-                    _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, False, scale_ds, NUM_WG,
-                                BLOCK_M, HEAD_DIM, False, SPLIT_D, 1)
-                else:
-                    _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, False, scale_ds, NUM_WG,
-                                BLOCK_M, HEAD_DIM, True, SPLIT_D, 1)
+            if TMA_REDUCE:  # (SPLIT_D, not FINALIZE) each warpgroup's column half: one TMA reduce-add
+                gl.static_assert(SPLIT_D and not FINALIZE)
+                HALF: gl.constexpr = HEAD_DIM // NUM_WG
+                _async_after_acquire(lanes)
+                for w in gl.static_range(NUM_WG):
+                    _tma_reduce_add(dqacc_desc, [b, hk * group + g, row0, w * HALF],
+                                    dq_smem.index(qb * NUM_WG + w).reshape([1, 1, BLOCK_M, HALF]))
+                tma.store_wait(pendings=0)  # the buffers have been read
+                mbarrier.arrive(dq_empty.index(qb), count=1)
+                _bulk_done(lanes)  # the additions are in memory before the turn passes
+                gl.atomic_add(sem_lanes, lanes + 1, sem="release", scope="gpu")
             else:
-                if n_rows == BLOCK_M:
-                    _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, True, scale_ds, NUM_WG,
-                                BLOCK_M, HEAD_DIM, False, SPLIT_D, 0)
+                offset = (bh.to(gl.int64) * seqlen_q + row0) * HEAD_DIM
+                base = dq_ptr + offset
+                out_base = out_ptr + offset
+                n_rows = gl.minimum(seqlen_q - row0, BLOCK_M)
+                if FINALIZE and turn == turns - 1:  # the last turn: dq out
+                    if n_rows == BLOCK_M:
+                        _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, turn > 0, scale_ds,
+                                    NUM_WG, BLOCK_M, HEAD_DIM, False, SPLIT_D, 2)
+                    else:
+                        _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, turn > 0, scale_ds,
+                                    NUM_WG, BLOCK_M, HEAD_DIM, True, SPLIT_D, 2)
+                elif FINALIZE and turn == 0:  # the first turn (of several): the buffer starts as its partial
+                    if n_rows == BLOCK_M:
+                        _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, False, scale_ds, NUM_WG,
+                                    BLOCK_M, HEAD_DIM, False, SPLIT_D, 1)
+                    else:
+                        _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, False, scale_ds, NUM_WG,
+                                    BLOCK_M, HEAD_DIM, True, SPLIT_D, 1)
                 else:
-                    _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, True, scale_ds, NUM_WG,
-                                BLOCK_M, HEAD_DIM, True, SPLIT_D, 0)
-            mbarrier.arrive(dq_empty.index(qb), count=1)
-            gl.atomic_add(sem_lanes, lanes + 1, sem="release", scope="gpu")
+                    if n_rows == BLOCK_M:
+                        _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, True, scale_ds, NUM_WG,
+                                    BLOCK_M, HEAD_DIM, False, SPLIT_D, 0)
+                    else:
+                        _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, True, scale_ds, NUM_WG,
+                                    BLOCK_M, HEAD_DIM, True, SPLIT_D, 0)
+                mbarrier.arrive(dq_empty.index(qb), count=1)
+                gl.atomic_add(sem_lanes, lanes + 1, sem="release", scope="gpu")
             c += 1
 
 
 @gluon.jit(do_not_specialize=SIZE_ARGS)
 def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, m_desc, l_desc,
-                                delta_desc, dq_ptr, out_ptr, sem_ptr, C1, scale_ds, n_heads, group,
-                                head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles, CAUSAL: gl.constexpr,
-                                NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, FINALIZE: gl.constexpr):
+                                delta_desc, dqacc_desc, dq_ptr, out_ptr, sem_ptr, C1, scale_ds, n_heads,
+                                group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles,
+                                CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
+                                CONSUMER_REGS: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr,
+                                FINALIZE: gl.constexpr, TMA_REDUCE: gl.constexpr):
     """dk, dv of key block / kv head ``program_id(0)`` (as ``attn_bwd_dkdv_gluon_kernel``), and that
     block's share of dq added into ``dq_ptr``: fp32 (B, Hq, Sq, D) contiguous, unscaled. ``FINALIZE``: the
     buffer needs no zeroing, and dq = scale_ds * (its sum) goes to ``out_ptr`` ((B, Hq, Sq, D) contiguous,
-    the input dtype); otherwise the buffer starts zeroed and holds the sum after the kernel. ``sem_ptr``:
-    int32 (B, Hq, cdiv(Sq, BLOCK_M)) zeroed turn counters."""
+    the input dtype); otherwise the buffer starts zeroed and holds the sum after the kernel. ``dqacc_desc``:
+    a TMA descriptor over the same buffer (blocks of :func:`dqacc_block_shape`), which ``TMA_REDUCE`` adds
+    into. ``sem_ptr``: int32 (B, Hq, cdiv(Sq, BLOCK_M)) zeroed turn counters."""
     gl.static_assert(NUM_WG == 2)
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -1097,7 +1159,7 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         mbarrier.init(dq_empty.index(i), count=1)  # the writer has read them
     bufs = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
             q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem)
-    fbufs = (ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free)
+    fbufs = (ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free, dqacc_desc)
     sizes = (C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles)
     # (The constexprs go in literal tuples: a tuple assigned to a name first carries them as tensors.)
     gl.warp_specialize([(_fused_consumer0, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS,
@@ -1105,5 +1167,6 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                         (_fused_consumer1, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS,
                                             SPLIT_D)),
                         (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, True)),
-                        (_writer, (bufs, fbufs, sizes, CAUSAL, NUM_WG, DQ_BUFS, SPLIT_D, FINALIZE))],
+                        (_writer, (bufs, fbufs, sizes, CAUSAL, NUM_WG, DQ_BUFS, SPLIT_D, FINALIZE,
+                                   TMA_REDUCE))],
                        [4, 1, 1], [CONSUMER_REGS, WRITER_REGS, WRITER_REGS])

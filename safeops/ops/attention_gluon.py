@@ -583,15 +583,22 @@ class FusedPlan(BwdPlan):
         descs, dk_, dv_ = self._descriptors(q, k, v, grad, m, l, delta, dk, dv)
         batch, hq, sq, d = q.shape
         turns = torch.zeros(batch * hq * self.n_m_blocks, dtype=torch.int32, device=q.device)
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        K = bwd_kernels()
         if self.cfg.finalize:  # the kernel writes dq (contiguous) and needs no zeroed buffer
             acc = torch.empty((batch, hq, sq, d), dtype=torch.float32, device=q.device)
             out = dq if dq.is_contiguous() else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            self.launch(*descs, acc, out, turns, *self.args)
-            if out is not dq:
-                dq.copy_(out)
         else:  # dq = scale_ds * (the buffer's fixed-order sum), one fp32 multiply, rounded once
             acc = torch.zeros((batch, hq, sq, d), dtype=torch.float32, device=q.device)
-            self.launch(*descs, acc, q, turns, *self.args)
+            out = q
+        acc_desc = TensorDescriptor(acc, *_view4(acc, False), K.dqacc_block_shape(self.cfg, d),
+                                    K.dqacc_layout(self.cfg, d))
+        self.launch(*descs, acc_desc, acc, out, turns, *self.args)
+        if self.cfg.finalize:
+            if out is not dq:
+                dq.copy_(out)
+        else:
             dq.copy_(acc.mul_(self.scale_ds))
         if dk_ is not dk:
             dk.copy_(dk_)
