@@ -377,7 +377,9 @@ def test_gpu_softmax_dtype_and_alignment_pairs(cuda_plans, op):
         out, dx = _forward_backward(op, xi, gi, **kw)
         _same_bits(out, fresh[name][0], f"{op} {name}: out")
         _same_bits(dx, fresh[name][1], f"{op} {name}: dx")
-    assert all(p.launch._compiled for p in _plans(SL._BACKWARD).values()), "plans not launched directly"
+    # (An unaligned gradient is copied on every call: its signature holds the general-path marker, no launch.)
+    assert all(p.launch._compiled for p in _plans(SL._BACKWARD).values() if p is not SL._GENERAL), \
+        "plans not launched directly"
 
 
 @pytest.mark.gpu
