@@ -885,6 +885,7 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
     qb = c % DQ_BUFS
     mbarrier.wait(dq_empty.index(qb), ((c // DQ_BUFS) & 1) ^ 1)
     dq_smem.index(qb * NUM_WG + w).store(dq)
+    fence_async_shared()  # (tma_reduce) the writer's TMA reads these stores through the async proxy
     gl.thread_barrier()  # every warp's part is in shared memory before the one arrive
     mbarrier.arrive(dq_full.index(qb), count=1)
     return dk, dv
