@@ -235,10 +235,19 @@ def gluon_fused(monkeypatch):
     L.clear_plans()
 
 
-@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
-def test_fused_matches_oracle(dtype, d, causal, rng, gluon_fused):
+@pytest.fixture
+def gluon_fused_tma(monkeypatch, gluon_fused):
+    """The fused backward at D=128 with its TMA reduce-add writer (GluonFusedConfig.tma_reduce, finalize off:
+    the partials go into a zeroed fp32 buffer, dq = scale * buffer after the kernel)."""
+    import dataclasses
+
+    KB = G.bwd_kernels()
+    monkeypatch.setitem(KB.FUSED_CONFIGS, 128,
+                        dataclasses.replace(KB.FUSED_CONFIGS[128], tma_reduce=True, finalize=False))
+    L.clear_plans()
+
+
+def _fused_oracle(dtype, d, causal, rng):
     for b, hq, hkv, sq, sk in SHAPES + [(1, 2, 1, 1000, 1000), (1, 2, 2, 130, 700)]:
         q = rng.randn(b, hq, sq, d, dtype=dtype)
         k, v = (rng.randn(b, hkv, sk, d, dtype=dtype) for _ in range(2))
@@ -246,8 +255,7 @@ def test_fused_matches_oracle(dtype, d, causal, rng, gluon_fused):
         check_oracle(q, k, v, rng, is_causal=causal)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
-def test_fused_deterministic_over_100_reruns_and_batch_invariant(causal, rng, gluon_fused):
+def _fused_deterministic(causal, rng):
     q, g = (rng.randn(3, 8, 1000, 128, dtype=BF16) for _ in range(2))
     k, v = (rng.randn(3, 2, 1000, 128, dtype=BF16) for _ in range(2))
     first = _grads(q, k, v, g, is_causal=causal)
@@ -258,7 +266,7 @@ def test_fused_deterministic_over_100_reruns_and_batch_invariant(causal, rng, gl
     assert all(torch.equal(a[1:2], b) for a, b in zip(first, alone, strict=True))
 
 
-def test_fused_keys_no_query_sees_and_sinks(rng, gluon_fused):
+def _fused_keys_no_query_sees_and_sinks(rng):
     q, g = (rng.randn(2, 4, 100, 128, dtype=BF16) for _ in range(2))
     k, v = (rng.randn(2, 4, 300, 128, dtype=BF16) for _ in range(2))
     dq, dk, dv = _grads(q, k, v, g, is_causal=True)
@@ -269,3 +277,35 @@ def test_fused_keys_no_query_sees_and_sinks(rng, gluon_fused):
     sinks = rng.randn(4, std=2.0)
     assert "fused Gluon" in safeops.attention_backend(q, k, v, is_causal=True, sinks=sinks, backward=True)[1]
     check_sinks_oracle(q, k, v, sinks, rng, is_causal=True)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_fused_matches_oracle(dtype, d, causal, rng, gluon_fused):
+    _fused_oracle(dtype, d, causal, rng)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_fused_deterministic_over_100_reruns_and_batch_invariant(causal, rng, gluon_fused):
+    _fused_deterministic(causal, rng)
+
+
+def test_fused_keys_no_query_sees_and_sinks(rng, gluon_fused):
+    _fused_keys_no_query_sees_and_sinks(rng)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_fused_tma_matches_oracle(dtype, causal, rng, gluon_fused_tma):
+    assert G.bwd_kernels().FUSED_CONFIGS[128].tma_reduce
+    _fused_oracle(dtype, 128, causal, rng)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_fused_tma_deterministic_over_100_reruns_and_batch_invariant(causal, rng, gluon_fused_tma):
+    _fused_deterministic(causal, rng)
+
+
+def test_fused_tma_keys_no_query_sees_and_sinks(rng, gluon_fused_tma):
+    _fused_keys_no_query_sees_and_sinks(rng)

@@ -14,7 +14,8 @@ per kernel. Then:
 - contract section 1 at the instruction level: no f32 ``fma`` and every f32 mul / add / sub ``.rn`` in the
   PTX, so ``z2 = s * C1`` is rounded once and the same bits feed the row max and ``z2 - m``; with fp fusion
   on the same kernel shows fma (the check can fail);
-- the fused backward (dK / dV and dQ with a writer warp, off until measured) compiles the same way;
+- the fused backward (dK / dV and dQ with a writer warp, off until measured), with its atomic and its TMA
+  reduce-add writer, compiles the same way;
 - the FA3 structure is what was compiled: Hopper wgmma, and setmaxnreg giving the consumer warpgroups their
   registers and the TMA warp 24;
 - it fits: shared memory at most 227 KB (232448 bytes, the H100 / H200 per-block limit), and ptxas (Triton's
@@ -45,7 +46,7 @@ SMEM_LIMIT = 232448  # bytes: H100/H200 (sm_90) maximum dynamic shared memory pe
 # which this cap lets through and a regression past it does not.
 # The D=64 forward runs three consumer warpgroups at 160 registers: 0-256 bytes of spills, and measured faster
 # than two warpgroups without spills (bench/RESULTS.md); capped there at what it spills today.
-SPILL_CAP = {"fwd": 0, "fwd+window": 0, "bwd": 96, "dq": 0, "fused": 1100}
+SPILL_CAP = {"fwd": 0, "fwd+window": 0, "bwd": 96, "dq": 0, "fused": 1100, "fused+tma": 300}
 SPILL_CAP_FWD_D64 = 256
 
 
@@ -105,8 +106,11 @@ _SCRIPT = textwrap.dedent(
             sig = KB.signature(cfg, d, dtype)
             aligned = ()
             loader_regs = KB.LOADER_REGS
-        elif kind == "fused":  # dK / dV and dQ in one kernel; dq_ptr / sem_ptr are fresh torch allocations
+        elif kind.startswith("fused"):  # dK / dV and dQ in one kernel; dq_ptr / sem_ptr: fresh allocations
             cfg = KB.FUSED_CONFIGS[d]
+            if kind == "fused+tma":  # its writer's TMA reduce-add (finalize off)
+                import dataclasses
+                cfg = dataclasses.replace(cfg, tma_reduce=True, finalize=False)
             fn = KB.attn_bwd_fused_gluon_kernel
             constexprs = KB.fused_constexprs(cfg, causal)
             sig = KB.fused_signature(cfg, d, dtype)
@@ -181,7 +185,7 @@ def _dims(kind: str) -> tuple[int, ...]:
 
 CONFIGS = [(kind, dtype, d, causal, varlen) for kind in FWD_KINDS for dtype in _dtypes(kind)
            for d in _dims(kind) for causal in (False, True) for varlen in (False, True)] + [
-    (kind, dtype, d, causal, False) for kind in ("bwd", "dq", "fused") for dtype in _dtypes(kind)
+    (kind, dtype, d, causal, False) for kind in ("bwd", "dq", "fused", "fused+tma") for dtype in _dtypes(kind)
     for d in _dims(kind) for causal in (False, True)]
 # The contraction check's controls: one configuration of each kernel compiled with fp fusion on must show
 # f32 fma.
