@@ -563,7 +563,7 @@ class FusedPlan(BwdPlan):
     options): dk, dv and dq in one kernel (:class:`BwdPlan`'s launch, plus an fp32 dq buffer, dq and the
     turn counters)."""
 
-    __slots__ = ("n_m_blocks", "scale_ds")
+    __slots__ = ("n_m_blocks", "scale_ds", "acc_block", "acc_layout")
 
     @staticmethod
     def _kernel(K, d: int, causal: bool):
@@ -577,6 +577,8 @@ class FusedPlan(BwdPlan):
         if batch * hq * self.n_m_blocks >= 2**31 or batch * hq * sq * d >= 2**62:
             raise ValueError("q: too many query blocks for the fused backward's turn counters")
         self.scale_ds = scale_ds
+        K = bwd_kernels()
+        self.acc_block, self.acc_layout = K.dqacc_block_shape(self.cfg, d), K.dqacc_layout(self.cfg, d)
 
     def __call__(self, q, k, v, grad, m, l, delta, dq, dk, dv) -> None:
         """Writes dq, dk and dv (q's, k's and v's shapes and dtype; any layout)."""
@@ -585,15 +587,13 @@ class FusedPlan(BwdPlan):
         turns = torch.zeros(batch * hq * self.n_m_blocks, dtype=torch.int32, device=q.device)
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-        K = bwd_kernels()
         if self.cfg.finalize:  # the kernel writes dq (contiguous) and needs no zeroed buffer
             acc = torch.empty((batch, hq, sq, d), dtype=torch.float32, device=q.device)
             out = dq if dq.is_contiguous() else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         else:  # dq = scale_ds * (the buffer's fixed-order sum), one fp32 multiply, rounded once
             acc = torch.zeros((batch, hq, sq, d), dtype=torch.float32, device=q.device)
             out = q
-        acc_desc = TensorDescriptor(acc, *_view4(acc, False), K.dqacc_block_shape(self.cfg, d),
-                                    K.dqacc_layout(self.cfg, d))
+        acc_desc = TensorDescriptor(acc, *_view4(acc, False), self.acc_block, self.acc_layout)
         self.launch(*descs, acc_desc, acc, out, turns, *self.args)
         if self.cfg.finalize:
             if out is not dq:
