@@ -456,8 +456,8 @@ class BwdPlan:
     __slots__ = ("cfg", "block_shapes", "layouts", "stat_layout", "args", "launch", "copy", "scratch")
 
     @staticmethod
-    def _kernel(K, d: int, causal: bool):
-        """(configuration, kernel, constexprs) of head dim ``d``."""
+    def _kernel(K, d: int, causal: bool, sk: int, device: torch.device):
+        """(configuration, kernel, constexprs) of head dim ``d`` (``sk`` keys on ``device``)."""
         cfg = K.BWD_CONFIGS[d]
         return cfg, K.attn_bwd_dkdv_gluon_kernel, K.constexprs(cfg, causal)
 
@@ -467,7 +467,7 @@ class BwdPlan:
         K = bwd_kernels()
         batch, hq, sq, d = q.shape
         hkv, sk = k.shape[1], k.shape[2]
-        cfg, kernel, constexprs = self._kernel(K, d, causal)
+        cfg, kernel, constexprs = self._kernel(K, d, causal, sk, q.device)
         self.cfg = cfg
         dtype = "bfloat16" if q.dtype == torch.bfloat16 else "float16"
         shapes = K.block_shapes(cfg, d)
@@ -566,9 +566,10 @@ class FusedPlan(BwdPlan):
     __slots__ = ("n_m_blocks", "scale_ds", "acc_block", "acc_layout")
 
     @staticmethod
-    def _kernel(K, d: int, causal: bool):
+    def _kernel(K, d: int, causal: bool, sk: int, device: torch.device):
         cfg = K.FUSED_CONFIGS[d]
-        return cfg, K.attn_bwd_fused_gluon_kernel, K.fused_constexprs(cfg, causal)
+        shift = K.fused_shift(cfg, causal, triton.cdiv(sk, cfg.block_n), _num_sms(device.index))
+        return cfg, K.attn_bwd_fused_gluon_kernel, K.fused_constexprs(cfg, causal, shift)
 
     def __init__(self, q, k, v, grad, causal: bool, c1: float, scale_ds: float):
         super().__init__(q, k, v, grad, causal, c1, scale_ds)
