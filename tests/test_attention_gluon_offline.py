@@ -46,7 +46,8 @@ SMEM_LIMIT = 232448  # bytes: H100/H200 (sm_90) maximum dynamic shared memory pe
 # which this cap lets through and a regression past it does not.
 # The D=64 forward runs three consumer warpgroups at 160 registers: 0-256 bytes of spills, and measured faster
 # than two warpgroups without spills (bench/RESULTS.md); capped there at what it spills today.
-SPILL_CAP = {"fwd": 0, "fwd+window": 0, "bwd": 96, "dq": 0, "fused": 1100, "fused+tma": 300, "fused+tma+shift": 300}
+SPILL_CAP = {"fwd": 0, "fwd+window": 0, "bwd": 96, "dq": 0, "fused": 1100, "fused+tma": 300,
+             "fused+tma+shift": 300}
 SPILL_CAP_FWD_D64 = 256
 
 
