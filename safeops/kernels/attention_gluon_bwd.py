@@ -1127,8 +1127,11 @@ def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_B
                 HALF: gl.constexpr = HEAD_DIM // NUM_WG
                 _async_after_acquire(lanes)
                 for w in gl.static_range(NUM_WG):
-                    _tma_reduce_add(dqacc_desc, [b, hk * group + g, row0, w * HALF],
-                                    dq_smem.index(qb * NUM_WG + w).reshape([1, 1, BLOCK_M, HALF]))
+                    part = dq_smem.index(qb * NUM_WG + w).reshape([1, 1, BLOCK_M, HALF])
+                    if turn == 0:  # the first turn stores: the buffer needs no zeroing
+                        tma.async_copy_shared_to_global(dqacc_desc, [b, hk * group + g, row0, w * HALF], part)
+                    else:
+                        _tma_reduce_add(dqacc_desc, [b, hk * group + g, row0, w * HALF], part)
                 tma.store_wait(pendings=0)  # the buffers have been read
                 mbarrier.arrive(dq_empty.index(qb), count=1)
                 _bulk_done(lanes)  # the additions are in memory before the turn passes
@@ -1175,7 +1178,8 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     """dk, dv of key block / kv head ``program_id(0)`` (as ``attn_bwd_dkdv_gluon_kernel``), and that
     block's share of dq added into ``dq_ptr``: fp32 (B, Hq, Sq, D) contiguous, unscaled. ``FINALIZE``: the
     buffer needs no zeroing, and dq = scale_ds * (its sum) goes to ``out_ptr`` ((B, Hq, Sq, D) contiguous,
-    the input dtype); otherwise the buffer starts zeroed and holds the sum after the kernel. ``dqacc_desc``:
+    the input dtype); otherwise the buffer holds the sum after the kernel (``TMA_REDUCE``: the first turn
+    stores, so it needs no zeroing either; the atomic writer adds into a zeroed buffer). ``dqacc_desc``:
     a TMA descriptor over the same buffer (blocks of :func:`dqacc_block_shape`), which ``TMA_REDUCE`` adds
     into. ``sem_ptr``: int32 (B, Hq, cdiv(Sq, BLOCK_M)) zeroed turn counters. ``SHIFT`` (not causal): CTAs
     numbered head by head, each starting at its own query block (:func:`_writer`); a CTA may then wait for

@@ -592,7 +592,11 @@ class FusedPlan(BwdPlan):
             acc = torch.empty((batch, hq, sq, d), dtype=torch.float32, device=q.device)
             out = dq if dq.is_contiguous() else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         else:  # dq = scale_ds * (the buffer's fixed-order sum), one fp32 multiply, rounded once
-            acc = torch.zeros((batch, hq, sq, d), dtype=torch.float32, device=q.device)
+            # The TMA writer's first turn of each query block stores (every block has one: key block 0 sees
+            # every query); the atomic writer adds from zero.
+            zeroed = not self.cfg.tma_reduce or k.shape[2] == 0
+            acc = (torch.zeros if zeroed else torch.empty)((batch, hq, sq, d), dtype=torch.float32,
+                                                            device=q.device)
             out = q
         acc_desc = TensorDescriptor(acc, *_view4(acc, False), self.acc_block, self.acc_layout)
         self.launch(*descs, acc_desc, acc, out, turns, *self.args)
@@ -600,7 +604,9 @@ class FusedPlan(BwdPlan):
             if out is not dq:
                 dq.copy_(out)
         else:
-            dq.copy_(acc.mul_(self.scale_ds))
+            from .attention_launch import dq_scale
+
+            dq_scale(acc, dq, self.scale_ds)
         if dk_ is not dk:
             dk.copy_(dk_)
             dv.copy_(dv_)
