@@ -325,8 +325,12 @@ class Turn:
         return self.counters.get(self.key, 0) >= self.target
 
 
-def fused_tile(tile: int, n_n_blocks: int, n_bh: int, head_group: int, causal: bool) -> tuple[int, int]:
-    """(key block, batch x kv head) of CTA ``tile``: attention_gluon_bwd._tile_coords with ORDERED."""
+def fused_tile(tile: int, n_n_blocks: int, n_bh: int, head_group: int, causal: bool,
+               shift: bool = False) -> tuple[int, int]:
+    """(key block, batch x kv head) of CTA ``tile``: attention_gluon_bwd._tile_coords with ORDERED (with
+    ``shift``, without: head by head)."""
+    if shift:
+        return tile % n_n_blocks, tile // n_n_blocks
     chunk, r = divmod(tile, head_group * n_n_blocks)
     heads_here = min(head_group, n_bh - chunk * head_group)
     n_block = r // heads_here
@@ -337,33 +341,42 @@ def fused_tile(tile: int, n_n_blocks: int, n_bh: int, head_group: int, causal: b
 
 def simulate_fused(n_m: int, n_n_blocks: int, n_bh: int, group: int, head_group: int, causal: bool,
                    sms: int, dq_bufs: int, num_wg: int, seed: int, block_ratio: int = 2,
-                   split_d: bool = False, k_free_wait: bool = True) -> dict:
+                   split_d: bool = False, k_free_wait: bool = True, shift: bool = False,
+                   early_turn: bool = False) -> dict:
     """The fused backward (attn_bwd_fused_gluon_kernel) over its whole grid: CTAs start in tile order on at
     most ``sms`` slots (a GPU dispatches a grid in order) and leave when done. In each CTA the consumers
     hand each step's dQ partials to the writer through ``dq_bufs`` buffers (dq_full, count num_wg;
     dq_empty, count 1); the writer waits for the query block's turn, adds, and passes the turn on. Key
     blocks are ``block_ratio`` query blocks long. ``split_d`` (GluonFusedConfig.split_d): each consumer's dQ
     products read every consumer's K, so a consumer may store its dK over its K only after the others' last
-    dQ products (k_free; ``k_free_wait=False`` drops that wait). Raises on deadlock, a buffer read before it
+    dQ products (k_free; ``k_free_wait=False`` drops that wait). ``shift`` (not causal;
+    GluonFusedConfig.shift): CTAs head by head, each starting at its first home query block and wrapping
+    around, a query block's turns from its home key block down (wrapping). ``early_turn``: the writer waits
+    for the turn before the partials. Raises on deadlock, a buffer read before it
     is written or overwritten before it is read, or additions out of the fixed order; returns {(q head,
     query block): key blocks in the order they added}."""
     rnd = random.Random(seed)
     counters, added = {}, {}
     n_tiles = n_n_blocks * n_bh
 
+    assert not (shift and causal)
+
     def steps(n_block, bh):
         lo = min(n_block * block_n // block_m, n_m) if causal else 0  # _tile_coords
-        return [(bh * group + g, mb) for g in range(group) for mb in range(lo, n_m)]
+        start = -(-n_block * n_m // n_n_blocks) if shift else 0  # _shift_start
+        return [(bh * group + g, (mb + start) % n_m) for g in range(group) for mb in range(lo, n_m)]
 
     block_m, block_n = 64, 64 * block_ratio
 
     def turn(n_block, mb):  # the writer's formula
         if causal:  # key blocks n_hi, n_hi - 1, ..., 0 add into query block mb
             return min(n_n_blocks - 1, (mb * block_m + block_m - 1) // block_n) - n_block
+        if shift:  # from the home key block down, wrapping around
+            return (mb * n_n_blocks // n_m - n_block) % n_n_blocks
         return n_block
 
     def cta(tile):
-        n_block, bh = fused_tile(tile, n_n_blocks, n_bh, head_group, causal)
+        n_block, bh = fused_tile(tile, n_n_blocks, n_bh, head_group, causal, shift)
         work = steps(n_block, bh)
         full, empty = [Barrier(num_wg) for _ in range(dq_bufs)], [Barrier(1) for _ in range(dq_bufs)]
         buf = [dict() for _ in range(dq_bufs)]
@@ -393,6 +406,8 @@ def simulate_fused(n_m: int, n_n_blocks: int, n_bh: int, group: int, head_group:
         def writer():
             for c, key in enumerate(work):
                 b = c % dq_bufs
+                if early_turn:
+                    yield ("wait", Turn(counters, key, turn(n_block, key[1])), None)
                 yield ("wait", full[b], (c // dq_bufs) & 1)
                 assert all(buf[b].get(w) == (c, key) for w in range(num_wg)), \
                     f"tile {tile}: step {c} read {buf[b]}"
@@ -434,6 +449,10 @@ def simulate_fused(n_m: int, n_n_blocks: int, n_bh: int, group: int, head_group:
         if causal:
             n_hi = min(n_n_blocks - 1, mb // block_ratio)
             assert order == list(range(n_hi, -1, -1)), f"query block {(h, mb)}: added in order {order}"
+        elif shift:
+            home = mb * n_n_blocks // n_m
+            assert order == [(home - i) % n_n_blocks for i in range(n_n_blocks)], \
+                f"query block {(h, mb)}: added in order {order}"
         else:
             assert order == list(range(n_n_blocks)), f"query block {(h, mb)}: added in order {order}"
     assert len(added) == n_bh * group * n_m * (n_n_blocks > 0), "a query block got no dQ"
@@ -442,9 +461,12 @@ def simulate_fused(n_m: int, n_n_blocks: int, n_bh: int, group: int, head_group:
 
 def _random_fused(rnd: random.Random, seed: int) -> None:
     n_bh = rnd.randint(1, 4)
-    simulate_fused(rnd.randint(1, 7), rnd.randint(1, 4), n_bh, rnd.randint(1, 3), rnd.randint(1, n_bh),
-                   rnd.random() < 0.5, rnd.randint(1, 6), rnd.randint(1, 2), 2, seed,
-                   split_d=rnd.random() < 0.5)
+    causal = rnd.random() < 0.5
+    n_n_blocks, sms = rnd.randint(1, 4), rnd.randint(1, 6)
+    shift = not causal and n_n_blocks <= sms and rnd.random() < 0.5  # attention_gluon_bwd.fused_shift
+    simulate_fused(rnd.randint(1, 7), n_n_blocks, n_bh, rnd.randint(1, 3), rnd.randint(1, n_bh), causal, sms,
+                   rnd.randint(1, 2), 2, seed, split_d=rnd.random() < 0.5, shift=shift,
+                   early_turn=rnd.random() < 0.5)
 
 
 def main() -> None:

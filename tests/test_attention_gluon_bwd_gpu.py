@@ -309,3 +309,45 @@ def test_fused_tma_deterministic_over_100_reruns_and_batch_invariant(causal, rng
 
 def test_fused_tma_keys_no_query_sees_and_sinks(rng, gluon_fused_tma):
     _fused_keys_no_query_sees_and_sinks(rng)
+
+
+@pytest.fixture
+def gluon_fused_shift(monkeypatch, gluon_fused):
+    """The fused backward at D=128 with the TMA writer, the shifted order (GluonFusedConfig.shift: CTAs head
+    by head, each from its own first query block, turns from each block's home key block) and the writer
+    waiting for turns early."""
+    import dataclasses
+
+    KB = G.bwd_kernels()
+    monkeypatch.setitem(KB.FUSED_CONFIGS, 128, dataclasses.replace(
+        KB.FUSED_CONFIGS[128], tma_reduce=True, finalize=False, shift=True, early_turn=True))
+    L.clear_plans()
+
+
+def _shift_plans() -> list[bool]:
+    """SHIFT of every fused plan made so far."""
+    return [p.launch.kwargs["SHIFT"] for p in L._gluon_bwd_plans.values() if p.__class__ is G.FusedPlan]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_fused_shift_matches_oracle(dtype, rng, gluon_fused_shift):
+    _fused_oracle(dtype, 128, False, rng)
+    assert _shift_plans() and all(_shift_plans())
+
+
+def test_fused_shift_deterministic_over_100_reruns_and_batch_invariant(rng, gluon_fused_shift):
+    _fused_deterministic(False, rng)
+
+
+def test_fused_shift_with_every_sm_holding_a_key_block(rng, gluon_fused_shift):
+    """As many key blocks per head as SMs (the most the shifted order takes), four heads; one more key block
+    falls back to the plain order."""
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    q = rng.randn(1, 4, 256, 128, dtype=BF16)
+    k, v = (rng.randn(1, 4, sms * 128, 128, dtype=BF16) for _ in range(2))
+    check_oracle(q, k, v, rng)
+    assert _shift_plans() == [True]
+    L.clear_plans()
+    k, v = (rng.randn(1, 4, sms * 128 + 1, 128, dtype=BF16) for _ in range(2))
+    check_oracle(q, k, v, rng)
+    assert _shift_plans() == [False]

@@ -46,7 +46,8 @@ SMEM_LIMIT = 232448  # bytes: H100/H200 (sm_90) maximum dynamic shared memory pe
 # which this cap lets through and a regression past it does not.
 # The D=64 forward runs three consumer warpgroups at 160 registers: 0-256 bytes of spills, and measured faster
 # than two warpgroups without spills (bench/RESULTS.md); capped there at what it spills today.
-SPILL_CAP = {"fwd": 0, "fwd+window": 0, "bwd": 96, "dq": 0, "fused": 1100, "fused+tma": 300}
+SPILL_CAP = {"fwd": 0, "fwd+window": 0, "bwd": 96, "dq": 0, "fused": 1100, "fused+tma": 300,
+             "fused+tma+shift": 300}
 SPILL_CAP_FWD_D64 = 256
 
 
@@ -108,11 +109,14 @@ _SCRIPT = textwrap.dedent(
             loader_regs = KB.LOADER_REGS
         elif kind.startswith("fused"):  # dK / dV and dQ in one kernel; dq_ptr / sem_ptr: fresh allocations
             cfg = KB.FUSED_CONFIGS[d]
-            if kind == "fused+tma":  # its writer's TMA reduce-add (finalize off)
-                import dataclasses
+            import dataclasses
+            if "+tma" in kind:  # its writer's TMA reduce-add (finalize off)
                 cfg = dataclasses.replace(cfg, tma_reduce=True, finalize=False)
+            shift = "+shift" in kind  # (not causal) the shifted order, the writer waiting for turns early
+            if shift:
+                cfg = dataclasses.replace(cfg, shift=True, early_turn=True)
             fn = KB.attn_bwd_fused_gluon_kernel
-            constexprs = KB.fused_constexprs(cfg, causal)
+            constexprs = KB.fused_constexprs(cfg, causal, shift)
             sig = KB.fused_signature(cfg, d, dtype)
             aligned = ("dq_ptr", "out_ptr", "sem_ptr")
             loader_regs = KB.writer_regs(cfg.consumer_regs)  # the TMA warp shares the writer's warpgroup
@@ -186,7 +190,9 @@ def _dims(kind: str) -> tuple[int, ...]:
 CONFIGS = [(kind, dtype, d, causal, varlen) for kind in FWD_KINDS for dtype in _dtypes(kind)
            for d in _dims(kind) for causal in (False, True) for varlen in (False, True)] + [
     (kind, dtype, d, causal, False) for kind in ("bwd", "dq", "fused", "fused+tma") for dtype in _dtypes(kind)
-    for d in _dims(kind) for causal in (False, True)]
+    for d in _dims(kind) for causal in (False, True)] + [
+    ("fused+tma+shift", dtype, d, False, False) for dtype in _dtypes("fused+tma+shift")
+    for d in _dims("fused+tma+shift")]
 # The contraction check's controls: one configuration of each kernel compiled with fp fusion on must show
 # f32 fma.
 FUSION_ON = [("fwd", "bfloat16", 128, True, False), ("bwd", "bfloat16", 128, False, False),

@@ -5,6 +5,7 @@ barrier counting one consumer instead of both) trips the check."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import random
@@ -82,7 +83,8 @@ def test_fused_causal_longest_first_would_deadlock(monkeypatch):
     deadlocks. The fused kernel numbers them shortest first (_tile_coords with ORDERED)."""
     m = _model()
     real = m.fused_tile
-    monkeypatch.setattr(m, "fused_tile", lambda t, nb, n_bh, hg, causal: real(t, nb, n_bh, hg, False))
+    monkeypatch.setattr(m, "fused_tile",
+                        lambda t, nb, n_bh, hg, causal, shift: real(t, nb, n_bh, hg, False, shift))
     with pytest.raises(RuntimeError, match="deadlock"):
         m.simulate_fused(6, 3, 1, 1, 1, True, 1, 1, 2, 0)
 
@@ -111,3 +113,38 @@ def test_fused_split_d_stores_dk_only_after_both_dq_products():
     with pytest.raises(AssertionError, match="stored dK over its K"):
         for seed in range(200):
             m.simulate_fused(4, 2, 1, 1, 1, False, 2, 1, 2, seed, split_d=True, k_free_wait=False)
+
+
+def test_fused_shift_adds_from_the_home_key_block():
+    """The shifted order (GluonFusedConfig.shift, not causal): with 5 query blocks and 3 key blocks, key block
+    n's CTA starts at query block ceil(5 n / 3) = 0, 2, 4, and query block mb's turns run from its home
+    floor(3 mb / 5) down, wrapping around; every block still gets every key block, once, on any schedule."""
+    m = _model()
+    for seed in range(50):
+        added = m.simulate_fused(5, 3, 2, 2, 1, False, 3, 1, 2, seed, split_d=seed % 2 == 0, shift=True,
+                                 early_turn=seed % 3 == 0)
+        assert added[(0, 0)] == [0, 2, 1]
+        assert added[(1, 1)] == [0, 2, 1]
+        assert added[(0, 2)] == [1, 0, 2]
+        assert added[(3, 3)] == [1, 0, 2]
+        assert added[(2, 4)] == [2, 1, 0]
+
+
+def test_fused_shift_needs_a_head_on_the_gpu_at_once():
+    """In the shifted order a CTA can wait for one of its head numbered after it: with fewer SMs than key
+    blocks the started CTAs can all wait for one that cannot start (attention_gluon_bwd.fused_shift keeps
+    the plain order there)."""
+    m = _model()
+    with pytest.raises(RuntimeError, match="deadlock"):
+        m.simulate_fused(4, 3, 1, 1, 1, False, 2, 1, 2, 0, shift=True)
+    m.simulate_fused(4, 3, 1, 1, 1, False, 3, 1, 2, 0, shift=True)
+
+
+def test_fused_shift_is_chosen_only_where_a_head_fits():
+    from safeops.kernels import attention_gluon_bwd as KB
+
+    cfg = dataclasses.replace(KB.FUSED_CONFIGS[128], shift=True)
+    assert KB.fused_shift(cfg, False, 132, 132)
+    assert not KB.fused_shift(cfg, False, 133, 132)
+    assert not KB.fused_shift(cfg, True, 4, 132)
+    assert not KB.fused_shift(KB.FUSED_CONFIGS[128], False, 4, 132)

@@ -744,3 +744,19 @@ def attn_bwd_split_sum_kernel(
         _split_sum_tile(dvp_ptr, dv_ptr, (pid - n_blocks_k) * BLOCK_R, rows, n_heads, inner, svpo, svph, svpi,
                         svo, svh, svi, HEAD_DIM_V, SPLIT, BLOCK_R, BLOCK_DV)
 
+
+
+@triton.jit(do_not_specialize=["rows", "seqlen", "n_heads", "s_b", "s_h", "s_s"])
+def attn_bwd_dq_scale_kernel(acc_ptr, dq_ptr, scale, rows, seqlen, n_heads, s_b, s_h, s_s,
+                             HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
+    """dq = scale * acc, rounded once to dq's dtype: the fused Gluon backward's fp32 buffer (``rows`` = B * H
+    * S rows of HEAD_DIM, contiguous: each query row's fixed-order sum) into dq, strides ``s_b``, ``s_h``,
+    ``s_s`` and 1 along the head dim. One fp32 multiply and one rounding per element: the bits of
+    ``dq.copy_(acc.mul_(scale))`` in one pass."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, HEAD_DIM)
+    ok = (r < rows)[:, None]
+    x = tl.load(acc_ptr + r[:, None] * HEAD_DIM + d[None, :], mask=ok, other=0.0)
+    bh = r // seqlen
+    dst = dq_ptr + (bh // n_heads) * s_b + (bh % n_heads) * s_h + (r % seqlen) * s_s
+    tl.store(dst[:, None] + d[None, :], cast(x * scale, dq_ptr.dtype.element_ty), mask=ok)

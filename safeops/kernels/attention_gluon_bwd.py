@@ -166,15 +166,38 @@ def _tile_coords(tile, sizes, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, CAUS
 
 
 @gluon.jit
+def _shift_start(n_block, n_m, n_n_blocks, SHIFT: gl.constexpr):
+    """(The fused kernel, ``SHIFT``, not causal) the query block key block ``n_block`` visits first: the first
+    of the query blocks it is the home of, ceil(n_block * n_m / n_n_blocks). Its steps then run through the
+    query blocks from there, wrapping around, so that at any moment the CTAs of a head add into different
+    query blocks."""
+    start = 0
+    if SHIFT:
+        start = (n_block * n_m + n_n_blocks - 1) // n_n_blocks
+    return start
+
+
+@gluon.jit
+def _query_block(i, start, n_m, SHIFT: gl.constexpr):
+    """The query block of step ``i`` (of ``range(lo, n_m)``): ``i`` itself, or with ``SHIFT`` ``i`` places
+    after the CTA's first one, wrapping around."""
+    mb = i
+    if SHIFT:
+        mb = (i + start) % n_m
+    return mb
+
+
+@gluon.jit
 def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-              ORDERED: gl.constexpr):
+              ORDERED: gl.constexpr, SHIFT: gl.constexpr = False):
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
     C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
-    n0, b, hk, lo, n_m, _n = _tile_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL,
-                                          ORDERED)
+    n0, b, hk, lo, n_m, n_block = _tile_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL,
+                                               ORDERED and not SHIFT)
+    start = _shift_start(n_block, n_m, n_n_blocks, SHIFT)
     mbarrier.expect(kv_ready, 2 * NUM_WG * k_desc.block_type.nbytes)
     for w in gl.static_range(NUM_WG):
         tma.async_copy_global_to_shared(k_desc, [b, hk, n0 + w * BLOCK_N_WG, 0], kv_ready, k_smem.index(w))
@@ -182,7 +205,8 @@ def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_W
     c = 0
     for g in range(group):
         h = hk * group + g
-        for mb in range(lo, n_m):
+        for i in range(lo, n_m):
+            mb = _query_block(i, start, n_m, SHIFT)
             slot = c % NUM_STAGES
             mbarrier.wait(q_empty.index(slot), ((c // NUM_STAGES) & 1) ^ 1)
             ready = q_ready.index(slot)
@@ -744,6 +768,13 @@ class GluonFusedConfig:
     # reduce-add from shared memory (cp.reduce.async.bulk.tensor) instead of per-element atomic adds, and
     # passes the turn once the reduction has completed.
     tma_reduce: bool = False
+    # (not causal) CTAs numbered head by head, each visiting the query blocks from its own first one and the
+    # turns of a query block running from the key block that visits it first (FlashAttention-3's "shift"
+    # order): without it every CTA of a head waits at its first step for the one before it. Used only where
+    # a head's key blocks fit on the GPU at once (fused_shift), else the plain order.
+    shift: bool = False
+    # The writer waits for the query block's turn before it waits for the step's dQ partials.
+    early_turn: bool = False
 
     @property
     def block_n(self) -> int:
@@ -767,9 +798,18 @@ def writer_regs(consumer_regs: int) -> int:
     return (REGISTERS_PER_SM - 2 * 128 * consumer_regs) // 128
 
 
-def fused_constexprs(cfg: GluonFusedConfig, causal: bool) -> dict:
+def fused_constexprs(cfg: GluonFusedConfig, causal: bool, shift: bool = False) -> dict:
+    """The fused kernel's constexprs; ``shift`` as :func:`fused_shift` decides for the launch."""
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
-                DQ_BUFS=cfg.dq_bufs, SPLIT_D=cfg.split_d, FINALIZE=cfg.finalize, TMA_REDUCE=cfg.tma_reduce)
+                DQ_BUFS=cfg.dq_bufs, SPLIT_D=cfg.split_d, FINALIZE=cfg.finalize, TMA_REDUCE=cfg.tma_reduce,
+                SHIFT=shift, EARLY_TURN=cfg.early_turn)
+
+
+def fused_shift(cfg: GluonFusedConfig, causal: bool, n_n_blocks: int, sm_count: int) -> bool:
+    """Whether the fused kernel takes the shifted order (``cfg.shift``): not causal, and every key block of a
+    head resident at once (one CTA per SM), since a CTA may wait for one of its head numbered after it; a
+    GPU starts a grid's CTAs in order, so the heads before the last started one can all finish."""
+    return cfg.shift and not causal and n_n_blocks <= sm_count
 
 
 def fused_signature(cfg: GluonFusedConfig, head_dim: int, dtype: str) -> dict[str, str]:
@@ -896,7 +936,7 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
 
 @gluon.jit
 def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-                    NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr):
+                    NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, SHIFT: gl.constexpr):
     """Consumer warpgroup ``w`` of the fused kernel: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63, and their
     dQ partials."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
@@ -911,7 +951,9 @@ def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, N
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    n0, b, hk, lo, n_m, _n = _tile_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL, True)
+    # (With SHIFT the steps' query blocks are rotated; the consumers do not need them: nothing is masked.)
+    n0, b, hk, lo, n_m, _n = _tile_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL,
+                                          not SHIFT)
     k0 = n0 + w * BLOCK_N_WG
     DQ_AFTER: gl.constexpr = HEAD_DIM > 64
     dk = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, acc_layout)
@@ -947,20 +989,30 @@ def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, N
 
 @gluon.jit
 def _fused_consumer0(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-                     DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr):
-    _fused_consumer(0, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D)
+                     DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, SHIFT: gl.constexpr):
+    _fused_consumer(0, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, SHIFT)
 
 
 @gluon.jit
 def _fused_consumer1(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-                     DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr):
-    _fused_consumer(1, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D)
+                     DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, SHIFT: gl.constexpr):
+    _fused_consumer(1, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, SHIFT)
 
 
 @gluon.jit
 def _turn_count(sem_lanes, zeros):
     """The query block's counter, read with acquire by each lane (the fewest any lane saw)."""
     return gl.min(gl.atomic_add(sem_lanes, zeros, sem="acquire", scope="gpu"), axis=0)
+
+
+@gluon.jit
+def _wait_turn(sem_lanes, lanes, turn):
+    """Polls the query block's counter with plain (volatile) loads until ``turn`` writers have passed it on
+    (32 each), then reads it once per lane with acquire."""
+    seen = gl.min(gl.load(sem_lanes, volatile=True), axis=0)
+    while seen < turn * 32:
+        seen = gl.min(gl.load(sem_lanes, volatile=True), axis=0)
+    _turn_count(sem_lanes, lanes)
 
 
 @gluon.jit
@@ -1020,11 +1072,16 @@ def _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, has_prev, scale
 
 @gluon.jit
 def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr,
-            SPLIT_D: gl.constexpr, FINALIZE: gl.constexpr, TMA_REDUCE: gl.constexpr):
+            SPLIT_D: gl.constexpr, FINALIZE: gl.constexpr, TMA_REDUCE: gl.constexpr, SHIFT: gl.constexpr,
+            EARLY_TURN: gl.constexpr):
     """The writer warp: per step, waits for both consumers' dQ partials and the query block's turn, adds
     dQ_0 + dQ_1 into the fp32 accumulator (rows past seqlen_q dropped) and passes the turn on: each lane
     adds 1 to the counter with release after its own atomic adds, so the next CTA, waiting for 32 more,
-    sees every one of them."""
+    sees every one of them. ``SHIFT``: the query blocks come in the rotated order of :func:`_query_block`,
+    and query block mb's turns go from its home key block (the one whose CTA visits it first) down, wrapping
+    around: home, home - 1, ..., 0, n_n_blocks - 1, ..., home + 1, so each key block's CTA adds after one that
+    visited the block earlier in its own steps. ``EARLY_TURN``: the writer waits for the turn before it waits
+    for the consumers' partials, so a turn that came while they computed costs the step nothing."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
     ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free, dqacc_desc = fbufs
@@ -1037,36 +1094,44 @@ def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_B
     COLS: gl.constexpr = 32  # 128 bytes of fp32: a lane's value per row
     layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
     lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    n0, b, hk, lo, n_m, n_block = _tile_coords(gl.program_id(0), sizes, BLOCK_N, BLOCK_M, CAUSAL, True)
+    n0, b, hk, lo, n_m, n_block = _tile_coords(gl.program_id(0), sizes, BLOCK_N, BLOCK_M, CAUSAL, not SHIFT)
+    start = _shift_start(n_block, n_m, n_n_blocks, SHIFT)
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
     lanes = gl.zeros([32], gl.int32, lane_layout)
     c = 0
     for g in range(group):
         bh = b * n_heads + hk * group + g
-        for mb in range(lo, n_m):
+        for i in range(lo, n_m):
+            mb = _query_block(i, start, n_m, SHIFT)
             if CAUSAL:  # key blocks n_hi, n_hi - 1, ..., 0 add into query block mb, in that order
+                gl.static_assert(not SHIFT)
                 turns = gl.minimum(n_n_blocks - 1, (mb * BLOCK_M + BLOCK_M - 1) // BLOCK_N) + 1
                 turn = turns - 1 - n_block
+            elif SHIFT:  # from the home key block down, wrapping around
+                turns = n_n_blocks
+                turn = ((mb * n_n_blocks) // n_m - n_block + n_n_blocks) % n_n_blocks
             else:  # key blocks 0, 1, ...
                 turns = n_n_blocks
                 turn = n_block
             sem_lanes = sem_ptr + (bh * n_m + mb) + lanes
             qb = c % DQ_BUFS
+            if EARLY_TURN:
+                _wait_turn(sem_lanes, lanes, turn)
             mbarrier.wait(dq_full.index(qb), (c // DQ_BUFS) & 1)
-            # Poll with plain (volatile) loads, then one acquire read per lane, once the turn has come.
-            seen = gl.min(gl.load(sem_lanes, volatile=True), axis=0)
-            while seen < turn * 32:
-                seen = gl.min(gl.load(sem_lanes, volatile=True), axis=0)
-            seen = _turn_count(sem_lanes, lanes)
+            if not EARLY_TURN:
+                _wait_turn(sem_lanes, lanes, turn)
             row0 = mb * BLOCK_M
             if TMA_REDUCE:  # (SPLIT_D, not FINALIZE) each warpgroup's column half: one TMA reduce-add
                 gl.static_assert(SPLIT_D and not FINALIZE)
                 HALF: gl.constexpr = HEAD_DIM // NUM_WG
                 _async_after_acquire(lanes)
                 for w in gl.static_range(NUM_WG):
-                    _tma_reduce_add(dqacc_desc, [b, hk * group + g, row0, w * HALF],
-                                    dq_smem.index(qb * NUM_WG + w).reshape([1, 1, BLOCK_M, HALF]))
+                    part = dq_smem.index(qb * NUM_WG + w).reshape([1, 1, BLOCK_M, HALF])
+                    if turn == 0:  # the first turn stores: the buffer needs no zeroing
+                        tma.async_copy_shared_to_global(dqacc_desc, [b, hk * group + g, row0, w * HALF], part)
+                    else:
+                        _tma_reduce_add(dqacc_desc, [b, hk * group + g, row0, w * HALF], part)
                 tma.store_wait(pendings=0)  # the buffers have been read
                 mbarrier.arrive(dq_empty.index(qb), count=1)
                 _bulk_done(lanes)  # the additions are in memory before the turn passes
@@ -1108,13 +1173,18 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                 group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles,
                                 CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                                 CONSUMER_REGS: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr,
-                                FINALIZE: gl.constexpr, TMA_REDUCE: gl.constexpr):
+                                FINALIZE: gl.constexpr, TMA_REDUCE: gl.constexpr, SHIFT: gl.constexpr,
+                                EARLY_TURN: gl.constexpr):
     """dk, dv of key block / kv head ``program_id(0)`` (as ``attn_bwd_dkdv_gluon_kernel``), and that
     block's share of dq added into ``dq_ptr``: fp32 (B, Hq, Sq, D) contiguous, unscaled. ``FINALIZE``: the
     buffer needs no zeroing, and dq = scale_ds * (its sum) goes to ``out_ptr`` ((B, Hq, Sq, D) contiguous,
-    the input dtype); otherwise the buffer starts zeroed and holds the sum after the kernel. ``dqacc_desc``:
+    the input dtype); otherwise the buffer holds the sum after the kernel (``TMA_REDUCE``: the first turn
+    stores, so it needs no zeroing either; the atomic writer adds into a zeroed buffer). ``dqacc_desc``:
     a TMA descriptor over the same buffer (blocks of :func:`dqacc_block_shape`), which ``TMA_REDUCE`` adds
-    into. ``sem_ptr``: int32 (B, Hq, cdiv(Sq, BLOCK_M)) zeroed turn counters."""
+    into. ``sem_ptr``: int32 (B, Hq, cdiv(Sq, BLOCK_M)) zeroed turn counters. ``SHIFT`` (not causal): CTAs
+    numbered head by head, each starting at its own query block (:func:`_writer`); a CTA may then wait for
+    one of its head numbered after it, so the launch allows it only where a head's CTAs fit on the GPU at
+    once. ``EARLY_TURN``: see :func:`_writer`."""
     gl.static_assert(NUM_WG == 2)
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -1167,10 +1237,10 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     sizes = (C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles)
     # (The constexprs go in literal tuples: a tuple assigned to a name first carries them as tensors.)
     gl.warp_specialize([(_fused_consumer0, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS,
-                                            SPLIT_D)),
+                                            SPLIT_D, SHIFT)),
                         (_fused_consumer1, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS,
-                                            SPLIT_D)),
-                        (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, True)),
+                                            SPLIT_D, SHIFT)),
+                        (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, True, SHIFT)),
                         (_writer, (bufs, fbufs, sizes, CAUSAL, NUM_WG, DQ_BUFS, SPLIT_D, FINALIZE,
-                                   TMA_REDUCE))],
+                                   TMA_REDUCE, SHIFT, EARLY_TURN))],
                        [4, 1, 1], [CONSUMER_REGS, WRITER_REGS, WRITER_REGS])

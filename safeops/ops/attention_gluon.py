@@ -456,8 +456,8 @@ class BwdPlan:
     __slots__ = ("cfg", "block_shapes", "layouts", "stat_layout", "args", "launch", "copy", "scratch")
 
     @staticmethod
-    def _kernel(K, d: int, causal: bool):
-        """(configuration, kernel, constexprs) of head dim ``d``."""
+    def _kernel(K, d: int, causal: bool, sk: int, device: torch.device):
+        """(configuration, kernel, constexprs) of head dim ``d`` (``sk`` keys on ``device``)."""
         cfg = K.BWD_CONFIGS[d]
         return cfg, K.attn_bwd_dkdv_gluon_kernel, K.constexprs(cfg, causal)
 
@@ -467,7 +467,7 @@ class BwdPlan:
         K = bwd_kernels()
         batch, hq, sq, d = q.shape
         hkv, sk = k.shape[1], k.shape[2]
-        cfg, kernel, constexprs = self._kernel(K, d, causal)
+        cfg, kernel, constexprs = self._kernel(K, d, causal, sk, q.device)
         self.cfg = cfg
         dtype = "bfloat16" if q.dtype == torch.bfloat16 else "float16"
         shapes = K.block_shapes(cfg, d)
@@ -566,9 +566,10 @@ class FusedPlan(BwdPlan):
     __slots__ = ("n_m_blocks", "scale_ds", "acc_block", "acc_layout")
 
     @staticmethod
-    def _kernel(K, d: int, causal: bool):
+    def _kernel(K, d: int, causal: bool, sk: int, device: torch.device):
         cfg = K.FUSED_CONFIGS[d]
-        return cfg, K.attn_bwd_fused_gluon_kernel, K.fused_constexprs(cfg, causal)
+        shift = K.fused_shift(cfg, causal, triton.cdiv(sk, cfg.block_n), _num_sms(device.index))
+        return cfg, K.attn_bwd_fused_gluon_kernel, K.fused_constexprs(cfg, causal, shift)
 
     def __init__(self, q, k, v, grad, causal: bool, c1: float, scale_ds: float):
         super().__init__(q, k, v, grad, causal, c1, scale_ds)
@@ -591,7 +592,11 @@ class FusedPlan(BwdPlan):
             acc = torch.empty((batch, hq, sq, d), dtype=torch.float32, device=q.device)
             out = dq if dq.is_contiguous() else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         else:  # dq = scale_ds * (the buffer's fixed-order sum), one fp32 multiply, rounded once
-            acc = torch.zeros((batch, hq, sq, d), dtype=torch.float32, device=q.device)
+            # The TMA writer's first turn of each query block stores (every block has one: key block 0 sees
+            # every query); the atomic writer adds from zero.
+            zeroed = not self.cfg.tma_reduce or k.shape[2] == 0
+            acc = (torch.zeros if zeroed else torch.empty)((batch, hq, sq, d), dtype=torch.float32,
+                                                            device=q.device)
             out = q
         acc_desc = TensorDescriptor(acc, *_view4(acc, False), self.acc_block, self.acc_layout)
         self.launch(*descs, acc_desc, acc, out, turns, *self.args)
@@ -599,7 +604,9 @@ class FusedPlan(BwdPlan):
             if out is not dq:
                 dq.copy_(out)
         else:
-            dq.copy_(acc.mul_(self.scale_ds))
+            from .attention_launch import dq_scale
+
+            dq_scale(acc, dq, self.scale_ds)
         if dk_ is not dk:
             dk.copy_(dk_)
             dv.copy_(dv_)

@@ -375,6 +375,25 @@ def _split_sum(dk_part, dv_part, dk, dv, split: int, varlen: bool, record: list 
     )
 
 
+DQ_SCALE_BLOCK_R = 32
+
+
+def dq_scale(acc: torch.Tensor, dq: torch.Tensor, scale: float) -> None:
+    """dq = scale * acc, one fp32 multiply rounded once to dq's dtype (``attn_bwd_dq_scale_kernel``): the
+    fused Gluon backward's fp32 buffer ((B, H, S, D), contiguous) into dq (its shape, any layout), one pass
+    with the bits of ``dq.copy_(acc.mul_(scale))``."""
+    if dq.stride(-1) != 1 or acc.numel() == 0:
+        dq.copy_(acc.mul_(scale))
+        return
+    batch, heads, seqlen, d = acc.shape
+    rows = batch * heads * seqlen
+    on_gpu = _gpu(dq.device)
+    block_r = DQ_SCALE_BLOCK_R if on_gpu else 16
+    _launch(kernels().attn_bwd_dq_scale_kernel, (_cdiv(rows, block_r),), acc, dq, _f32(scale), rows, seqlen,
+            heads, dq.stride(0), dq.stride(1), dq.stride(2), HEAD_DIM=d, BLOCK_R=block_r,
+            num_warps=4 if on_gpu else 1, enable_fp_fusion=_config.fp_fusion)
+
+
 def _no_key_stats(row_max, row_sum, sinks, varlen: bool) -> None:
     """Fills the stats of rows that see no key: -inf and 0, or with sinks the sink alone, as the forward
     kernel leaves such a row (m = zs2 = fp32(sink) * fp32(log2 e), l = exp2(zs2 - guarded zs2))."""
