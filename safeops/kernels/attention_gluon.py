@@ -580,6 +580,7 @@ def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, c
         # A K/V slot is free once every consumer warpgroup has read it.
         mbarrier.init(k_empty.index(i), count=NUM_WG)
         mbarrier.init(v_empty.index(i), count=NUM_WG)
+    fence_async_shared()  # the inits visible to the async proxy (TMA) before it signals the barriers
     if SEPARATE_O:
         o_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG] + q_desc.block_type.shape, q_desc.layout)
     else:

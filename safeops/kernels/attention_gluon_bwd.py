@@ -475,6 +475,7 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=NUM_WG)  # free once every consumer has read Q and dO
+    fence_async_shared()  # the inits visible to the async proxy (TMA) before it signals the barriers
     bufs = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
             q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem)
     sizes = (C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles)
@@ -727,6 +728,7 @@ def attn_bwd_dq_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, m_ptr, l_
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=NUM_WG)  # free once every consumer has read K and V
+    fence_async_shared()  # the inits visible to the async proxy (TMA) before it signals the barriers
     bufs = (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, q_ready, k_ready,
             v_ready, kv_empty, m_ptr, l_ptr, delta_ptr)
     sizes = (C1, scale_ds, n_heads, group, seqlen_q, seqlen_k, n_m_blocks, n_tiles)
@@ -1231,6 +1233,7 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     for i in gl.static_range(DQ_BUFS):
         mbarrier.init(dq_full.index(i), count=NUM_WG)  # both consumers' partials are in
         mbarrier.init(dq_empty.index(i), count=1)  # the writer has read them
+    fence_async_shared()  # the inits visible to the async proxy (TMA) before it signals the barriers
     bufs = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
             q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem)
     fbufs = (ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free, dqacc_desc)
