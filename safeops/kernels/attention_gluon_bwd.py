@@ -777,6 +777,9 @@ class GluonFusedConfig:
     shift: bool = False
     # The writer waits for the query block's turn before it waits for the step's dQ partials.
     early_turn: bool = False
+    # S^T and dP^T issued together, P^T computed while dP^T runs (the dK / dV kernel's order; the fused step
+    # issues them one after the other because the atomic writer's build spilled): same products, same bits.
+    st_dpt_together: bool = False
 
     @property
     def block_n(self) -> int:
@@ -804,7 +807,7 @@ def fused_constexprs(cfg: GluonFusedConfig, causal: bool, shift: bool = False) -
     """The fused kernel's constexprs; ``shift`` as :func:`fused_shift` decides for the launch."""
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
                 DQ_BUFS=cfg.dq_bufs, SPLIT_D=cfg.split_d, FINALIZE=cfg.finalize, TMA_REDUCE=cfg.tma_reduce,
-                SHIFT=shift, EARLY_TURN=cfg.early_turn)
+                SHIFT=shift, EARLY_TURN=cfg.early_turn, TOGETHER=cfg.st_dpt_together)
 
 
 def fused_shift(cfg: GluonFusedConfig, causal: bool, n_n_blocks: int, sm_count: int) -> bool:
@@ -860,7 +863,8 @@ def _async_after_acquire(lanes):
 @gluon.jit
 def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr, s_layout: gl.constexpr,
                 a_layout: gl.constexpr, MASKED: gl.constexpr, NUM_STAGES: gl.constexpr,
-                NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, DQ_AFTER: gl.constexpr):
+                NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, DQ_AFTER: gl.constexpr,
+                TOGETHER: gl.constexpr):
     """One query block of consumer warpgroup ``w``: :func:`_step`'s dK / dV (dS^T entering dK from shared
     memory), and this warpgroup's dQ partial handed to the writer through dQ buffer ``c % DQ_BUFS``: by keys,
     dQ_w = dS_w K_w over its 64 keys and every column; ``SPLIT_D``, dQ[:, w half] = dS K[:, w half] over
@@ -878,10 +882,16 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
     do_s = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
     # S^T first and P^T from it, then dP^T (not both products in flight beside dK / dV as in _step: there
     # the consumers spilled; 192 instead of 352 bytes offline at D=128, causal 6% faster on an H100).
+    # ``TOGETHER``: both issued at once and P^T computed while dP^T runs (as _step), for measuring again.
     phase = (c // NUM_STAGES) & 1
-    st = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_t(k_w, q_s, q_ready, slot, phase, s_layout),))
-    pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED)
-    dpt = _issue_t(v_w, do_s, do_ready, slot, phase, s_layout)
+    if TOGETHER:
+        st, dpt = _issue_st_dpt(bufs, k_w, v_w, q_s, do_s, slot, phase, s_layout)
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+        pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED)
+    else:
+        st = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_t(k_w, q_s, q_ready, slot, phase, s_layout),))
+        pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED)
+        dpt = _issue_t(v_w, do_s, do_ready, slot, phase, s_layout)
     dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
     delta = delta_smem.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
     dst = (pt * (dpt - delta[None, :])).to(dtype)
@@ -938,7 +948,8 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
 
 @gluon.jit
 def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-                    NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, SHIFT: gl.constexpr):
+                    NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, SHIFT: gl.constexpr,
+                    TOGETHER: gl.constexpr):
     """Consumer warpgroup ``w`` of the fused kernel: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63, and their
     dQ partials."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
@@ -970,11 +981,11 @@ def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, N
     for _g in range(group):
         for mb in range(lo, mid):
             dk, dv = _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, w, s_layout,
-                                 a_layout, True, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, DQ_AFTER)
+                                 a_layout, True, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, DQ_AFTER, TOGETHER)
             c += 1
         for _mb in range(mid, n_m):
             dk, dv = _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, 0, w, s_layout, a_layout, False,
-                                 NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, DQ_AFTER)
+                                 NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, DQ_AFTER, TOGETHER)
             c += 1
     if SPLIT_D:  # the other warpgroup's dQ products read this one's K: dK goes there once they are done
         ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free, dqacc_desc = fbufs
@@ -991,14 +1002,16 @@ def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, N
 
 @gluon.jit
 def _fused_consumer0(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-                     DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, SHIFT: gl.constexpr):
-    _fused_consumer(0, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, SHIFT)
+                     DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, SHIFT: gl.constexpr,
+                     TOGETHER: gl.constexpr):
+    _fused_consumer(0, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, SHIFT, TOGETHER)
 
 
 @gluon.jit
 def _fused_consumer1(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-                     DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, SHIFT: gl.constexpr):
-    _fused_consumer(1, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, SHIFT)
+                     DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, SHIFT: gl.constexpr,
+                     TOGETHER: gl.constexpr):
+    _fused_consumer(1, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, SHIFT, TOGETHER)
 
 
 @gluon.jit
@@ -1176,7 +1189,7 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                 CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                                 CONSUMER_REGS: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr,
                                 FINALIZE: gl.constexpr, TMA_REDUCE: gl.constexpr, SHIFT: gl.constexpr,
-                                EARLY_TURN: gl.constexpr):
+                                EARLY_TURN: gl.constexpr, TOGETHER: gl.constexpr):
     """dk, dv of key block / kv head ``program_id(0)`` (as ``attn_bwd_dkdv_gluon_kernel``), and that
     block's share of dq added into ``dq_ptr``: fp32 (B, Hq, Sq, D) contiguous, unscaled. ``FINALIZE``: the
     buffer needs no zeroing, and dq = scale_ds * (its sum) goes to ``out_ptr`` ((B, Hq, Sq, D) contiguous,
@@ -1186,7 +1199,7 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     into. ``sem_ptr``: int32 (B, Hq, cdiv(Sq, BLOCK_M)) zeroed turn counters. ``SHIFT`` (not causal): CTAs
     numbered head by head, each starting at its own query block (:func:`_writer`); a CTA may then wait for
     one of its head numbered after it, so the launch allows it only where a head's CTAs fit on the GPU at
-    once. ``EARLY_TURN``: see :func:`_writer`."""
+    once. ``EARLY_TURN``: see :func:`_writer`; ``TOGETHER``: :func:`_fused_step`."""
     gl.static_assert(NUM_WG == 2)
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -1240,9 +1253,9 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     sizes = (C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles)
     # (The constexprs go in literal tuples: a tuple assigned to a name first carries them as tensors.)
     gl.warp_specialize([(_fused_consumer0, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS,
-                                            SPLIT_D, SHIFT)),
+                                            SPLIT_D, SHIFT, TOGETHER)),
                         (_fused_consumer1, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS,
-                                            SPLIT_D, SHIFT)),
+                                            SPLIT_D, SHIFT, TOGETHER)),
                         (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, True, SHIFT)),
                         (_writer, (bufs, fbufs, sizes, CAUSAL, NUM_WG, DQ_BUFS, SPLIT_D, FINALIZE,
                                    TMA_REDUCE, SHIFT, EARLY_TURN))],
