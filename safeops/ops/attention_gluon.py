@@ -568,7 +568,9 @@ class FusedPlan(BwdPlan):
     @staticmethod
     def _kernel(K, d: int, causal: bool, sk: int, device: torch.device):
         cfg = K.FUSED_CONFIGS[d]
-        shift = K.fused_shift(cfg, causal, triton.cdiv(sk, cfg.block_n), _num_sms(device.index))
+        # (The SM count is read only when the shifted order is asked for.)
+        shift = cfg.shift and not causal and K.fused_shift(cfg, causal, triton.cdiv(sk, cfg.block_n),
+                                                            _num_sms(device.index))
         return cfg, K.attn_bwd_fused_gluon_kernel, K.fused_constexprs(cfg, causal, shift)
 
     def __init__(self, q, k, v, grad, causal: bool, c1: float, scale_ds: float):
