@@ -557,6 +557,37 @@ def test_gluon_fused_launch_matches_the_compiled_signature(monkeypatch, recorded
     assert safeops.attention_backend(q, k, v, is_causal=True, backward=True)[1].endswith("Gluon dq, dk / dv")
 
 
+@pytest.mark.parametrize("sms,shift", [(2, True), (1, False)])
+def test_gluon_fused_shift_only_where_a_head_fits(monkeypatch, recorded, sms, shift):
+    """GluonFusedConfig.shift (not causal) reaches the kernel only where a head's key blocks fit on the GPU at
+    once (here 2 key blocks: 2 SMs yes, 1 no); the TMA writer's launch (finalize off) passes q as out_ptr
+    and a buffer of q's shape, and dq comes from the scale pass."""
+    import dataclasses
+
+    from safeops.kernels import attention_gluon_bwd as KB
+
+    _on_hopper(monkeypatch)
+    monkeypatch.setattr(G, "_num_sms", lambda index: sms)
+    monkeypatch.setattr(G, "GLUON_FUSED", True)
+    cfg = dataclasses.replace(KB.FUSED_CONFIGS[128], tma_reduce=True, finalize=False, shift=True,
+                              early_turn=True)
+    monkeypatch.setitem(KB.FUSED_CONFIGS, 128, cfg)
+    L.clear_plans()
+    d, sq, sk = 128, 130, 200
+    q = torch.randn(1, 4, sq, d).to(BF16)
+    k, v = (torch.randn(1, 2, sk, d).to(BF16) for _ in range(2))
+    o, g = (torch.randn(1, 4, sq, d).to(BF16) for _ in range(2))
+    m, l = torch.randn(1, 4, sq), torch.rand(1, 4, sq) + 1
+    options = (None, 0, None, None, sq, sk, False, 0.1, None, -1, -1, 0)
+    dq, dk, dv = L.backward(g, q, k, v, o, m, l, *options)
+    ((grid, kwargs, args),) = recorded
+    assert kwargs["SHIFT"] is shift and kwargs["EARLY_TURN"] is True and kwargs["TMA_REDUCE"] is True
+    assert args[11] is q and args[10].shape == q.shape
+    # dq = scale * buffer: the (unwritten, here) buffer through the scale pass, in dq's dtype and shape
+    assert dq.shape == q.shape and dq.dtype == q.dtype
+    L.clear_plans()
+
+
 def test_backward_settings_edge_cases(monkeypatch, recorded):
     """A bad SAFEOPS_GLUON_BWD fails the backward's path choice only (forwards run); a forced Triton backward
     configuration keeps dq off the Gluon kernel too; a backward whose dq the Gluon kernel computes keeps no
