@@ -38,13 +38,20 @@ for path in (str(HERE.parent), str(HERE)):
 import torch  # noqa: E402
 
 
-def _attention(d: int, backward: bool, causal: bool = False, fused: bool = False):
+def _attention(d: int, backward: bool, causal: bool = False, fused: bool = False, **fused_config):
+    """``fused``: the fused Gluon backward (off by default until it is measured faster), its configuration
+    at head dim ``d`` changed by ``fused_config`` (GluonFusedConfig fields)."""
     import safeops
 
-    if fused:  # the fused Gluon backward, switched off by default until it is measured faster
+    if fused:
+        import dataclasses
+
+        from safeops.kernels import attention_gluon_bwd
         from safeops.ops import attention_gluon
 
         attention_gluon.GLUON_FUSED = True
+        configs = attention_gluon_bwd.FUSED_CONFIGS
+        configs[d] = dataclasses.replace(configs[d], **fused_config)
 
     b, h, s = 4, 16, 4096
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
@@ -123,6 +130,14 @@ NCU_CASES = {
     "attn-bwd-d128": lambda: _attention(128, True),
     "attn-bwd-d128-fused": lambda: _attention(128, True, fused=True),
     "attn-bwd-d64-fused": lambda: _attention(64, True, fused=True),
+    # The TMA writer with three Q / dO stages (the fastest fused configuration measured so far) and with the
+    # shifted order; causal takes the plain order.
+    "attn-bwd-d128-fused-tma": lambda: _attention(128, True, fused=True, tma_reduce=True, finalize=False,
+                                                  num_stages=3),
+    "attn-bwd-d128-fused-tma-causal": lambda: _attention(128, True, causal=True, fused=True, tma_reduce=True,
+                                                         finalize=False, num_stages=3),
+    "attn-bwd-d128-fused-shift": lambda: _attention(128, True, fused=True, tma_reduce=True, finalize=False,
+                                                    num_stages=3, shift=True, early_turn=True),
     "cudnn-fwd-d64": lambda: _attention_cudnn(64, False),
     "cudnn-fwd-d128": lambda: _attention_cudnn(128, False),
     "cudnn-bwd-d128": lambda: _attention_cudnn(128, True),
