@@ -326,15 +326,15 @@ class Turn:
 
 
 def fused_tile(tile: int, n_n_blocks: int, n_bh: int, head_group: int, causal: bool,
-               shift: bool = False) -> tuple[int, int]:
+               shift: bool = False, lpt: bool = False) -> tuple[int, int]:
     """(key block, batch x kv head) of CTA ``tile``: attention_gluon_bwd._tile_coords with ORDERED (with
-    ``shift``, without: head by head)."""
+    ``shift``, without: head by head; with ``lpt``, without: key block 0 first)."""
     if shift:
         return tile % n_n_blocks, tile // n_n_blocks
     chunk, r = divmod(tile, head_group * n_n_blocks)
     heads_here = min(head_group, n_bh - chunk * head_group)
     n_block = r // heads_here
-    if causal:
+    if causal and not lpt:
         n_block = n_n_blocks - 1 - n_block
     return n_block, chunk * head_group + r % heads_here
 
@@ -342,7 +342,7 @@ def fused_tile(tile: int, n_n_blocks: int, n_bh: int, head_group: int, causal: b
 def simulate_fused(n_m: int, n_n_blocks: int, n_bh: int, group: int, head_group: int, causal: bool,
                    sms: int, dq_bufs: int, num_wg: int, seed: int, block_ratio: int = 2,
                    split_d: bool = False, k_free_wait: bool = True, shift: bool = False,
-                   early_turn: bool = False) -> dict:
+                   early_turn: bool = False, lpt: bool = False) -> dict:
     """The fused backward (attn_bwd_fused_gluon_kernel) over its whole grid: CTAs start in tile order on at
     most ``sms`` slots (a GPU dispatches a grid in order) and leave when done. In each CTA the consumers
     hand each step's dQ partials to the writer through ``dq_bufs`` buffers (dq_full, count num_wg;
@@ -352,7 +352,8 @@ def simulate_fused(n_m: int, n_n_blocks: int, n_bh: int, group: int, head_group:
     dQ products (k_free; ``k_free_wait=False`` drops that wait). ``shift`` (not causal;
     GluonFusedConfig.shift): CTAs head by head, each starting at its first home query block and wrapping
     around, a query block's turns from its home key block down (wrapping). ``early_turn``: the writer waits
-    for the turn before the partials. Raises on deadlock, a buffer read before it
+    for the turn before the partials. ``lpt`` (causal; GluonFusedConfig.causal_lpt): CTAs longest first,
+    a query block's turns ascending from key block 0. Raises on deadlock, a buffer read before it
     is written or overwritten before it is read, or additions out of the fixed order; returns {(q head,
     query block): key blocks in the order they added}."""
     rnd = random.Random(seed)
@@ -369,6 +370,8 @@ def simulate_fused(n_m: int, n_n_blocks: int, n_bh: int, group: int, head_group:
     block_m, block_n = 64, 64 * block_ratio
 
     def turn(n_block, mb):  # the writer's formula
+        if causal and lpt:  # key blocks 0, 1, ..., n_hi
+            return n_block
         if causal:  # key blocks n_hi, n_hi - 1, ..., 0 add into query block mb
             return min(n_n_blocks - 1, (mb * block_m + block_m - 1) // block_n) - n_block
         if shift:  # from the home key block down, wrapping around
@@ -376,7 +379,7 @@ def simulate_fused(n_m: int, n_n_blocks: int, n_bh: int, group: int, head_group:
         return n_block
 
     def cta(tile):
-        n_block, bh = fused_tile(tile, n_n_blocks, n_bh, head_group, causal, shift)
+        n_block, bh = fused_tile(tile, n_n_blocks, n_bh, head_group, causal, shift, lpt)
         work = steps(n_block, bh)
         full, empty = [Barrier(num_wg) for _ in range(dq_bufs)], [Barrier(1) for _ in range(dq_bufs)]
         buf = [dict() for _ in range(dq_bufs)]
@@ -448,7 +451,8 @@ def simulate_fused(n_m: int, n_n_blocks: int, n_bh: int, group: int, head_group:
     for (h, mb), order in added.items():
         if causal:
             n_hi = min(n_n_blocks - 1, mb // block_ratio)
-            assert order == list(range(n_hi, -1, -1)), f"query block {(h, mb)}: added in order {order}"
+            expected = list(range(n_hi + 1)) if lpt else list(range(n_hi, -1, -1))
+            assert order == expected, f"query block {(h, mb)}: added in order {order}"
         elif shift:
             home = mb * n_n_blocks // n_m
             assert order == [(home - i) % n_n_blocks for i in range(n_n_blocks)], \
@@ -466,7 +470,7 @@ def _random_fused(rnd: random.Random, seed: int) -> None:
     shift = not causal and n_n_blocks <= sms and rnd.random() < 0.5  # attention_gluon_bwd.fused_shift
     simulate_fused(rnd.randint(1, 7), n_n_blocks, n_bh, rnd.randint(1, 3), rnd.randint(1, n_bh), causal, sms,
                    rnd.randint(1, 2), 2, seed, split_d=rnd.random() < 0.5, shift=shift,
-                   early_turn=rnd.random() < 0.5)
+                   early_turn=rnd.random() < 0.5, lpt=causal and rnd.random() < 0.5)
 
 
 def main() -> None:

@@ -351,3 +351,30 @@ def test_fused_shift_with_every_sm_holding_a_key_block(rng, gluon_fused_shift):
     k, v = (rng.randn(1, 4, sms * 128 + 1, 128, dtype=BF16) for _ in range(2))
     check_oracle(q, k, v, rng)
     assert _shift_plans() == [False]
+
+
+@pytest.fixture
+def gluon_fused_lpt(monkeypatch, gluon_fused):
+    """The fused backward at D=128 with the TMA writer and, causal, the CTAs longest first with each query
+    block's turns ascending (GluonFusedConfig.causal_lpt)."""
+    import dataclasses
+
+    KB = G.bwd_kernels()
+    monkeypatch.setitem(KB.FUSED_CONFIGS, 128, dataclasses.replace(
+        KB.FUSED_CONFIGS[128], tma_reduce=True, finalize=False, causal_lpt=True, early_turn=True))
+    L.clear_plans()
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_fused_lpt_matches_oracle(dtype, rng, gluon_fused_lpt):
+    _fused_oracle(dtype, 128, True, rng)
+    plans = [p for p in L._gluon_bwd_plans.values() if p.__class__ is G.FusedPlan]
+    assert plans and all(p.launch.kwargs["LPT"] for p in plans)
+
+
+def test_fused_lpt_deterministic_over_100_reruns_and_batch_invariant(rng, gluon_fused_lpt):
+    _fused_deterministic(True, rng)
+
+
+def test_fused_lpt_keys_no_query_sees_and_sinks(rng, gluon_fused_lpt):
+    _fused_keys_no_query_sees_and_sinks(rng)

@@ -47,7 +47,7 @@ SMEM_LIMIT = 232448  # bytes: H100/H200 (sm_90) maximum dynamic shared memory pe
 # The D=64 forward runs three consumer warpgroups at 160 registers: 0-256 bytes of spills, and measured faster
 # than two warpgroups without spills (bench/RESULTS.md); capped there at what it spills today.
 SPILL_CAP = {"fwd": 0, "fwd+window": 0, "bwd": 96, "dq": 0, "fused": 1100, "fused+tma": 300,
-             "fused+tma+shift": 300}
+             "fused+tma+shift": 300, "fused+tma+lpt": 300}
 SPILL_CAP_FWD_D64 = 256
 
 
@@ -115,6 +115,8 @@ _SCRIPT = textwrap.dedent(
             shift = "+shift" in kind  # (not causal) the shifted order, the writer waiting for turns early
             if shift:
                 cfg = dataclasses.replace(cfg, shift=True, early_turn=True)
+            if "+lpt" in kind:  # (causal) longest first, turns ascending
+                cfg = dataclasses.replace(cfg, causal_lpt=True)
             fn = KB.attn_bwd_fused_gluon_kernel
             constexprs = KB.fused_constexprs(cfg, causal, shift)
             sig = KB.fused_signature(cfg, d, dtype)
@@ -192,7 +194,9 @@ CONFIGS = [(kind, dtype, d, causal, varlen) for kind in FWD_KINDS for dtype in _
     (kind, dtype, d, causal, False) for kind in ("bwd", "dq", "fused", "fused+tma") for dtype in _dtypes(kind)
     for d in _dims(kind) for causal in (False, True)] + [
     ("fused+tma+shift", dtype, d, False, False) for dtype in _dtypes("fused+tma+shift")
-    for d in _dims("fused+tma+shift")]
+    for d in _dims("fused+tma+shift")] + [
+    ("fused+tma+lpt", dtype, d, True, False) for dtype in _dtypes("fused+tma+lpt")
+    for d in _dims("fused+tma+lpt")]
 # The contraction check's controls: one configuration of each kernel compiled with fp fusion on must show
 # f32 fma.
 FUSION_ON = [("fwd", "bfloat16", 128, True, False), ("bwd", "bfloat16", 128, False, False),

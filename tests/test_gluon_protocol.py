@@ -84,7 +84,7 @@ def test_fused_causal_longest_first_would_deadlock(monkeypatch):
     m = _model()
     real = m.fused_tile
     monkeypatch.setattr(m, "fused_tile",
-                        lambda t, nb, n_bh, hg, causal, shift: real(t, nb, n_bh, hg, False, shift))
+                        lambda t, nb, n_bh, hg, causal, shift, lpt: real(t, nb, n_bh, hg, False, shift))
     with pytest.raises(RuntimeError, match="deadlock"):
         m.simulate_fused(6, 3, 1, 1, 1, True, 1, 1, 2, 0)
 
@@ -148,3 +148,16 @@ def test_fused_shift_is_chosen_only_where_a_head_fits():
     assert not KB.fused_shift(cfg, False, 133, 132)
     assert not KB.fused_shift(cfg, True, 4, 132)
     assert not KB.fused_shift(KB.FUSED_CONFIGS[128], False, 4, 132)
+
+
+def test_fused_causal_longest_first_with_ascending_turns():
+    """GluonFusedConfig.causal_lpt: CTAs numbered longest first with each query block's turns ascending from
+    key block 0 wait only for CTAs numbered before them: no deadlock even on one SM, and every block gets
+    its key blocks 0 .. n_hi in that order."""
+    m = _model()
+    for seed in range(50):
+        added = m.simulate_fused(6, 3, 2, 2, 2, True, 1 + seed % 4, 1 + seed % 2, 2, seed,
+                                 split_d=seed % 2 == 0, lpt=True, early_turn=seed % 3 == 0)
+        assert added[(0, 5)] == [0, 1, 2]
+        assert added[(3, 2)] == [0, 1]
+        assert added[(1, 0)] == [0]

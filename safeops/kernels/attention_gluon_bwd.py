@@ -189,14 +189,14 @@ def _query_block(i, start, n_m, SHIFT: gl.constexpr):
 
 @gluon.jit
 def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-              ORDERED: gl.constexpr, SHIFT: gl.constexpr = False):
+              ORDERED: gl.constexpr, SHIFT: gl.constexpr = False, LPT: gl.constexpr = False):
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
     C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
     n0, b, hk, lo, n_m, n_block = _tile_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL,
-                                               ORDERED and not SHIFT)
+                                               ORDERED and not SHIFT and not LPT)
     start = _shift_start(n_block, n_m, n_n_blocks, SHIFT)
     mbarrier.expect(kv_ready, 2 * NUM_WG * k_desc.block_type.nbytes)
     for w in gl.static_range(NUM_WG):
@@ -780,6 +780,10 @@ class GluonFusedConfig:
     # S^T and dP^T issued together, P^T computed while dP^T runs (the dK / dV kernel's order; the fused step
     # issues them one after the other because the atomic writer's build spilled): same products, same bits.
     st_dpt_together: bool = False
+    # (causal) CTAs numbered longest first (key block 0 first, as the dK / dV kernel) and each query block's
+    # turns ascending from key block 0, instead of shortest first with turns descending from the diagonal:
+    # the short CTAs come last, so the grid's tail is short; a CTA still waits only for earlier-numbered ones.
+    causal_lpt: bool = False
 
     @property
     def block_n(self) -> int:
@@ -807,7 +811,8 @@ def fused_constexprs(cfg: GluonFusedConfig, causal: bool, shift: bool = False) -
     """The fused kernel's constexprs; ``shift`` as :func:`fused_shift` decides for the launch."""
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
                 DQ_BUFS=cfg.dq_bufs, SPLIT_D=cfg.split_d, FINALIZE=cfg.finalize, TMA_REDUCE=cfg.tma_reduce,
-                SHIFT=shift, EARLY_TURN=cfg.early_turn, TOGETHER=cfg.st_dpt_together)
+                SHIFT=shift, EARLY_TURN=cfg.early_turn, TOGETHER=cfg.st_dpt_together,
+                LPT=cfg.causal_lpt and causal)
 
 
 def fused_shift(cfg: GluonFusedConfig, causal: bool, n_n_blocks: int, sm_count: int) -> bool:
@@ -949,7 +954,7 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
 @gluon.jit
 def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                     NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, SHIFT: gl.constexpr,
-                    TOGETHER: gl.constexpr):
+                    TOGETHER: gl.constexpr, LPT: gl.constexpr):
     """Consumer warpgroup ``w`` of the fused kernel: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63, and their
     dQ partials."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
@@ -966,7 +971,7 @@ def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, N
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     # (With SHIFT the steps' query blocks are rotated; the consumers do not need them: nothing is masked.)
     n0, b, hk, lo, n_m, _n = _tile_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL,
-                                          not SHIFT)
+                                          not SHIFT and not LPT)
     k0 = n0 + w * BLOCK_N_WG
     DQ_AFTER: gl.constexpr = HEAD_DIM > 64
     dk = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, acc_layout)
@@ -1003,15 +1008,17 @@ def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, N
 @gluon.jit
 def _fused_consumer0(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                      DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, SHIFT: gl.constexpr,
-                     TOGETHER: gl.constexpr):
-    _fused_consumer(0, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, SHIFT, TOGETHER)
+                     TOGETHER: gl.constexpr, LPT: gl.constexpr):
+    _fused_consumer(0, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, SHIFT, TOGETHER,
+                    LPT)
 
 
 @gluon.jit
 def _fused_consumer1(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                      DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, SHIFT: gl.constexpr,
-                     TOGETHER: gl.constexpr):
-    _fused_consumer(1, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, SHIFT, TOGETHER)
+                     TOGETHER: gl.constexpr, LPT: gl.constexpr):
+    _fused_consumer(1, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, SHIFT, TOGETHER,
+                    LPT)
 
 
 @gluon.jit
@@ -1088,7 +1095,7 @@ def _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, has_prev, scale
 @gluon.jit
 def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr,
             SPLIT_D: gl.constexpr, FINALIZE: gl.constexpr, TMA_REDUCE: gl.constexpr, SHIFT: gl.constexpr,
-            EARLY_TURN: gl.constexpr):
+            EARLY_TURN: gl.constexpr, LPT: gl.constexpr):
     """The writer warp: per step, waits for both consumers' dQ partials and the query block's turn, adds
     dQ_0 + dQ_1 into the fp32 accumulator (rows past seqlen_q dropped) and passes the turn on: each lane
     adds 1 to the counter with release after its own atomic adds, so the next CTA, waiting for 32 more,
@@ -1096,7 +1103,9 @@ def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_B
     and query block mb's turns go from its home key block (the one whose CTA visits it first) down, wrapping
     around: home, home - 1, ..., 0, n_n_blocks - 1, ..., home + 1, so each key block's CTA adds after one that
     visited the block earlier in its own steps. ``EARLY_TURN``: the writer waits for the turn before it waits
-    for the consumers' partials, so a turn that came while they computed costs the step nothing."""
+    for the consumers' partials, so a turn that came while they computed costs the step nothing. ``LPT``
+    (causal): key blocks 0, 1, ..., n_hi add into query block mb, in that order, the CTAs numbered longest
+    first (key block 0 first), so a CTA still waits only for CTAs numbered before it."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
     ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free, dqacc_desc = fbufs
@@ -1109,7 +1118,8 @@ def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_B
     COLS: gl.constexpr = 32  # 128 bytes of fp32: a lane's value per row
     layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
     lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    n0, b, hk, lo, n_m, n_block = _tile_coords(gl.program_id(0), sizes, BLOCK_N, BLOCK_M, CAUSAL, not SHIFT)
+    n0, b, hk, lo, n_m, n_block = _tile_coords(gl.program_id(0), sizes, BLOCK_N, BLOCK_M, CAUSAL,
+                                               not SHIFT and not LPT)
     start = _shift_start(n_block, n_m, n_n_blocks, SHIFT)
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
@@ -1122,7 +1132,10 @@ def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_B
             if CAUSAL:  # key blocks n_hi, n_hi - 1, ..., 0 add into query block mb, in that order
                 gl.static_assert(not SHIFT)
                 turns = gl.minimum(n_n_blocks - 1, (mb * BLOCK_M + BLOCK_M - 1) // BLOCK_N) + 1
-                turn = turns - 1 - n_block
+                if LPT:  # (or 0, 1, ..., n_hi)
+                    turn = n_block
+                else:
+                    turn = turns - 1 - n_block
             elif SHIFT:  # from the home key block down, wrapping around
                 turns = n_n_blocks
                 turn = ((mb * n_n_blocks) // n_m - n_block + n_n_blocks) % n_n_blocks
@@ -1189,7 +1202,7 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                 CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                                 CONSUMER_REGS: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr,
                                 FINALIZE: gl.constexpr, TMA_REDUCE: gl.constexpr, SHIFT: gl.constexpr,
-                                EARLY_TURN: gl.constexpr, TOGETHER: gl.constexpr):
+                                EARLY_TURN: gl.constexpr, TOGETHER: gl.constexpr, LPT: gl.constexpr):
     """dk, dv of key block / kv head ``program_id(0)`` (as ``attn_bwd_dkdv_gluon_kernel``), and that
     block's share of dq added into ``dq_ptr``: fp32 (B, Hq, Sq, D) contiguous, unscaled. ``FINALIZE``: the
     buffer needs no zeroing, and dq = scale_ds * (its sum) goes to ``out_ptr`` ((B, Hq, Sq, D) contiguous,
@@ -1199,7 +1212,7 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     into. ``sem_ptr``: int32 (B, Hq, cdiv(Sq, BLOCK_M)) zeroed turn counters. ``SHIFT`` (not causal): CTAs
     numbered head by head, each starting at its own query block (:func:`_writer`); a CTA may then wait for
     one of its head numbered after it, so the launch allows it only where a head's CTAs fit on the GPU at
-    once. ``EARLY_TURN``: see :func:`_writer`; ``TOGETHER``: :func:`_fused_step`."""
+    once. ``EARLY_TURN``, ``LPT`` (causal): see :func:`_writer`; ``TOGETHER``: :func:`_fused_step`."""
     gl.static_assert(NUM_WG == 2)
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -1253,10 +1266,10 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     sizes = (C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles)
     # (The constexprs go in literal tuples: a tuple assigned to a name first carries them as tensors.)
     gl.warp_specialize([(_fused_consumer0, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS,
-                                            SPLIT_D, SHIFT, TOGETHER)),
+                                            SPLIT_D, SHIFT, TOGETHER, LPT)),
                         (_fused_consumer1, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS,
-                                            SPLIT_D, SHIFT, TOGETHER)),
-                        (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, True, SHIFT)),
+                                            SPLIT_D, SHIFT, TOGETHER, LPT)),
+                        (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, True, SHIFT, LPT)),
                         (_writer, (bufs, fbufs, sizes, CAUSAL, NUM_WG, DQ_BUFS, SPLIT_D, FINALIZE,
-                                   TMA_REDUCE, SHIFT, EARLY_TURN))],
+                                   TMA_REDUCE, SHIFT, EARLY_TURN, LPT))],
                        [4, 1, 1], [CONSUMER_REGS, WRITER_REGS, WRITER_REGS])
