@@ -746,7 +746,8 @@ def attn_bwd_split_sum_kernel(
 
 
 
-@triton.jit(do_not_specialize=["rows", "seqlen", "n_heads", "s_b", "s_h", "s_s"])
+# (The strides stay specialized: their divisibility by 16 lets the stores be vectorized along the head dim.)
+@triton.jit(do_not_specialize=["rows", "seqlen", "n_heads"])
 def attn_bwd_dq_scale_kernel(acc_ptr, dq_ptr, scale, rows, seqlen, n_heads, s_b, s_h, s_s,
                              HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
     """dq = scale * acc, rounded once to dq's dtype: the fused Gluon backward's fp32 buffer (``rows`` = B * H
