@@ -189,14 +189,14 @@ def _query_block(i, start, n_m, SHIFT: gl.constexpr):
 
 @gluon.jit
 def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-              ORDERED: gl.constexpr, SHIFT: gl.constexpr = False, LPT: gl.constexpr = False):
+              ORDERED: gl.constexpr, SHIFT: gl.constexpr = False):
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
     C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
     n0, b, hk, lo, n_m, n_block = _tile_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL,
-                                               ORDERED and not SHIFT and not LPT)
+                                               ORDERED)
     start = _shift_start(n_block, n_m, n_n_blocks, SHIFT)
     mbarrier.expect(kv_ready, 2 * NUM_WG * k_desc.block_type.nbytes)
     for w in gl.static_range(NUM_WG):
@@ -965,8 +965,8 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
 
 @gluon.jit
 def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-                    NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, SHIFT: gl.constexpr,
-                    TOGETHER: gl.constexpr, LPT: gl.constexpr, DS_RS: gl.constexpr):
+                    NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, ORDERED: gl.constexpr,
+                    TOGETHER: gl.constexpr, DS_RS: gl.constexpr):
     """Consumer warpgroup ``w`` of the fused kernel: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63, and their
     dQ partials."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
@@ -983,7 +983,7 @@ def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, N
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     # (With SHIFT the steps' query blocks are rotated; the consumers do not need them: nothing is masked.)
     n0, b, hk, lo, n_m, _n = _tile_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL,
-                                          not SHIFT and not LPT)
+                                          ORDERED)
     k0 = n0 + w * BLOCK_N_WG
     DQ_AFTER: gl.constexpr = HEAD_DIM > 64
     dk = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, acc_layout)
@@ -1020,18 +1020,18 @@ def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, N
 
 @gluon.jit
 def _fused_consumer0(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-                     DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, SHIFT: gl.constexpr,
-                     TOGETHER: gl.constexpr, LPT: gl.constexpr, DS_RS: gl.constexpr):
-    _fused_consumer(0, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, SHIFT, TOGETHER,
-                    LPT, DS_RS)
+                     DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, ORDERED: gl.constexpr,
+                     TOGETHER: gl.constexpr, DS_RS: gl.constexpr):
+    _fused_consumer(0, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, ORDERED, TOGETHER,
+                    DS_RS)
 
 
 @gluon.jit
 def _fused_consumer1(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-                     DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, SHIFT: gl.constexpr,
-                     TOGETHER: gl.constexpr, LPT: gl.constexpr, DS_RS: gl.constexpr):
-    _fused_consumer(1, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, SHIFT, TOGETHER,
-                    LPT, DS_RS)
+                     DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, ORDERED: gl.constexpr,
+                     TOGETHER: gl.constexpr, DS_RS: gl.constexpr):
+    _fused_consumer(1, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, ORDERED, TOGETHER,
+                    DS_RS)
 
 
 @gluon.jit
@@ -1107,8 +1107,8 @@ def _write_rows(dq_smem, qb, base, out_base, rows, cols, n_rows, has_prev, scale
 
 @gluon.jit
 def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr,
-            SPLIT_D: gl.constexpr, FINALIZE: gl.constexpr, TMA_REDUCE: gl.constexpr, SHIFT: gl.constexpr,
-            EARLY_TURN: gl.constexpr, LPT: gl.constexpr):
+            SPLIT_D: gl.constexpr, FINALIZE: gl.constexpr, TMA_REDUCE: gl.constexpr, ORDERED: gl.constexpr,
+            SHIFT: gl.constexpr, EARLY_TURN: gl.constexpr, LPT: gl.constexpr):
     """The writer warp: per step, waits for both consumers' dQ partials and the query block's turn, adds
     dQ_0 + dQ_1 into the fp32 accumulator (rows past seqlen_q dropped) and passes the turn on: each lane
     adds 1 to the counter with release after its own atomic adds, so the next CTA, waiting for 32 more,
@@ -1131,8 +1131,7 @@ def _writer(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_B
     COLS: gl.constexpr = 32  # 128 bytes of fp32: a lane's value per row
     layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
     lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    n0, b, hk, lo, n_m, n_block = _tile_coords(gl.program_id(0), sizes, BLOCK_N, BLOCK_M, CAUSAL,
-                                               not SHIFT and not LPT)
+    n0, b, hk, lo, n_m, n_block = _tile_coords(gl.program_id(0), sizes, BLOCK_N, BLOCK_M, CAUSAL, ORDERED)
     start = _shift_start(n_block, n_m, n_n_blocks, SHIFT)
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
@@ -1279,12 +1278,15 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
             q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem)
     fbufs = (ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free, dqacc_desc)
     sizes = (C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles)
+    # The tile order (_tile_coords): ORDERED (shortest first for causal), or head by head (SHIFT), or longest
+    # first (LPT).
+    ORDERED: gl.constexpr = not SHIFT and not LPT
     # (The constexprs go in literal tuples: a tuple assigned to a name first carries them as tensors.)
     gl.warp_specialize([(_fused_consumer0, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS,
-                                            SPLIT_D, SHIFT, TOGETHER, LPT, DS_RS)),
+                                            SPLIT_D, ORDERED, TOGETHER, DS_RS)),
                         (_fused_consumer1, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS,
-                                            SPLIT_D, SHIFT, TOGETHER, LPT, DS_RS)),
-                        (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, True, SHIFT, LPT)),
+                                            SPLIT_D, ORDERED, TOGETHER, DS_RS)),
+                        (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, ORDERED, SHIFT)),
                         (_writer, (bufs, fbufs, sizes, CAUSAL, NUM_WG, DQ_BUFS, SPLIT_D, FINALIZE,
-                                   TMA_REDUCE, SHIFT, EARLY_TURN, LPT))],
+                                   TMA_REDUCE, ORDERED, SHIFT, EARLY_TURN, LPT))],
                        [4, 1, 1], [CONSUMER_REGS, WRITER_REGS, WRITER_REGS])
