@@ -177,3 +177,16 @@ def test_mask_configs_replace_the_table_entry():
     launches = record([dict(d=128, dtype=bf16, mask=torch.float64, causal=True)])
     fwd = next(x for x in launches if x["kernel"] == "attn_fwd_kernel")["kwargs"]
     assert fwd["NUM_STAGES"] == L.MASK_CONFIGS[("fwd", 128, 8)].num_stages
+
+
+def test_packed_sequences_load_through_pointers():
+    """Varlen launches never take device-side TMA descriptors (a varlen dq launch with them hung on an H100 at
+    GQA group >= 8; see ``attention_launch._use_tma``), while the same problem dense does (the check can
+    fail)."""
+    launches = record([dict(d=64, dtype=torch.bfloat16, causal=True, group=8, varlen=True),
+                       dict(d=64, dtype=torch.bfloat16, causal=True, group=8)])
+    with_tma = [x for x in launches if "USE_TMA" in x["kwargs"]]
+    packed = [x["kernel"] for x in with_tma if x["kwargs"]["VARLEN"]]
+    assert sorted(packed) == sorted(["attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"])
+    assert not [x["kernel"] for x in with_tma if x["kwargs"]["VARLEN"] and x["kwargs"]["USE_TMA"]]
+    assert [x["kernel"] for x in with_tma if not x["kwargs"]["VARLEN"] and x["kwargs"]["USE_TMA"]]

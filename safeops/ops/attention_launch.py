@@ -200,8 +200,13 @@ def _launch(kernel, grid: tuple, *args, record: list | None = None, **kwargs) ->
     launch(kernel, grid, *args, **kwargs)
 
 
-def _use_tma(cfg: AttnConfig, *tensors: torch.Tensor) -> bool:
-    if not cfg.tma or not _tma_ok(*tensors):
+def _use_tma(cfg: AttnConfig, varlen: bool, *tensors: torch.Tensor) -> bool:
+    # Packed (varlen) launches never take device-side descriptors: on an H100 (Triton 3.6) the dq kernel's
+    # varlen launch with them hung for good at GQA group >= 8 (D=64 causal, lengths 700 / 1 / 333; group 4 and
+    # pointer loads finished), whether run first in the process or after other launches, and with scratch
+    # never reused (bench/RESULTS.md, 2026-12-05). Pointer loads give the same bits (each element is loaded
+    # either way), so only speed can differ.
+    if varlen or not cfg.tma or not _tma_ok(*tensors):
         return False
     if tensors[0].device.type == "cuda":
         ensure_tma_allocator()  # device-side descriptors live in a small global scratch buffer per launch
@@ -438,7 +443,7 @@ def _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_caus
         p.hq, p.max_q, p.max_k, n_m_blocks, p.window_left, p.window_right, c1, c2,
         **_common_constexprs(p, mask_kind, softcap), REVERSE=p.has_wr,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-        WARP_SPECIALIZE=cfg.warp_specialize and _gpu(q.device), USE_TMA=_use_tma(cfg, k_, v_),
+        WARP_SPECIALIZE=cfg.warp_specialize and _gpu(q.device), USE_TMA=_use_tma(cfg, p.varlen, k_, v_),
         EVEN=_even(p, cfg), **_sinks_constexpr(sinks), **_launch_options(cfg), record=record,
     )
     if out_ is not out:
@@ -479,7 +484,8 @@ def _dkdv_triton(p: _Problem, q_, k_, v_, g_, dk, dv, dk_, dv_, row_max, row_sum
         *_bhs(dkp, p.varlen), *_bhs(dvp, p.varlen), *st, *p.mask_strides,
         p.hq, n_bh, p.max_q, p.max_k, p.window_left, p.window_right, c1, c2, scale_ds,
         **common, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, NUM_STAGES=kv.num_stages,
-        USE_TMA=_use_tma(kv, q_, g_), SPLIT=split, EVEN=_even(p, kv), **_launch_options(kv), record=record,
+        USE_TMA=_use_tma(kv, p.varlen, q_, g_), SPLIT=split, EVEN=_even(p, kv), **_launch_options(kv),
+        record=record,
     )
     if split > 1:
         _split_sum(dkp, dvp, dk_, dv_, split, p.varlen, record)
@@ -525,7 +531,8 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
         *_bhs(o_, p.varlen), *_bhs(dq_, p.varlen), *st, *p.mask_strides,
         p.hq, p.batch * p.hq, p.max_q, p.max_k, n_m_blocks, p.window_left, p.window_right, c1, c2, scale_ds,
         **common, REVERSE=p.has_wr,
-        BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, NUM_STAGES=qc.num_stages, USE_TMA=_use_tma(qc, k_, v_),
+        BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, NUM_STAGES=qc.num_stages,
+        USE_TMA=_use_tma(qc, p.varlen, k_, v_),
         EVEN=_even(p, qc), **_sinks_constexpr(sinks), **({"DELTA_ONLY": True} if gluon_dq else {}),
         **_launch_options(qc), record=record,
     )
