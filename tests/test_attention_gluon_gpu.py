@@ -74,23 +74,42 @@ def _triton_launches() -> list[dict]:
 @pytest.fixture(scope="module", autouse=True)
 def _compiled():
     """Every Gluon configuration and the Triton kernels the tests use compiled in parallel first (the
-    launches then load them from Triton's cache instead of compiling one at a time). Each pool gets this
-    process's share of the CPUs: under pytest-xdist every worker runs this fixture, and 14 workers starting
-    16 processes each (every one importing torch) at once ended in 45 setup errors on the GPU machine."""
+    launches then load them from Triton's cache instead of compiling one at a time). Under pytest-xdist
+    every worker runs this fixture; the first to take a file lock compiles with half the CPUs (8 at most,
+    Gluon's compiles import torch in each process) and leaves a marker for the run, and the others wait for
+    the lock and find the marker instead of compiling the same kernels again, all at once (14 workers
+    starting 16 processes each ended in 45 setup errors on the GPU machine)."""
+    import fcntl
+    import json
     import os
     import sys
+    import tempfile
     import threading
 
-    share = (os.cpu_count() or 8) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    workers = max(1, min(8, share // 2))
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(triton=L.compile_launches(
-        _triton_launches(), python=sys.executable, arch=90, workers=workers)))
-    thread.start()
-    failed = G.warm_cache(workers=workers)
-    thread.join()
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", f"pid{os.getpid()}")
+    base = os.path.join(tempfile.gettempdir(), f"safeops-gluon-warm-{os.getuid()}")
+    with open(base + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            marker = f"{base}-{run}.json"
+            if os.path.exists(marker):
+                with open(marker) as f:
+                    failed, triton = json.load(f)
+            else:
+                workers = max(1, min(8, (os.cpu_count() or 8) // 2))
+                result = {}
+                thread = threading.Thread(target=lambda: result.update(triton=L.compile_launches(
+                    _triton_launches(), python=sys.executable, arch=90, workers=workers)))
+                thread.start()
+                failed = G.warm_cache(workers=workers)
+                thread.join()
+                triton = result["triton"]
+                with open(marker, "w") as f:
+                    json.dump([failed, triton], f)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
     assert not failed, failed
-    assert all(r["ok"] for r in result["triton"]["results"]), result
+    assert all(r["ok"] for r in triton["results"]), triton
 
 
 @pytest.fixture(autouse=True)
