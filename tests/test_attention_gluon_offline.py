@@ -265,6 +265,19 @@ def test_warp_specialized_wgmma(compiled):
         assert ("dec", r["loader_regs"]) in budgets, f"{c}: TMA warp not lowered to its registers: {budgets}"
 
 
+def test_kernel_sizes_unpacked_by_name():
+    """Every partition unpacks the kernels' tuple of runtime sizes by name: an index into it (``sizes[7]``)
+    reads another value once the tuple grows, and a loop bound read that way in one partition alone hangs
+    the GPU (on a branch the forward's TMA warp looped to n_m_blocks instead of n_tiles after a new value
+    joined the tuple; no CPU test runs the kernels)."""
+    import re
+
+    for path in (KERNEL_FILE, BWD_KERNEL_FILE):
+        with open(path) as f:
+            source = f.read()
+        assert not re.search(r"\bsizes\[", source), f"{path}: index into sizes; unpack it by name"
+
+
 @pytest.mark.parametrize("control", FUSION_ON, ids=lambda c: c[0])
 def test_contraction_check_can_fail(compiled, control):
     r = compiled[("fusion on", *control)]

@@ -243,7 +243,8 @@ def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_W
      v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr) = bufs
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    n_tiles = sizes[7]
+    (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row, o_stride_head,
+     window_left, has_sinks) = sizes
     c = 0  # K/V blocks loaded so far (ring position, across this program's tiles)
     t = 0  # tiles loaded so far (phase of the Q barriers)
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
