@@ -787,6 +787,10 @@ class GluonFusedConfig:
     # (split_d) dK's dS^T operand from registers instead of shared memory (FlashAttention-3's choice): the
     # same products and bits, one register copy of dS^T more.
     ds_rs: bool = False
+    # (split_d) dQ issued between dV and dK, and its partial stored for the writer while dK is still on the
+    # tensor cores, instead of after all three products: the same products and bits, the store off the
+    # critical path.
+    dq_early: bool = False
 
     @property
     def block_n(self) -> int:
@@ -815,7 +819,8 @@ def fused_constexprs(cfg: GluonFusedConfig, causal: bool, shift: bool = False) -
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
                 DQ_BUFS=cfg.dq_bufs, SPLIT_D=cfg.split_d, FINALIZE=cfg.finalize, TMA_REDUCE=cfg.tma_reduce,
                 SHIFT=shift, EARLY_TURN=cfg.early_turn, TOGETHER=cfg.st_dpt_together,
-                LPT=cfg.causal_lpt and causal, DS_RS=cfg.ds_rs)
+                LPT=cfg.causal_lpt and causal, DS_RS=cfg.ds_rs,
+                DQ_EARLY=cfg.dq_early and cfg.split_d)
 
 
 def fused_shift(cfg: GluonFusedConfig, causal: bool, n_n_blocks: int, sm_count: int) -> bool:
@@ -872,7 +877,7 @@ def _async_after_acquire(lanes):
 def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr, s_layout: gl.constexpr,
                 a_layout: gl.constexpr, MASKED: gl.constexpr, NUM_STAGES: gl.constexpr,
                 NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, DQ_AFTER: gl.constexpr,
-                TOGETHER: gl.constexpr, DS_RS: gl.constexpr):
+                TOGETHER: gl.constexpr, DS_RS: gl.constexpr, DQ_EARLY: gl.constexpr):
     """One query block of consumer warpgroup ``w``: :func:`_step`'s dK / dV (dS^T entering dK from shared
     memory), and this warpgroup's dQ partial handed to the writer through dQ buffer ``c % DQ_BUFS``: by keys,
     dQ_w = dS_w K_w over its 64 keys and every column; ``SPLIT_D``, dQ[:, w half] = dS K[:, w half] over
@@ -917,6 +922,28 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
         mbarrier.arrive(ds_ready.index(b), count=1)
     p16 = gl.convert_layout(pt.to(dtype), a_layout)
     dv = warpgroup_mma(p16, do_s, dv, is_async=True)
+    if DQ_EARLY:  # (SPLIT_D) dV, dQ, dK; dQ's partial goes to the writer while dK runs
+        gl.static_assert(SPLIT_D and not DS_RS)
+        HALF_E: gl.constexpr = HEAD_DIM // NUM_WG
+        dqe_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HALF_E, 16])
+        mbarrier.wait(ds_ready.index(b), (c // 2) & 1)  # the other warpgroup's dS^T rows are in too
+        dq = gl.zeros([BLOCK_M, HALF_E], gl.float32, dqe_layout)
+        for u in gl.static_range(NUM_WG):
+            k_u = k_smem.index(u).reshape([BLOCK_N_WG, HEAD_DIM]).slice(w * HALF_E, HALF_E, dim=1)
+            dq = warpgroup_mma(ds_all.slice(u * BLOCK_N_WG, BLOCK_N_WG, dim=0).permute((1, 0)), k_u, dq,
+                               use_acc=u > 0, is_async=True)
+        dk = warpgroup_mma(ds_w, q_s, dk, is_async=True)
+        dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))  # all but dK retired
+        qb = c % DQ_BUFS
+        mbarrier.wait(dq_empty.index(qb), ((c // DQ_BUFS) & 1) ^ 1)
+        dq_smem.index(qb * NUM_WG + w).store(dq)
+        fence_async_shared()  # (tma_reduce) the writer's TMA reads these stores through the async proxy
+        gl.thread_barrier()  # every warp's part is in shared memory before the one arrive
+        mbarrier.arrive(dq_full.index(qb), count=1)
+        dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+        mbarrier.arrive(q_empty.index(slot), count=1)
+        return dk, dv
     # dS^T enters both of its products from shared memory: no register copy beside P^T's. ``DS_RS``: dK's
     # from registers instead (FlashAttention-3's order; the same products, a register copy more).
     if DS_RS:
@@ -966,7 +993,7 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
 @gluon.jit
 def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                     NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, ORDERED: gl.constexpr,
-                    TOGETHER: gl.constexpr, DS_RS: gl.constexpr):
+                    TOGETHER: gl.constexpr, DS_RS: gl.constexpr, DQ_EARLY: gl.constexpr):
     """Consumer warpgroup ``w`` of the fused kernel: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63, and their
     dQ partials."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
@@ -999,11 +1026,12 @@ def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, N
         for mb in range(lo, mid):
             dk, dv = _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, w, s_layout,
                                  a_layout, True, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, DQ_AFTER, TOGETHER,
-                                 DS_RS)
+                                 DS_RS, DQ_EARLY)
             c += 1
         for _mb in range(mid, n_m):
             dk, dv = _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, 0, w, s_layout, a_layout, False,
-                                 NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, DQ_AFTER, TOGETHER, DS_RS)
+                                 NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, DQ_AFTER, TOGETHER, DS_RS,
+                                 DQ_EARLY)
             c += 1
     if SPLIT_D:  # the other warpgroup's dQ products read this one's K: dK goes there once they are done
         ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free, dqacc_desc = fbufs
@@ -1021,17 +1049,17 @@ def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, N
 @gluon.jit
 def _fused_consumer0(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                      DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, ORDERED: gl.constexpr,
-                     TOGETHER: gl.constexpr, DS_RS: gl.constexpr):
+                     TOGETHER: gl.constexpr, DS_RS: gl.constexpr, DQ_EARLY: gl.constexpr):
     _fused_consumer(0, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, ORDERED, TOGETHER,
-                    DS_RS)
+                    DS_RS, DQ_EARLY)
 
 
 @gluon.jit
 def _fused_consumer1(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                      DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, ORDERED: gl.constexpr,
-                     TOGETHER: gl.constexpr, DS_RS: gl.constexpr):
+                     TOGETHER: gl.constexpr, DS_RS: gl.constexpr, DQ_EARLY: gl.constexpr):
     _fused_consumer(1, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, ORDERED, TOGETHER,
-                    DS_RS)
+                    DS_RS, DQ_EARLY)
 
 
 @gluon.jit
@@ -1215,7 +1243,7 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                 CONSUMER_REGS: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr,
                                 FINALIZE: gl.constexpr, TMA_REDUCE: gl.constexpr, SHIFT: gl.constexpr,
                                 EARLY_TURN: gl.constexpr, TOGETHER: gl.constexpr, LPT: gl.constexpr,
-                                DS_RS: gl.constexpr):
+                                DS_RS: gl.constexpr, DQ_EARLY: gl.constexpr):
     """dk, dv of key block / kv head ``program_id(0)`` (as ``attn_bwd_dkdv_gluon_kernel``), and that
     block's share of dq added into ``dq_ptr``: fp32 (B, Hq, Sq, D) contiguous, unscaled. ``FINALIZE``: the
     buffer needs no zeroing, and dq = scale_ds * (its sum) goes to ``out_ptr`` ((B, Hq, Sq, D) contiguous,
@@ -1225,7 +1253,7 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     into. ``sem_ptr``: int32 (B, Hq, cdiv(Sq, BLOCK_M)) zeroed turn counters. ``SHIFT`` (not causal): CTAs
     numbered head by head, each starting at its own query block (:func:`_writer`); a CTA may then wait for
     one of its head numbered after it, so the launch allows it only where a head's CTAs fit on the GPU at
-    once. ``EARLY_TURN``, ``LPT`` (causal): see :func:`_writer`; ``TOGETHER``, ``DS_RS``: see
+    once. ``EARLY_TURN``, ``LPT`` (causal): see :func:`_writer`; ``TOGETHER``, ``DS_RS``, ``DQ_EARLY``: see
     :func:`_fused_step`."""
     gl.static_assert(NUM_WG == 2)
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
@@ -1283,9 +1311,9 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     ORDERED: gl.constexpr = not SHIFT and not LPT
     # (The constexprs go in literal tuples: a tuple assigned to a name first carries them as tensors.)
     gl.warp_specialize([(_fused_consumer0, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS,
-                                            SPLIT_D, ORDERED, TOGETHER, DS_RS)),
+                                            SPLIT_D, ORDERED, TOGETHER, DS_RS, DQ_EARLY)),
                         (_fused_consumer1, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS,
-                                            SPLIT_D, ORDERED, TOGETHER, DS_RS)),
+                                            SPLIT_D, ORDERED, TOGETHER, DS_RS, DQ_EARLY)),
                         (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, ORDERED, SHIFT)),
                         (_writer, (bufs, fbufs, sizes, CAUSAL, NUM_WG, DQ_BUFS, SPLIT_D, FINALIZE,
                                    TMA_REDUCE, ORDERED, SHIFT, EARLY_TURN, LPT))],
