@@ -62,6 +62,10 @@ class GluonBwdConfig:
     # products, and its exponentials run while those are on the tensor cores (registers for two steps'
     # P^T / dS^T: at D=64 only, where dK and dV take 64 of them).
     pipeline: bool = False
+    # (pipeline) dS^T through shared memory (two buffers per warpgroup) instead of registers: dK's operand
+    # from there, 16 registers fewer per thread, so the pipelined step fits D=128 (the same products and
+    # bits).
+    ds_smem: bool = False
 
     @property
     def block_n(self) -> int:
@@ -102,7 +106,7 @@ def block_shapes(cfg: GluonBwdConfig, head_dim: int) -> dict[str, list[int]]:
 
 def constexprs(cfg: GluonBwdConfig, causal: bool) -> dict:
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
-                PIPELINE=cfg.pipeline)
+                PIPELINE=cfg.pipeline, DS_SMEM=cfg.pipeline and cfg.ds_smem)
 
 
 LAUNCH_OPTIONS = {"num_warps": 4}
@@ -344,8 +348,49 @@ def _pstep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, q_minus_k, s_layout: 
 
 
 @gluon.jit
+def _pstep_ds(bufs, C1, k_w, v_w, dk, dv, p_prev, dsb, ds0, c, q_minus_k, s_layout: gl.constexpr,
+              a_layout: gl.constexpr, MASKED: gl.constexpr, FIRST: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """:func:`_pstep` with dS^T in shared memory: step ``c`` writes it to ``dsb.index(c % 2)``, from where the
+    next step's dK product reads it (``ds0``: the warpgroup's first buffer). Returns (dK, dV, P^T_c)."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    dtype: gl.constexpr = q_desc.dtype
+    slot = c % NUM_STAGES
+    q_s = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    do_s = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    st, dpt = _issue_st_dpt(bufs, k_w, v_w, q_s, do_s, slot, (c // NUM_STAGES) & 1, s_layout)
+    # Async products retire in issue order: S^T_c, dP^T_c, then the previous step's dV and dK.
+    if FIRST:
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+    else:
+        prev = (c - 1) % NUM_STAGES
+        dv = warpgroup_mma(p_prev, do_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
+        dk = warpgroup_mma(dsb.index(ds0 + (c - 1) % 2), q_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dk,
+                           is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=3, deps=(st,))
+    pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED)
+    if FIRST:
+        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
+    else:
+        dpt = warpgroup_mma_wait(num_outstanding=2, deps=(dpt,))
+    delta = delta_smem.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
+    # Buffer c % 2 was last read by step c - 2's dK product, which retired in step c - 1.
+    dsb.index(ds0 + c % 2).store((pt * (dpt - delta[None, :])).to(dtype))
+    fence_async_shared()  # the wgmma reads it through the async proxy
+    gl.thread_barrier()  # every warp's rows are in before the warpgroup's next dK product reads them
+    p16 = gl.convert_layout(pt.to(dtype), a_layout)
+    if not FIRST:
+        # P^T of the previous step is dV's register operand: alive until it retires.
+        dk, dv, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p_prev))
+        mbarrier.arrive(q_empty.index((c - 1) % NUM_STAGES), count=1)
+    return dk, dv, p16
+
+
+@gluon.jit
 def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, n_m, group, s_layout: gl.constexpr,
-                     a_layout: gl.constexpr, NUM_STAGES: gl.constexpr):
+                     a_layout: gl.constexpr, NUM_STAGES: gl.constexpr, dsb, ds0, DS_SMEM: gl.constexpr):
     """The consumer's steps (query heads of the group, then query blocks lo .. n_m - 1; those before ``mid``
     take the causal select), software-pipelined (:func:`_pstep`): the same products in the same order as
     the unpipelined loop, so the same bits."""
@@ -357,7 +402,30 @@ def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, n_m, group, s_layo
     dtype: gl.constexpr = q_desc.dtype
     n_mb = n_m - lo
     total = group * n_mb
-    if total > 0:
+    if DS_SMEM:
+        if total > 0:
+            no_prev = gl.zeros([BLOCK_N_WG, BLOCK_M], dtype, a_layout)
+            if lo < mid:
+                dk, dv, p16 = _pstep_ds(bufs, C1, k_w, v_w, dk, dv, no_prev, dsb, ds0, 0, lo * BLOCK_M - k0,
+                                        s_layout, a_layout, True, True, NUM_STAGES)
+            else:
+                dk, dv, p16 = _pstep_ds(bufs, C1, k_w, v_w, dk, dv, no_prev, dsb, ds0, 0, 0, s_layout,
+                                        a_layout, False, True, NUM_STAGES)
+            for c in range(1, total):
+                mb = lo + c % n_mb
+                if mb < mid:
+                    dk, dv, p16 = _pstep_ds(bufs, C1, k_w, v_w, dk, dv, p16, dsb, ds0, c, mb * BLOCK_M - k0,
+                                            s_layout, a_layout, True, False, NUM_STAGES)
+                else:
+                    dk, dv, p16 = _pstep_ds(bufs, C1, k_w, v_w, dk, dv, p16, dsb, ds0, c, 0, s_layout,
+                                            a_layout, False, False, NUM_STAGES)
+            last = (total - 1) % NUM_STAGES
+            dv = warpgroup_mma(p16, do_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
+            q_last = q_smem.index(last).reshape([BLOCK_M, HEAD_DIM])
+            dk = warpgroup_mma(dsb.index(ds0 + (total - 1) % 2), q_last, dk, is_async=True)
+            dk, dv, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p16))
+            mbarrier.arrive(q_empty.index(last), count=1)
+    elif total > 0:
         no_prev = gl.zeros([BLOCK_N_WG, BLOCK_M], dtype, a_layout)
         if lo < mid:
             dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, no_prev, no_prev, 0, lo * BLOCK_M - k0,
@@ -383,7 +451,7 @@ def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, n_m, group, s_layo
 
 @gluon.jit
 def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_WG: gl.constexpr, PIPELINE: gl.constexpr):
+              NUM_WG: gl.constexpr, PIPELINE: gl.constexpr, ds_smem, DS_SMEM: gl.constexpr):
     """Consumer warpgroup ``w``: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
@@ -414,7 +482,7 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
         mid = gl.minimum(gl.cdiv(k0 + BLOCK_N_WG - 1, BLOCK_M), n_m)
     if PIPELINE:
         dk, dv = _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, n_m, group, s_layout, a_layout,
-                                  NUM_STAGES)
+                                  NUM_STAGES, ds_smem, w * 2, DS_SMEM)
     else:
         c = 0
         for _g in range(group):
@@ -437,21 +505,22 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
 
 @gluon.jit
 def _consumer0(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PIPELINE: gl.constexpr):
-    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE)
+               PIPELINE: gl.constexpr, ds_smem, DS_SMEM: gl.constexpr):
+    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, ds_smem, DS_SMEM)
 
 
 @gluon.jit
 def _consumer1(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PIPELINE: gl.constexpr):
-    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE)
+               PIPELINE: gl.constexpr, ds_smem, DS_SMEM: gl.constexpr):
+    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, ds_smem, DS_SMEM)
 
 
 @gluon.jit(do_not_specialize=SIZE_ARGS)
 def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, m_desc, l_desc, delta_desc,
                                C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks,
                                n_tiles, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-                               NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PIPELINE: gl.constexpr):
+                               NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PIPELINE: gl.constexpr,
+                               DS_SMEM: gl.constexpr):
     """dk, dv of key block / kv head ``program_id(0)`` of ``n_tiles`` = n_n_blocks x batch x kv heads.
     Descriptors over (B, H, S, D): q / do (B, Hq, Sq, D), k / v / dk / dv (B, Hkv, Sk, D); m, l, delta
     (B, Hq, Sq) contiguous fp32; kv head = q head // group."""
@@ -466,6 +535,12 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     l_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + l_desc.block_type.shape, l_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + delta_desc.block_type.shape,
                                            delta_desc.layout)
+    # (DS_SMEM) two dS^T buffers per consumer warpgroup (keys x queries); one 16-byte row otherwise
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
+    DS_ROWS: gl.constexpr = BLOCK_N_WG if DS_SMEM else 8
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([DS_ROWS, BLOCK_M], q_desc.dtype)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG * 2, DS_ROWS, BLOCK_M], ds_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -479,8 +554,8 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     bufs = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
             q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem)
     sizes = (C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles)
-    gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE)),
-                        (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE)),
+    gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, ds_smem, DS_SMEM)),
+                        (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, ds_smem, DS_SMEM)),
                         (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, False))],
                        [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
