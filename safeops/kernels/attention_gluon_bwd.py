@@ -403,28 +403,29 @@ def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, n_m, group, s_layo
     n_mb = n_m - lo
     total = group * n_mb
     if DS_SMEM:
-        if total > 0:
-            no_prev = gl.zeros([BLOCK_N_WG, BLOCK_M], dtype, a_layout)
-            if lo < mid:
-                dk, dv, p16 = _pstep_ds(bufs, C1, k_w, v_w, dk, dv, no_prev, dsb, ds0, 0, lo * BLOCK_M - k0,
-                                        s_layout, a_layout, True, True, NUM_STAGES)
-            else:
-                dk, dv, p16 = _pstep_ds(bufs, C1, k_w, v_w, dk, dv, no_prev, dsb, ds0, 0, 0, s_layout,
+        # Per query head of the group: the steps that take the causal select unpipelined (:func:`_step`, at
+        # most two), then the rest pipelined with no select (so no branch in the pipelined loop).
+        c = 0
+        for _g in range(group):
+            for mb in range(lo, mid):
+                dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, s_layout, a_layout, True,
+                               NUM_STAGES)
+                c += 1
+            if mid < n_m:
+                no_prev = gl.zeros([BLOCK_N_WG, BLOCK_M], dtype, a_layout)
+                dk, dv, p16 = _pstep_ds(bufs, C1, k_w, v_w, dk, dv, no_prev, dsb, ds0, c, 0, s_layout,
                                         a_layout, False, True, NUM_STAGES)
-            for c in range(1, total):
-                mb = lo + c % n_mb
-                if mb < mid:
-                    dk, dv, p16 = _pstep_ds(bufs, C1, k_w, v_w, dk, dv, p16, dsb, ds0, c, mb * BLOCK_M - k0,
-                                            s_layout, a_layout, True, False, NUM_STAGES)
-                else:
+                c += 1
+                for _mb in range(mid + 1, n_m):
                     dk, dv, p16 = _pstep_ds(bufs, C1, k_w, v_w, dk, dv, p16, dsb, ds0, c, 0, s_layout,
                                             a_layout, False, False, NUM_STAGES)
-            last = (total - 1) % NUM_STAGES
-            dv = warpgroup_mma(p16, do_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
-            q_last = q_smem.index(last).reshape([BLOCK_M, HEAD_DIM])
-            dk = warpgroup_mma(dsb.index(ds0 + (total - 1) % 2), q_last, dk, is_async=True)
-            dk, dv, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p16))
-            mbarrier.arrive(q_empty.index(last), count=1)
+                    c += 1
+                last = (c - 1) % NUM_STAGES
+                dv = warpgroup_mma(p16, do_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
+                q_last = q_smem.index(last).reshape([BLOCK_M, HEAD_DIM])
+                dk = warpgroup_mma(dsb.index(ds0 + (c - 1) % 2), q_last, dk, is_async=True)
+                dk, dv, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p16))
+                mbarrier.arrive(q_empty.index(last), count=1)
     elif total > 0:
         no_prev = gl.zeros([BLOCK_N_WG, BLOCK_M], dtype, a_layout)
         if lo < mid:
