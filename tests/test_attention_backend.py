@@ -324,7 +324,8 @@ def test_empty_problems_launch_nothing(monkeypatch, recorded):
 @pytest.mark.parametrize(
     ("make", "options", "env", "reason"),
     [
-        (dict(d=64), {}, "auto", "head dim 64: the Triton dk/dv kernel measured as fast"),
+        (dict(d=64), {"is_causal": True}, "auto",
+         "head dim 64 causal: the Triton dk/dv kernel measured as fast"),
         (dict(d=256), {}, "1", "head dim 256: the Gluon backward has head dims 64, 128"),
         (dict(d=128, dtype=torch.float32), {}, "auto", "the Gluon backward takes bf16 or fp16, not float32"),
         (dict(d=128, dv=64), {}, "auto", "v's head dim 64 is not q's 128"),
@@ -357,8 +358,14 @@ def test_backward_answers(monkeypatch):
     cu = torch.tensor([0, 64], dtype=torch.int32)
     answer = safeops.attention_backend(p, p, p, cu_seqlens_q=cu, cu_seqlens_k=cu, backward=True)
     assert answer == ("triton", "the Gluon backward does not take packed (varlen) sequences")
-    monkeypatch.setenv("SAFEOPS_GLUON_BWD", "1")
     q64, k64, v64 = _qkv(d=64, dtype=torch.float16)
+    # D=64: the Gluon kernels without causal by default, the Triton ones causal (as measured)
+    assert safeops.attention_backend(q64, k64, v64, backward=True) == (
+        "gluon", "fp16 non-causal D=64 on sm_90: Gluon dq, dk / dv")
+    assert safeops.attention_backend(q64, k64, v64, is_causal=True, backward=True)[0] == "triton"
+    monkeypatch.setenv("SAFEOPS_GLUON_BWD", "1")
+    assert safeops.attention_backend(q64, k64, v64, is_causal=True, backward=True) == (
+        "gluon", "fp16 causal D=64 on sm_90: Gluon dq, dk / dv")
     assert safeops.attention_backend(q64, k64, v64, backward=True) == (
         "gluon", "fp16 non-causal D=64 on sm_90: Gluon dq, dk / dv")
     monkeypatch.setattr(G, "GLUON_DQ", False)  # the switch: dq back on the Triton kernel
@@ -390,7 +397,8 @@ def test_backward_answer_depends_on_no_size_or_layout(monkeypatch):
                     bshd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
                     answers.add(safeops.attention_backend(*bshd, backward=True, **options))
                 assert len(answers) == 1, (dtype, d, options, answers)
-                assert next(iter(answers))[0] == ("gluon" if d == 128 else "triton")
+                expected = "gluon" if d == 128 or not options else "triton"  # D=64 causal: Triton
+                assert next(iter(answers))[0] == expected
 
 
 @pytest.mark.parametrize("sq", [150, 151, 1])

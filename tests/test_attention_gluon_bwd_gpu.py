@@ -74,15 +74,16 @@ def test_path_and_reasons(rng, monkeypatch):
     assert safeops.attention_backend(q, k, v, is_causal=True, backward=True) == (
         "gluon", "bf16 causal D=128 on sm_90: Gluon dq, dk / dv")
     q64 = q[..., :64].contiguous()
-    path, why = safeops.attention_backend(q64, q64, q64, backward=True)
-    assert path == "triton" and why.startswith("head dim 64: the Triton dk/dv kernel"), why
+    assert safeops.attention_backend(q64, q64, q64, backward=True)[0] == "gluon"  # D=64 non-causal
+    path, why = safeops.attention_backend(q64, q64, q64, is_causal=True, backward=True)
+    assert path == "triton" and why.startswith("head dim 64 causal: the Triton dk/dv kernel"), why
     mask = torch.ones(300, 300, dtype=torch.bool, device=DEV)
     assert safeops.attention_backend(q, k, v, attn_mask=mask, backward=True) == (
         "triton", "the Gluon backward does not take an attention mask")
     assert safeops.attention_backend(q, k, v, window=(16, 0), backward=True) == (
         "triton", "the Gluon backward does not take a sliding window")
     monkeypatch.setenv("SAFEOPS_GLUON_BWD", "1")
-    assert safeops.attention_backend(q64, q64, q64, backward=True)[0] == "gluon"
+    assert safeops.attention_backend(q64, q64, q64, is_causal=True, backward=True)[0] == "gluon"
     monkeypatch.setenv("SAFEOPS_GLUON_BWD", "0")
     assert safeops.attention_backend(q, k, v, backward=True) == (
         "triton", "SAFEOPS_GLUON_BWD=0 keeps dk / dv on the Triton kernel")

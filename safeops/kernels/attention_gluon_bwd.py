@@ -79,9 +79,12 @@ BWD_CONFIGS: dict[int, GluonBwdConfig] = {
     64: GluonBwdConfig(block_m=64, num_stages=3, pipeline=True),
     128: GluonBwdConfig(block_m=64, num_stages=3),
 }
-# Head dims whose backward takes this kernel by default (SAFEOPS_GLUON_BWD=auto): where it measured faster
-# than the Triton dk/dv kernel on the H200. D=64 runs it only with SAFEOPS_GLUON_BWD=1.
-AUTO_HEAD_DIMS = (128,)
+# Head dims whose backward takes this kernel (and the Gluon dQ kernel) by default (SAFEOPS_GLUON_BWD=auto):
+# where they measured faster than the Triton kernels (bench/RESULTS.md). D=64 without causal: +6% on the
+# H200, +7.5% on an H100; D=64 causal: 0% and -10%, so it stays on the Triton kernels there unless
+# SAFEOPS_GLUON_BWD=1.
+AUTO_HEAD_DIMS = (128,)  # causal
+AUTO_HEAD_DIMS_NONCAUSAL = (64, 128)
 HEAD_DIMS = tuple(BWD_CONFIGS)
 DTYPES = ("bfloat16", "float16")
 _GL_DTYPES = {"bfloat16": gl.bfloat16, "float16": gl.float16}

@@ -423,9 +423,10 @@ def _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, mod
         return f"head dim {d}: the Gluon backward has head dims {', '.join(map(str, sorted(configs)))}"
     if dv != d:
         return f"v's head dim {dv} is not q's {d}: the Gluon backward needs them equal"
-    if mode == "auto" and d not in bwd_kernels().AUTO_HEAD_DIMS:
-        return (f"head dim {d}: the Triton dk/dv kernel measured as fast (bench/RESULTS.md); "
-                "SAFEOPS_GLUON_BWD=1 runs the Gluon one")
+    auto = bwd_kernels().AUTO_HEAD_DIMS if is_causal else bwd_kernels().AUTO_HEAD_DIMS_NONCAUSAL
+    if mode == "auto" and d not in auto:
+        return (f"head dim {d}{' causal' if is_causal else ''}: the Triton dk/dv kernel measured as fast "
+                "(bench/RESULTS.md); SAFEOPS_GLUON_BWD=1 runs the Gluon one")
     return device_reason(q.device)
 
 
