@@ -1,0 +1,193 @@
+"""The attention backward's configurations side by side: the defaults, switched-off Gluon variants, cuDNN.
+
+bench/attention.py measures what ships against its peers. This script answers the question before a switch
+is turned: is a configuration that no launcher chooses yet (a field of ``GluonBwdConfig`` /
+``GluonFusedConfig``, the fused kernel, the Gluon kernels at a head dim where they are not the default)
+faster than the default, at which shapes, and does it keep the default's bits? Each variant patches the
+configuration tables and switches of ``safeops.ops.attention_gluon`` for its own calls only, clears the
+launch plans, and calls ``torch.ops.safeops.attention_backward`` on saved forward statistics; cuDNN runs
+through autograd on the same inputs. Printed per (shape, variant): the CUDA-event median in ms, TFLOP/s
+(2.5x the forward's 4 B H S^2 D, halved causal), the largest difference to the default's gradients (0: the
+same bits) and whether a rerun gave the same bits.
+
+    python3 bench/attention_bwd_configs.py                      # every variant, every shape
+    python3 bench/attention_bwd_configs.py --variants default,fused_tma --shapes b4s4k-d128 --reps 50
+    python3 bench/attention_bwd_configs.py --warm               # compile each variant at a small size
+
+``--warm`` in one process per variant, started together, compiles the variants in parallel into Triton's
+cache before a timed run (the Gluon compiles take tens of seconds each). Needs a CUDA GPU (sm_90 for the
+Gluon kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+HERE = Path(__file__).resolve().parent
+for path in (str(HERE.parent), str(HERE)):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import safeops  # noqa: E402, F401  (registers torch.ops.safeops)
+from safeops.ops import attention_gluon as G  # noqa: E402
+from safeops.ops import attention_launch as L  # noqa: E402
+
+# name -> (B, Hq, Hkv, S, D, causal)
+SHAPES = {
+    "b4s4k-d128": (4, 16, 16, 4096, 128, False),
+    "b4s4k-d128-causal": (4, 16, 16, 4096, 128, True),
+    "b4s4k-d64": (4, 16, 16, 4096, 64, False),
+    "b4s4k-d64-causal": (4, 16, 16, 4096, 64, True),
+    "llama8b-s8k": (1, 32, 8, 8192, 128, True),
+    "llama8b-s16k": (1, 32, 8, 16384, 128, True),
+}
+WARM_SHAPES = {d: [(1, 2, 2, 512, d, False), (1, 2, 2, 512, d, True)] for d in (64, 128)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """``fused``: the fused kernel (GLUON_FUSED) with these changes to its configuration; ``bwd``: changes
+    to the dK / dV kernel's configuration; ``env``: environment for the calls (e.g. SAFEOPS_GLUON_BWD)."""
+    fused: dict | None = None
+    bwd: dict | None = None
+    env: dict = dataclasses.field(default_factory=dict)
+    head_dims: tuple = (64, 128)
+
+
+TMA = dict(tma_reduce=True, finalize=False)
+VARIANTS = {
+    "default": Variant(),
+    "gluon_bwd": Variant(env={"SAFEOPS_GLUON_BWD": "1"}),
+    "triton_bwd": Variant(env={"SAFEOPS_GLUON_BWD": "0"}),
+    "ds_smem": Variant(bwd=dict(pipeline=True, ds_smem=True), env={"SAFEOPS_GLUON_BWD": "1"}),
+    "fused_tma": Variant(fused=TMA, head_dims=(128,)),
+    "fused_tma_shift": Variant(fused=dict(TMA, shift=True, early_turn=True), head_dims=(128,)),
+    "fused_tma_lpt": Variant(fused=dict(TMA, causal_lpt=True, early_turn=True), head_dims=(128,)),
+    "fused_tma_dq_early": Variant(fused=dict(TMA, dq_early=True), head_dims=(128,)),
+}
+
+
+def tflops(b: int, hq: int, s: int, d: int, causal: bool, ms: float) -> float:
+    flop = 2.5 * 4 * b * hq * s * s * d / (2 if causal else 1)
+    return flop / ms / 1e9
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def applied(variant: Variant, d: int):
+    """The variant's switches and configuration changes, for the block; plans cleared on entry and exit."""
+    KB = G.bwd_kernels()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.dict(os.environ, variant.env))
+        stack.enter_context(mock.patch.object(G, "GLUON_FUSED", variant.fused is not None))
+        if variant.fused is not None:
+            cfg = dataclasses.replace(KB.FUSED_CONFIGS[d], **variant.fused)
+            stack.enter_context(mock.patch.dict(KB.FUSED_CONFIGS, {d: cfg}))
+        if variant.bwd is not None:
+            cfg = dataclasses.replace(KB.BWD_CONFIGS[d], **variant.bwd)
+            stack.enter_context(mock.patch.dict(KB.BWD_CONFIGS, {d: cfg}))
+        L.clear_plans()
+        try:
+            yield
+        finally:
+            L.clear_plans()
+
+
+def run_shape(name: str, shape: tuple, variants: dict[str, Variant], reps: int) -> None:
+    b, hq, hkv, s, d, causal = shape
+    q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    g = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
+    scale = 1 / math.sqrt(d)
+    wr = 0 if causal else -1
+    out, m, l = torch.ops.safeops.attention(q, k, v, None, 0, None, None, s, s, causal, scale, None, -1, wr,
+                                            0)
+
+    def backward():
+        return torch.ops.safeops.attention_backward(g, q, k, v, out, m, l, None, 0, None, None, s, s, causal,
+                                                    scale, None, -1, wr, 0)
+
+    reference = None
+    for vname, variant in variants.items():
+        if d not in variant.head_dims:
+            continue
+        try:
+            with applied(variant, d):
+                t0 = time.time()
+                grads = backward()
+                torch.cuda.synchronize()
+                first = time.time() - t0
+                ms = median_ms(backward, reps)
+                again = backward()
+        except Exception as e:  # noqa: BLE001 - reported, the other variants still run
+            print(f"{name:20s} {vname:20s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        grads = [t.float() for t in grads]
+        if reference is None and vname == "default":
+            reference = grads
+        diff = (max((a - r).abs().max().item() for a, r in zip(grads, reference, strict=True))
+                if reference is not None else float("nan"))
+        same = all(torch.equal(a.float(), x) for a, x in zip(again, grads, strict=True))
+        print(f"{name:20s} {vname:20s} {ms:8.3f} ms {tflops(b, hq, s, d, causal, ms):6.0f} TFLOP/s  "
+              f"max|diff to default| {diff:.3g}  rerun same bits {same}  first call {first:.1f} s",
+              flush=True)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, enable_gqa=hq != hkv)
+        ms = median_ms(lambda: torch.autograd.grad(o, (qq, kk, vv), g, retain_graph=True), reps)
+    print(f"{name:20s} {'cudnn':20s} {ms:8.3f} ms {tflops(b, hq, s, d, causal, ms):6.0f} TFLOP/s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--warm", action="store_true", help="compile only (small shapes, 3 timed calls)")
+    args = parser.parse_args(argv)
+    # The default first: the bits every other variant is compared with.
+    variants = {"default": VARIANTS["default"],
+                **{n: VARIANTS[n] for n in args.variants.split(",") if n != "default"}}
+    if not torch.cuda.is_available():
+        sys.exit("bench/attention_bwd_configs.py needs a CUDA GPU")
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    torch.manual_seed(0)
+    if args.warm:
+        dims = {SHAPES[n][4] for n in args.shapes.split(",")}
+        for d in sorted(dims):
+            for i, shape in enumerate(WARM_SHAPES[d]):
+                run_shape(f"warm {i}", shape, variants, 3)
+        return
+    for name in args.shapes.split(","):
+        run_shape(name, SHAPES[name], variants, args.reps)
+
+
+if __name__ == "__main__":
+    main()
