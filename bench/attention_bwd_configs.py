@@ -72,6 +72,7 @@ VARIANTS = {
     "gluon_bwd": Variant(env={"SAFEOPS_GLUON_BWD": "1"}),
     "triton_bwd": Variant(env={"SAFEOPS_GLUON_BWD": "0"}),
     "ds_smem": Variant(bwd=dict(pipeline=True, ds_smem=True), env={"SAFEOPS_GLUON_BWD": "1"}),
+    "row_stats": Variant(bwd=dict(row_stats=True), env={"SAFEOPS_GLUON_BWD": "1"}),
     "fused_tma": Variant(fused=TMA, head_dims=(128,)),
     "fused_tma_shift": Variant(fused=dict(TMA, shift=True, early_turn=True), head_dims=(128,)),
     "fused_tma_lpt": Variant(fused=dict(TMA, causal_lpt=True, early_turn=True), head_dims=(128,)),

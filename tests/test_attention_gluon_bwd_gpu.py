@@ -172,6 +172,28 @@ def test_pipelined_ds_smem_same_bits_as_unpipelined(d, causal, rng, monkeypatch)
         assert torch.equal(a, b), f"d{name} differs between the ds_smem pipelined and the unpipelined kernel"
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_row_stats_same_bits(d, causal, rng, monkeypatch):
+    """GluonBwdConfig.row_stats (each row's base and 1 / l computed once by attn_bwd_row_stats_kernel, with
+    the kernel's own operations) gives the bits of the kernel that derives them at every step."""
+    import dataclasses
+
+    KB = G.bwd_kernels()
+    q, g = (rng.randn(2, 8, 700, d, dtype=BF16) for _ in range(2))
+    k, v = (rng.randn(2, 2, 555, d, dtype=BF16) for _ in range(2))
+    _gluon_ran(monkeypatch, q, k, v, is_causal=causal)
+    grads = []
+    for over in ({"row_stats": False}, {"row_stats": True}):
+        monkeypatch.setitem(KB.BWD_CONFIGS, d, dataclasses.replace(KB.BWD_CONFIGS[d], **over))
+        L.clear_plans()
+        grads.append(_grads(q, k, v, g, is_causal=causal))
+    plans = [p for p in L._gluon_bwd_plans.values() if p.__class__ is G.BwdPlan]
+    assert plans and all(p.launch.kwargs["PRE_STATS"] for p in plans)
+    for name, a, b in zip("q k v".split(), *grads, strict=True):
+        assert torch.equal(a, b), f"d{name} differs with the precomputed row statistics"
+
+
 def test_deterministic_over_100_reruns(rng):
     q, g = (rng.randn(1, 8, 1000, 128, dtype=BF16) for _ in range(2))
     k, v = (rng.randn(1, 2, 1000, 128, dtype=BF16) for _ in range(2))

@@ -761,3 +761,16 @@ def attn_bwd_dq_scale_kernel(acc_ptr, dq_ptr, scale, rows, seqlen, n_heads, s_b,
     bh = r // seqlen
     dst = dq_ptr + (bh // n_heads) * s_b + (bh % n_heads) * s_h + (r % seqlen) * s_s
     tl.store(dst[:, None] + d[None, :], cast(x * scale, dq_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["n"])
+def attn_bwd_row_stats_kernel(m_ptr, l_ptr, base_ptr, rinv_ptr, n, BLOCK: tl.constexpr):
+    """The two per-row values a backward step derives from the saved statistics, once per row: base = (m ==
+    -inf ? 0 : m) and rinv = (l == 0 ? 0 : 1 / l), with the operations (and so the bits) the Gluon dK / dV
+    kernel otherwise repeats at every key block (``GluonBwdConfig.row_stats``). ``n`` values, contiguous."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < n
+    m = tl.load(m_ptr + r, mask=ok, other=0.0)
+    l = tl.load(l_ptr + r, mask=ok, other=1.0)
+    tl.store(base_ptr + r, tl.where(m == float("-inf"), 0.0, m), mask=ok)
+    tl.store(rinv_ptr + r, tl.where(l == 0.0, 0.0, 1.0 / tl.where(l == 0.0, 1.0, l)), mask=ok)

@@ -66,6 +66,10 @@ class GluonBwdConfig:
     # from there, 16 registers fewer per thread, so the pipelined step fits D=128 (the same products and
     # bits).
     ds_smem: bool = False
+    # The per-row base (m, or 0 where m = -inf) and 1 / l come precomputed (attn_bwd_row_stats_kernel: the
+    # same operations, so the same bits) instead of being derived from m and l at every step: 16 selects and
+    # 16 reciprocals per thread and step fewer in the exponentials' critical path.
+    row_stats: bool = False
 
     @property
     def block_n(self) -> int:
@@ -109,7 +113,7 @@ def block_shapes(cfg: GluonBwdConfig, head_dim: int) -> dict[str, list[int]]:
 
 def constexprs(cfg: GluonBwdConfig, causal: bool) -> dict:
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
-                PIPELINE=cfg.pipeline, DS_SMEM=cfg.pipeline and cfg.ds_smem)
+                PIPELINE=cfg.pipeline, DS_SMEM=cfg.pipeline and cfg.ds_smem, PRE_STATS=cfg.row_stats)
 
 
 LAUNCH_OPTIONS = {"num_warps": 4}
@@ -251,7 +255,7 @@ def _issue_st_dpt(bufs, k_w, v_w, q_s, do_s, slot, phase, s_layout: gl.constexpr
 
 
 @gluon.jit
-def _probs_t(bufs, st, C1, slot, q_minus_k, MASKED: gl.constexpr):
+def _probs_t(bufs, st, C1, slot, q_minus_k, MASKED: gl.constexpr, PRE_STATS: gl.constexpr = False):
     """P^T from a retired S^T: z = s * C1, the causal select (``MASKED``: query i sees key j iff j <= i,
     ``q_minus_k`` = the block's first query - the warpgroup's first key), p = exp2(min(z - base, 0)) / l
     from the slot's saved row statistics."""
@@ -270,6 +274,9 @@ def _probs_t(bufs, st, C1, slot, q_minus_k, MASKED: gl.constexpr):
     # are used (16 values per thread each: held across the step they would crowd the accumulators). Rows
     # past seqlen_q read as 0 (TMA): l = 0 gives 1 / l = 0, so p = 0.
     m = m_smem.index(slot).reshape([BLOCK_M]).load(col_layout)
+    if PRE_STATS:  # m_smem holds the base and l_smem 1 / l (attn_bwd_row_stats_kernel)
+        e = gl.exp2(gl.minimum(z - m[None, :], 0.0, propagate_nan=NAN_ALL))
+        return e * l_smem.index(slot).reshape([BLOCK_M]).load(col_layout)[None, :]
     e = gl.exp2(gl.minimum(z - gl.where(m == NEG_INF, 0.0, m)[None, :], 0.0, propagate_nan=NAN_ALL))
     l = l_smem.index(slot).reshape([BLOCK_M]).load(col_layout)
     return e * gl.where(l == 0.0, 0.0, 1.0 / gl.where(l == 0.0, 1.0, l))[None, :]
@@ -289,7 +296,7 @@ def _operands_t(bufs, pt, dpt, slot, a_layout: gl.constexpr):
 
 @gluon.jit
 def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, s_layout: gl.constexpr, a_layout: gl.constexpr,
-          MASKED: gl.constexpr, NUM_STAGES: gl.constexpr):
+          MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PRE_STATS: gl.constexpr = False):
     """One query block of a consumer warpgroup: S^T and dP^T, P^T and dS^T, dV += P^T dO, dK += dS^T Q.
     ``c``: the block's ring position; ``MASKED``: apply the causal select, query i seeing key j iff
     j <= i, where ``q_minus_k`` = (the block's first query) - (the warpgroup's first key)."""
@@ -302,7 +309,7 @@ def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, s_layout: gl.constexpr, a_la
     do_s = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
     st, dpt = _issue_st_dpt(bufs, k_w, v_w, q_s, do_s, slot, (c // NUM_STAGES) & 1, s_layout)
     st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
-    pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED)
+    pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED, PRE_STATS)
     dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
     # Both products are issued from registers once S^T and dP^T have retired: P^T and dS^T are then all
     # that is live beside the accumulators.
@@ -316,7 +323,8 @@ def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, s_layout: gl.constexpr, a_la
 
 @gluon.jit
 def _pstep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, q_minus_k, s_layout: gl.constexpr,
-           a_layout: gl.constexpr, MASKED: gl.constexpr, FIRST: gl.constexpr, NUM_STAGES: gl.constexpr):
+           a_layout: gl.constexpr, MASKED: gl.constexpr, FIRST: gl.constexpr, NUM_STAGES: gl.constexpr,
+           PRE_STATS: gl.constexpr = False):
     """Step ``c`` of the pipelined loop: issues S^T_c and dP^T_c, then (unless ``FIRST``) the previous
     step's dV += P^T dO and dK += dS^T Q from ``p_prev`` / ``ds_prev``; computes P^T_c and dS^T_c (as
     :func:`_step` does) while those run; waits for them and releases the previous step's Q / dO slot.
@@ -337,7 +345,7 @@ def _pstep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, q_minus_k, s_layout: 
         dv = warpgroup_mma(p_prev, do_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
         dk = warpgroup_mma(ds_prev, q_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
         st = warpgroup_mma_wait(num_outstanding=3, deps=(st,))
-    pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED)
+    pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED, PRE_STATS)
     if FIRST:
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
     else:
@@ -352,7 +360,8 @@ def _pstep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, q_minus_k, s_layout: 
 
 @gluon.jit
 def _pstep_ds(bufs, C1, k_w, v_w, dk, dv, p_prev, dsb, ds0, c, q_minus_k, s_layout: gl.constexpr,
-              a_layout: gl.constexpr, MASKED: gl.constexpr, FIRST: gl.constexpr, NUM_STAGES: gl.constexpr):
+              a_layout: gl.constexpr, MASKED: gl.constexpr, FIRST: gl.constexpr, NUM_STAGES: gl.constexpr,
+              PRE_STATS: gl.constexpr = False):
     """:func:`_pstep` with dS^T in shared memory: step ``c`` writes it to ``dsb.index(c % 2)``, from where the
     next step's dK product reads it (``ds0``: the warpgroup's first buffer). Returns (dK, dV, P^T_c)."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
@@ -373,7 +382,7 @@ def _pstep_ds(bufs, C1, k_w, v_w, dk, dv, p_prev, dsb, ds0, c, q_minus_k, s_layo
         dk = warpgroup_mma(dsb.index(ds0 + (c - 1) % 2), q_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dk,
                            is_async=True)
         st = warpgroup_mma_wait(num_outstanding=3, deps=(st,))
-    pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED)
+    pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED, PRE_STATS)
     if FIRST:
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
     else:
@@ -393,7 +402,8 @@ def _pstep_ds(bufs, C1, k_w, v_w, dk, dv, p_prev, dsb, ds0, c, q_minus_k, s_layo
 
 @gluon.jit
 def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, n_m, group, s_layout: gl.constexpr,
-                     a_layout: gl.constexpr, NUM_STAGES: gl.constexpr, dsb, ds0, DS_SMEM: gl.constexpr):
+                     a_layout: gl.constexpr, NUM_STAGES: gl.constexpr, dsb, ds0, DS_SMEM: gl.constexpr,
+                     PRE_STATS: gl.constexpr):
     """The consumer's steps (query heads of the group, then query blocks lo .. n_m - 1; those before ``mid``
     take the causal select), software-pipelined (:func:`_pstep`): the same products in the same order as
     the unpipelined loop, so the same bits."""
@@ -412,16 +422,16 @@ def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, n_m, group, s_layo
         for _g in range(group):
             for mb in range(lo, mid):
                 dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, s_layout, a_layout, True,
-                               NUM_STAGES)
+                               NUM_STAGES, PRE_STATS)
                 c += 1
             if mid < n_m:
                 no_prev = gl.zeros([BLOCK_N_WG, BLOCK_M], dtype, a_layout)
                 dk, dv, p16 = _pstep_ds(bufs, C1, k_w, v_w, dk, dv, no_prev, dsb, ds0, c, 0, s_layout,
-                                        a_layout, False, True, NUM_STAGES)
+                                        a_layout, False, True, NUM_STAGES, PRE_STATS)
                 c += 1
                 for _mb in range(mid + 1, n_m):
                     dk, dv, p16 = _pstep_ds(bufs, C1, k_w, v_w, dk, dv, p16, dsb, ds0, c, 0, s_layout,
-                                            a_layout, False, False, NUM_STAGES)
+                                            a_layout, False, False, NUM_STAGES, PRE_STATS)
                     c += 1
                 last = (c - 1) % NUM_STAGES
                 dv = warpgroup_mma(p16, do_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
@@ -433,18 +443,18 @@ def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, n_m, group, s_layo
         no_prev = gl.zeros([BLOCK_N_WG, BLOCK_M], dtype, a_layout)
         if lo < mid:
             dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, no_prev, no_prev, 0, lo * BLOCK_M - k0,
-                                       s_layout, a_layout, True, True, NUM_STAGES)
+                                       s_layout, a_layout, True, True, NUM_STAGES, PRE_STATS)
         else:
             dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, no_prev, no_prev, 0, 0, s_layout, a_layout,
-                                       False, True, NUM_STAGES)
+                                       False, True, NUM_STAGES, PRE_STATS)
         for c in range(1, total):
             mb = lo + c % n_mb
             if mb < mid:
                 dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, p16, ds16, c, mb * BLOCK_M - k0,
-                                           s_layout, a_layout, True, False, NUM_STAGES)
+                                           s_layout, a_layout, True, False, NUM_STAGES, PRE_STATS)
             else:
                 dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, p16, ds16, c, 0, s_layout, a_layout,
-                                           False, False, NUM_STAGES)
+                                           False, False, NUM_STAGES, PRE_STATS)
         last = (total - 1) % NUM_STAGES
         dv = warpgroup_mma(p16, do_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
         dk = warpgroup_mma(ds16, q_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
@@ -455,7 +465,8 @@ def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, n_m, group, s_layo
 
 @gluon.jit
 def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_WG: gl.constexpr, PIPELINE: gl.constexpr, ds_smem, DS_SMEM: gl.constexpr):
+              NUM_WG: gl.constexpr, PIPELINE: gl.constexpr, ds_smem, DS_SMEM: gl.constexpr,
+              PRE_STATS: gl.constexpr):
     """Consumer warpgroup ``w``: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
@@ -486,16 +497,17 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
         mid = gl.minimum(gl.cdiv(k0 + BLOCK_N_WG - 1, BLOCK_M), n_m)
     if PIPELINE:
         dk, dv = _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, n_m, group, s_layout, a_layout,
-                                  NUM_STAGES, ds_smem, w * 2, DS_SMEM)
+                                  NUM_STAGES, ds_smem, w * 2, DS_SMEM, PRE_STATS)
     else:
         c = 0
         for _g in range(group):
             for mb in range(lo, mid):
                 dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, s_layout, a_layout, True,
-                               NUM_STAGES)
+                               NUM_STAGES, PRE_STATS)
                 c += 1
             for _mb in range(mid, n_m):
-                dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, 0, s_layout, a_layout, False, NUM_STAGES)
+                dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, 0, s_layout, a_layout, False, NUM_STAGES,
+                               PRE_STATS)
                 c += 1
     # dK, dV out through this warpgroup's K and V buffers (dead now) and TMA (rows past seqlen_k dropped).
     dk = dk * scale_ds
@@ -509,14 +521,14 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
 
 @gluon.jit
 def _consumer0(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PIPELINE: gl.constexpr, ds_smem, DS_SMEM: gl.constexpr):
-    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, ds_smem, DS_SMEM)
+               PIPELINE: gl.constexpr, ds_smem, DS_SMEM: gl.constexpr, PRE_STATS: gl.constexpr):
+    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, ds_smem, DS_SMEM, PRE_STATS)
 
 
 @gluon.jit
 def _consumer1(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PIPELINE: gl.constexpr, ds_smem, DS_SMEM: gl.constexpr):
-    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, ds_smem, DS_SMEM)
+               PIPELINE: gl.constexpr, ds_smem, DS_SMEM: gl.constexpr, PRE_STATS: gl.constexpr):
+    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, ds_smem, DS_SMEM, PRE_STATS)
 
 
 @gluon.jit(do_not_specialize=SIZE_ARGS)
@@ -524,7 +536,7 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
                                C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks,
                                n_tiles, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                                NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PIPELINE: gl.constexpr,
-                               DS_SMEM: gl.constexpr):
+                               DS_SMEM: gl.constexpr, PRE_STATS: gl.constexpr):
     """dk, dv of key block / kv head ``program_id(0)`` of ``n_tiles`` = n_n_blocks x batch x kv heads.
     Descriptors over (B, H, S, D): q / do (B, Hq, Sq, D), k / v / dk / dv (B, Hkv, Sk, D); m, l, delta
     (B, Hq, Sq) contiguous fp32; kv head = q head // group."""
@@ -558,8 +570,10 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     bufs = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
             q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem)
     sizes = (C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles)
-    gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, ds_smem, DS_SMEM)),
-                        (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, ds_smem, DS_SMEM)),
+    gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, ds_smem, DS_SMEM,
+                                      PRE_STATS)),
+                        (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, ds_smem, DS_SMEM,
+                                      PRE_STATS)),
                         (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, False))],
                        [4, 1], [CONSUMER_REGS, LOADER_REGS])
 

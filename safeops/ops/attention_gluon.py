@@ -510,6 +510,10 @@ class BwdPlan:
 
     def __call__(self, q, k, v, grad, m, l, delta, dk, dv) -> None:
         """Writes dk and dv (k's and v's shapes and dtype; any layout)."""
+        if self.cfg.row_stats:  # the kernel reads each row's base and 1 / l, computed once here
+            from .attention_launch import row_stats
+
+            m, l = row_stats(m, l)
         descs, dk_, dv_ = self._descriptors(q, k, v, grad, m, l, delta, dk, dv)
         self.launch(*descs, *self.args)
         if dk_ is not dk:

@@ -383,6 +383,19 @@ def _split_sum(dk_part, dv_part, dk, dv, split: int, varlen: bool, record: list 
 DQ_SCALE_BLOCK_R = 32
 
 
+def row_stats(m: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base, rinv) of the saved statistics ``m``, ``l`` (contiguous fp32): base = (m == -inf ? 0 : m) and
+    rinv = (l == 0 ? 0 : 1 / l) per row, by ``attn_bwd_row_stats_kernel`` with the operations the Gluon
+    dK / dV kernel otherwise repeats at every step (its ``row_stats`` configuration reads these instead)."""
+    base, rinv = torch.empty_like(m), torch.empty_like(l)
+    n = m.numel()
+    if n:
+        block = 1024 if _gpu(m.device) else 64
+        _launch(kernels().attn_bwd_row_stats_kernel, (_cdiv(n, block),), m, l, base, rinv, n, BLOCK=block,
+                num_warps=4 if _gpu(m.device) else 1, enable_fp_fusion=_config.fp_fusion)
+    return base, rinv
+
+
 def dq_scale(acc: torch.Tensor, dq: torch.Tensor, scale: float) -> None:
     """dq = scale * acc, one fp32 multiply rounded once to dq's dtype (``attn_bwd_dq_scale_kernel``): the
     fused Gluon backward's fp32 buffer ((B, H, S, D), contiguous) into dq (its shape, any layout), one pass
