@@ -14,9 +14,10 @@ same bits) and whether a rerun gave the same bits.
     python3 bench/attention_bwd_configs.py --variants default,fused_tma --shapes b4s4k-d128 --reps 50
     python3 bench/attention_bwd_configs.py --warm               # compile each variant at a small size
 
-``--warm`` in one process per variant, started together, compiles the variants in parallel into Triton's
-cache before a timed run (the Gluon compiles take tens of seconds each). Needs a CUDA GPU (sm_90 for the
-Gluon kernels).
+``--compile-first`` starts one ``--warm`` process per variant (small shapes, the same compiled kernels) and
+waits for them before the timed run: the variants compile in parallel into Triton's cache (the Gluon compiles
+take tens of seconds each). ``bash bench/gpu_run.sh bwdconfigs`` runs the variants' GPU bit tests and this.
+Needs a CUDA GPU (sm_90 for the Gluon kernels).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import dataclasses
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -172,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--warm", action="store_true", help="compile only (small shapes, 3 timed calls)")
+    parser.add_argument("--compile-first", action="store_true",
+                        help="compile each variant in its own process, in parallel, before timing")
     args = parser.parse_args(argv)
     # The default first: the bits every other variant is compared with.
     variants = {"default": VARIANTS["default"],
@@ -179,6 +183,14 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         sys.exit("bench/attention_bwd_configs.py needs a CUDA GPU")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    if args.compile_first:
+        t0 = time.time()
+        procs = [subprocess.Popen([sys.executable, __file__, "--warm", "--variants", name, "--shapes",
+                                   args.shapes], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                 for name in variants]
+        codes = [p.wait() for p in procs]
+        print(f"compiled {len(procs)} variants in parallel in {time.time() - t0:.0f} s (exit codes {codes})",
+              flush=True)
     torch.manual_seed(0)
     if args.warm:
         dims = {SHAPES[n][4] for n in args.shapes.split(",")}

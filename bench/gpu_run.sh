@@ -14,6 +14,8 @@
 #   gluon     memcheck, racecheck and synccheck over small Gluon-kernel GPU tests (GLUON_SAN_K picks them)
 #   fused     the fused Gluon backward (off by default): its GPU tests (a deadlock shows as the step's timeout,
 #             T_FUSED), then bench/attention.py's backward with it beside the default and cuDNN
+#   bwdconfigs the attention backward's switched-off configurations: their GPU bit tests, then
+#             bench/attention_bwd_configs.py --compile-first (BWDCONFIGS_ARGS, e.g. "--variants row_stats")
 #   bench     python3 bench/softmax.py --out $OUT     (softmax.csv, softmax.md, softmax.png)
 #   compile   python3 bench/compile.py                (a transformer block compiled stock vs safeops.register())
 #   attention python3 bench/attention.py --out $OUT   (attention.{csv,md,png}; ATTENTION_ARGS, e.g. --quick)
@@ -197,6 +199,14 @@ for s in "${STEPS[@]}"; do
         lim=$(limit_for "${T_ATTENTION:-300}")
         step fused-bench "$lim" python3 bench/attention.py --out "$OUT" --budget-s $((lim > 90 ? lim - 45 : 30)) \
             --quick --directions bwd --impl "safeops,safeops gluon fused,safeops triton dq,sdpa cudnn"
+        ;;
+    bwdconfigs)
+        # shellcheck disable=SC2046
+        step bwdconfigs-tests "$(limit_for "${T_BWDCONFIGS_TESTS:-150}")" python3 -m pytest -m gpu \
+            $(pytest_opts bwdconfigs) tests/test_attention_gluon_bwd_gpu.py -k "row_stats or ds_smem or operand_orders"
+        # shellcheck disable=SC2086
+        step bwdconfigs "$(limit_for "${T_BWDCONFIGS:-300}")" python3 bench/attention_bwd_configs.py \
+            --compile-first ${BWDCONFIGS_ARGS:-}
         ;;
     bench)
         lim=$(limit_for "${T_BENCH:-520}")
