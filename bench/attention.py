@@ -14,8 +14,8 @@ FLOPs: forward 4 * B * H * Sq * Sk * D (halved for causal), backward 2.5x the fo
   Gluon dQ kernel there;
 - safeops gluon fused (backward only): the fused Gluon backward (``attention_gluon.GLUON_FUSED``, off by
   default until measured): dk, dv and dq in one kernel, dq added in a fixed order of key blocks;
-- safeops gluon bwd (backward only): the Gluon dK / dV kernel at a head dim where the backward does not take
-  it by default (``SAFEOPS_GLUON_BWD=1``; D=64, whose kernel is software-pipelined since 2026-12-05);
+- safeops gluon bwd (backward only): the Gluon dK / dV kernel where the backward does not take it by default
+  (``SAFEOPS_GLUON_BWD=1``; D=64 causal; D=64 without causal takes it by default since 2026-12-06);
 - SDPA backends and FlexAttention: ``torch.autograd.grad`` of the output w.r.t. (q, k, v) on a retained
   graph, which runs their backward kernels only.
 

@@ -12,9 +12,9 @@ kernel takes run it (``safeops.attention_backend`` says which path a call takes 
 every forward on the Triton kernels.
 
 `SAFEOPS_GLUON_BWD` (read on every call): which CUDA attention backwards compute dk / dv with the Gluon
-kernel (dq stays on the Triton kernel): ``auto`` (default) those it takes at the head dims where it
-measured faster than the Triton dk/dv kernel, ``1`` every one it takes, ``0`` none. ``SAFEOPS_GLUON=0``
-turns it off too.
+kernel (and dq with the Gluon dQ kernel): ``auto`` (default) those it takes at the head dims (and causal or
+not) where it measured faster than the Triton kernels, ``1`` every one it takes, ``0`` none.
+``SAFEOPS_GLUON=0`` turns it off too.
 """
 
 from __future__ import annotations

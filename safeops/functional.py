@@ -428,10 +428,10 @@ def attention_backend(q, k, v, *, attn_mask=None, is_causal=False, scale=None, s
 
     ``backward=True`` answers for the backward instead, whatever the forward ran: ``"gluon"`` where dk / dv
     come from the warp-specialized Gluon kernel (CUDA, sm_90, bf16 / fp16, dense (not packed), no mask,
-    softcap or window; head dim 128, or 64 with ``SAFEOPS_GLUON_BWD=1``; dq from the Gluon dQ kernel, delta
-    and the sinks' gradient from the Triton dq kernel), e.g. ``("gluon", "bf16 causal D=128 on sm_90: Gluon
-    dq, dk / dv")``, else ``"triton"`` with the reason, or ``"reference"``. For MHA both dk / dv kernels give
-    the same bits.
+    softcap or window; head dim 128, or 64 without causal (64 causal with ``SAFEOPS_GLUON_BWD=1``); dq from
+    the Gluon dQ kernel, delta and the sinks' gradient from the Triton dq kernel), e.g. ``("gluon", "bf16
+    causal D=128 on sm_90: Gluon dq, dk / dv")``, else ``"triton"`` with the reason, or ``"reference"``. For
+    MHA both dk / dv kernels give the same bits.
     The arguments are checked as ``attention`` /
     ``attention_varlen`` check them (the same errors); nothing is computed and the device is not
     synchronized.

@@ -1,6 +1,7 @@
 """GPU tests of the Gluon backward's dK / dV and dQ kernels (safeops.kernels.attention_gluon_bwd), the CUDA
 default for head dim 128 where ``safeops.attention_backend(..., backward=True)`` says "gluon" (sm_90, Triton
-3.6, bf16 / fp16, dense, no mask, softcap or window); head dim 64 with ``SAFEOPS_GLUON_BWD=1``. dq comes from
+3.6, bf16 / fp16, dense, no mask, softcap or window) and for head dim 64 without causal (64 causal with
+``SAFEOPS_GLUON_BWD=1``). dq comes from
 the Gluon dQ kernel (``attention_gluon.GLUON_DQ``), delta and the sinks' gradient from a delta-only launch of
 the Triton dq kernel. Skipped without such a GPU (the device check's reason is the skip reason).
 
@@ -62,7 +63,8 @@ def _grads(q, k, v, g, **options):
 
 
 def _gluon_ran(monkeypatch, q, k, v, **options):
-    """Asserts the backward of these inputs takes the Gluon dK / dV kernel (D=64 only when switched on)."""
+    """Asserts the backward of these inputs takes the Gluon dK / dV kernel (switched on for D=64, whose
+    causal backward takes it only so)."""
     if q.shape[-1] == 64:
         monkeypatch.setenv("SAFEOPS_GLUON_BWD", "1")
     path = safeops.attention_backend(q, k, v, backward=True, **options)

@@ -85,7 +85,7 @@ BWD_CONFIGS: dict[int, GluonBwdConfig] = {
 }
 # Head dims whose backward takes this kernel (and the Gluon dQ kernel) by default (SAFEOPS_GLUON_BWD=auto):
 # where they measured faster than the Triton kernels (bench/RESULTS.md). D=64 without causal: +6% on the
-# H200, +7.5% on an H100; D=64 causal: 0% and -10%, so it stays on the Triton kernels there unless
+# H200, +7.5% on an H100; D=64 causal: 0% and -9%, so it stays on the Triton kernels there unless
 # SAFEOPS_GLUON_BWD=1.
 AUTO_HEAD_DIMS = (128,)  # causal
 AUTO_HEAD_DIMS_NONCAUSAL = (64, 128)
@@ -551,7 +551,8 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     l_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + l_desc.block_type.shape, l_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + delta_desc.block_type.shape,
                                            delta_desc.layout)
-    # (DS_SMEM) two dS^T buffers per consumer warpgroup (keys x queries); one 16-byte row otherwise
+    # (DS_SMEM) two dS^T buffers per consumer warpgroup (keys x queries); otherwise a small unused allocation
+    # (compiled away)
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
     DS_ROWS: gl.constexpr = BLOCK_N_WG if DS_SMEM else 8
