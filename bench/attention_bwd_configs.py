@@ -79,6 +79,7 @@ VARIANTS = {
     "fused_tma_shift": Variant(fused=dict(TMA, shift=True, early_turn=True), head_dims=(128,)),
     "fused_tma_lpt": Variant(fused=dict(TMA, causal_lpt=True, early_turn=True), head_dims=(128,)),
     "fused_tma_dq_early": Variant(fused=dict(TMA, dq_early=True), head_dims=(128,)),
+    "fused_tma_row_stats": Variant(fused=dict(TMA, row_stats=True), head_dims=(128,)),
 }
 
 

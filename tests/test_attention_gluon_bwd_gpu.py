@@ -432,7 +432,8 @@ def test_fused_lpt_keys_no_query_sees_and_sinks(rng, gluon_fused_lpt):
 def test_fused_operand_orders_same_bits(causal, rng, monkeypatch, gluon_fused):
     """GluonFusedConfig.st_dpt_together (S^T and dP^T in flight at once), ds_rs (dK's dS^T from registers) and
     dq_early (dQ between dV and dK, its partial stored while dK runs) change when and from where the same
-    products run, not what they add: dq, dk and dv keep the TMA writer's bits."""
+    products run, not what they add, and row_stats (each row's base and 1 / l computed once, with the
+    kernel's operations) not what P is: dq, dk and dv keep the TMA writer's bits."""
     import dataclasses
 
     KB = G.bwd_kernels()
@@ -441,7 +442,7 @@ def test_fused_operand_orders_same_bits(causal, rng, monkeypatch, gluon_fused):
     k, v = (rng.randn(2, 2, 700, 128, dtype=BF16) for _ in range(2))
     results = []
     for over in ({}, {"st_dpt_together": True}, {"ds_rs": True}, {"st_dpt_together": True, "ds_rs": True},
-                 {"dq_early": True}, {"dq_early": True, "st_dpt_together": True}):
+                 {"dq_early": True}, {"dq_early": True, "st_dpt_together": True}, {"row_stats": True}):
         monkeypatch.setitem(KB.FUSED_CONFIGS, 128, dataclasses.replace(base, **over))
         L.clear_plans()
         assert "fused Gluon" in safeops.attention_backend(q, k, v, is_causal=causal, backward=True)[1]

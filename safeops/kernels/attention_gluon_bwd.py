@@ -885,6 +885,8 @@ class GluonFusedConfig:
     # tensor cores, instead of after all three products: the same products and bits, the store off the
     # critical path.
     dq_early: bool = False
+    # Each row's base and 1 / l precomputed, as GluonBwdConfig.row_stats.
+    row_stats: bool = False
 
     @property
     def block_n(self) -> int:
@@ -914,7 +916,7 @@ def fused_constexprs(cfg: GluonFusedConfig, causal: bool, shift: bool = False) -
                 DQ_BUFS=cfg.dq_bufs, SPLIT_D=cfg.split_d, FINALIZE=cfg.finalize, TMA_REDUCE=cfg.tma_reduce,
                 SHIFT=shift, EARLY_TURN=cfg.early_turn, TOGETHER=cfg.st_dpt_together,
                 LPT=cfg.causal_lpt and causal, DS_RS=cfg.ds_rs,
-                DQ_EARLY=cfg.dq_early and cfg.split_d)
+                DQ_EARLY=cfg.dq_early and cfg.split_d, PRE_STATS=cfg.row_stats)
 
 
 def fused_shift(cfg: GluonFusedConfig, causal: bool, n_n_blocks: int, sm_count: int) -> bool:
@@ -971,7 +973,7 @@ def _async_after_acquire(lanes):
 def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr, s_layout: gl.constexpr,
                 a_layout: gl.constexpr, MASKED: gl.constexpr, NUM_STAGES: gl.constexpr,
                 NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, DQ_AFTER: gl.constexpr,
-                TOGETHER: gl.constexpr, DS_RS: gl.constexpr, DQ_EARLY: gl.constexpr):
+                TOGETHER: gl.constexpr, DS_RS: gl.constexpr, DQ_EARLY: gl.constexpr, PRE_STATS: gl.constexpr):
     """One query block of consumer warpgroup ``w``: :func:`_step`'s dK / dV (dS^T entering dK from shared
     memory), and this warpgroup's dQ partial handed to the writer through dQ buffer ``c % DQ_BUFS``: by keys,
     dQ_w = dS_w K_w over its 64 keys and every column; ``SPLIT_D``, dQ[:, w half] = dS K[:, w half] over
@@ -994,10 +996,10 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
     if TOGETHER:
         st, dpt = _issue_st_dpt(bufs, k_w, v_w, q_s, do_s, slot, phase, s_layout)
         st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
-        pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED)
+        pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED, PRE_STATS)
     else:
         st = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_t(k_w, q_s, q_ready, slot, phase, s_layout),))
-        pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED)
+        pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED, PRE_STATS)
         dpt = _issue_t(v_w, do_s, do_ready, slot, phase, s_layout)
     dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
     delta = delta_smem.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
@@ -1087,7 +1089,8 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
 @gluon.jit
 def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                     NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, ORDERED: gl.constexpr,
-                    TOGETHER: gl.constexpr, DS_RS: gl.constexpr, DQ_EARLY: gl.constexpr):
+                    TOGETHER: gl.constexpr, DS_RS: gl.constexpr, DQ_EARLY: gl.constexpr,
+                    PRE_STATS: gl.constexpr):
     """Consumer warpgroup ``w`` of the fused kernel: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63, and their
     dQ partials."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
@@ -1120,12 +1123,12 @@ def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, N
         for mb in range(lo, mid):
             dk, dv = _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, w, s_layout,
                                  a_layout, True, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, DQ_AFTER, TOGETHER,
-                                 DS_RS, DQ_EARLY)
+                                 DS_RS, DQ_EARLY, PRE_STATS)
             c += 1
         for _mb in range(mid, n_m):
             dk, dv = _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, 0, w, s_layout, a_layout, False,
                                  NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, DQ_AFTER, TOGETHER, DS_RS,
-                                 DQ_EARLY)
+                                 DQ_EARLY, PRE_STATS)
             c += 1
     if SPLIT_D:  # the other warpgroup's dQ products read this one's K: dK goes there once they are done
         ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free, dqacc_desc = fbufs
@@ -1143,17 +1146,19 @@ def _fused_consumer(w: gl.constexpr, bufs, fbufs, sizes, CAUSAL: gl.constexpr, N
 @gluon.jit
 def _fused_consumer0(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                      DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, ORDERED: gl.constexpr,
-                     TOGETHER: gl.constexpr, DS_RS: gl.constexpr, DQ_EARLY: gl.constexpr):
+                     TOGETHER: gl.constexpr, DS_RS: gl.constexpr, DQ_EARLY: gl.constexpr,
+                     PRE_STATS: gl.constexpr):
     _fused_consumer(0, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, ORDERED, TOGETHER,
-                    DS_RS, DQ_EARLY)
+                    DS_RS, DQ_EARLY, PRE_STATS)
 
 
 @gluon.jit
 def _fused_consumer1(bufs, fbufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                      DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, ORDERED: gl.constexpr,
-                     TOGETHER: gl.constexpr, DS_RS: gl.constexpr, DQ_EARLY: gl.constexpr):
+                     TOGETHER: gl.constexpr, DS_RS: gl.constexpr, DQ_EARLY: gl.constexpr,
+                     PRE_STATS: gl.constexpr):
     _fused_consumer(1, bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS, SPLIT_D, ORDERED, TOGETHER,
-                    DS_RS, DQ_EARLY)
+                    DS_RS, DQ_EARLY, PRE_STATS)
 
 
 @gluon.jit
@@ -1337,7 +1342,7 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                                 CONSUMER_REGS: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr,
                                 FINALIZE: gl.constexpr, TMA_REDUCE: gl.constexpr, SHIFT: gl.constexpr,
                                 EARLY_TURN: gl.constexpr, TOGETHER: gl.constexpr, LPT: gl.constexpr,
-                                DS_RS: gl.constexpr, DQ_EARLY: gl.constexpr):
+                                DS_RS: gl.constexpr, DQ_EARLY: gl.constexpr, PRE_STATS: gl.constexpr):
     """dk, dv of key block / kv head ``program_id(0)`` (as ``attn_bwd_dkdv_gluon_kernel``), and that
     block's share of dq added into ``dq_ptr``: fp32 (B, Hq, Sq, D) contiguous, unscaled. ``FINALIZE``: the
     buffer needs no zeroing, and dq = scale_ds * (its sum) goes to ``out_ptr`` ((B, Hq, Sq, D) contiguous,
@@ -1405,9 +1410,9 @@ def attn_bwd_fused_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     ORDERED: gl.constexpr = not SHIFT and not LPT
     # (The constexprs go in literal tuples: a tuple assigned to a name first carries them as tensors.)
     gl.warp_specialize([(_fused_consumer0, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS,
-                                            SPLIT_D, ORDERED, TOGETHER, DS_RS, DQ_EARLY)),
+                                            SPLIT_D, ORDERED, TOGETHER, DS_RS, DQ_EARLY, PRE_STATS)),
                         (_fused_consumer1, (bufs, fbufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, DQ_BUFS,
-                                            SPLIT_D, ORDERED, TOGETHER, DS_RS, DQ_EARLY)),
+                                            SPLIT_D, ORDERED, TOGETHER, DS_RS, DQ_EARLY, PRE_STATS)),
                         (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, ORDERED, SHIFT)),
                         (_writer, (bufs, fbufs, sizes, CAUSAL, NUM_WG, DQ_BUFS, SPLIT_D, FINALIZE,
                                    TMA_REDUCE, ORDERED, SHIFT, EARLY_TURN, LPT))],

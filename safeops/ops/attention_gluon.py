@@ -590,6 +590,10 @@ class FusedPlan(BwdPlan):
 
     def __call__(self, q, k, v, grad, m, l, delta, dq, dk, dv) -> None:
         """Writes dq, dk and dv (q's, k's and v's shapes and dtype; any layout)."""
+        if self.cfg.row_stats:  # the kernel reads each row's base and 1 / l, computed once here
+            from .attention_launch import row_stats
+
+            m, l = row_stats(m, l)
         descs, dk_, dv_ = self._descriptors(q, k, v, grad, m, l, delta, dk, dv)
         batch, hq, sq, d = q.shape
         turns = torch.zeros(batch * hq * self.n_m_blocks, dtype=torch.int32, device=q.device)
