@@ -6,12 +6,13 @@ is turned: is a configuration that no launcher chooses yet (a field of ``GluonBw
 faster than the default, at which shapes, and does it keep the default's bits? Each variant patches the
 configuration tables and switches of ``safeops.ops.attention_gluon`` for its own calls only, clears the
 launch plans, and calls ``torch.ops.safeops.attention_backward`` on saved forward statistics; cuDNN runs
-through autograd on the same inputs. Printed per (shape, variant): the CUDA-event median in ms, TFLOP/s
-(2.5x the forward's 4 B H S^2 D, halved causal), the largest difference to the default's gradients (0: the
-same bits) and whether a rerun gave the same bits.
+through autograd on the same inputs. Printed per (shape, variant): the median CUDA-event time in ms
+(``_harness.bench_ms``, as bench/attention.py times), TFLOP/s (2.5x the forward's 4 B H S^2 D, halved
+causal), the largest difference to the default's gradients (0: the same bits) and whether a rerun gave the
+same bits.
 
     python3 bench/attention_bwd_configs.py                      # every variant, every shape
-    python3 bench/attention_bwd_configs.py --variants default,fused_tma --shapes b4s4k-d128 --reps 50
+    python3 bench/attention_bwd_configs.py --variants default,fused_tma --shapes b4s4k-d128 --rep-ms 500
     python3 bench/attention_bwd_configs.py --warm               # compile each variant at a small size
 
 ``--compile-first`` starts one ``--warm`` process per variant (small shapes, the same compiled kernels) and
@@ -27,7 +28,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -41,6 +41,7 @@ for path in (str(HERE.parent), str(HERE)):
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _harness import bench_ms  # noqa: E402
 
 import safeops  # noqa: E402, F401  (registers torch.ops.safeops)
 from safeops.ops import attention_gluon as G  # noqa: E402
@@ -73,7 +74,6 @@ VARIANTS = {
     "default": Variant(),
     "gluon_bwd": Variant(env={"SAFEOPS_GLUON_BWD": "1"}),
     "triton_bwd": Variant(env={"SAFEOPS_GLUON_BWD": "0"}),
-    "ds_smem": Variant(bwd=dict(pipeline=True, ds_smem=True), env={"SAFEOPS_GLUON_BWD": "1"}),
     "row_stats": Variant(bwd=dict(row_stats=True), env={"SAFEOPS_GLUON_BWD": "1"}),
     "fused_tma": Variant(fused=TMA, head_dims=(128,)),
     "fused_tma_shift": Variant(fused=dict(TMA, shift=True, early_turn=True), head_dims=(128,)),
@@ -86,20 +86,6 @@ VARIANTS = {
 def tflops(b: int, hq: int, s: int, d: int, causal: bool, ms: float) -> float:
     flop = 2.5 * 4 * b * hq * s * s * d / (2 if causal else 1)
     return flop / ms / 1e9
-
-
-def median_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 @contextlib.contextmanager
@@ -122,7 +108,7 @@ def applied(variant: Variant, d: int):
             L.clear_plans()
 
 
-def run_shape(name: str, shape: tuple, variants: dict[str, Variant], reps: int) -> None:
+def run_shape(name: str, shape: tuple, variants: dict[str, Variant], rep_ms: float) -> None:
     b, hq, hkv, s, d, causal = shape
     q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -146,7 +132,7 @@ def run_shape(name: str, shape: tuple, variants: dict[str, Variant], reps: int) 
                 grads = backward()
                 torch.cuda.synchronize()
                 first = time.time() - t0
-                ms = median_ms(backward, reps)
+                ms = bench_ms(backward, rep_ms=rep_ms)[0]
                 again = backward()
         except Exception as e:  # noqa: BLE001 - reported, the other variants still run
             print(f"{name:20s} {vname:20s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -165,7 +151,7 @@ def run_shape(name: str, shape: tuple, variants: dict[str, Variant], reps: int) 
     qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, enable_gqa=hq != hkv)
-        ms = median_ms(lambda: torch.autograd.grad(o, (qq, kk, vv), g, retain_graph=True), reps)
+        ms = bench_ms(lambda: torch.autograd.grad(o, (qq, kk, vv), g, retain_graph=True), rep_ms=rep_ms)[0]
     print(f"{name:20s} {'cudnn':20s} {ms:8.3f} ms {tflops(b, hq, s, d, causal, ms):6.0f} TFLOP/s", flush=True)
 
 
@@ -173,8 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
-    parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--warm", action="store_true", help="compile only (small shapes, 3 timed calls)")
+    parser.add_argument("--rep-ms", type=float, default=200, help="timing time per case (do_bench)")
+    parser.add_argument("--warm", action="store_true", help="compile only (small shapes, briefly timed)")
     parser.add_argument("--compile-first", action="store_true",
                         help="compile each variant in its own process, in parallel, before timing")
     args = parser.parse_args(argv)
@@ -197,10 +183,10 @@ def main(argv: list[str] | None = None) -> None:
         dims = {SHAPES[n][4] for n in args.shapes.split(",")}
         for d in sorted(dims):
             for i, shape in enumerate(WARM_SHAPES[d]):
-                run_shape(f"warm {i}", shape, variants, 3)
+                run_shape(f"warm {i}", shape, variants, 5)
         return
     for name in args.shapes.split(","):
-        run_shape(name, SHAPES[name], variants, args.reps)
+        run_shape(name, SHAPES[name], variants, args.rep_ms)
 
 
 if __name__ == "__main__":

@@ -204,7 +204,7 @@ for s in "${STEPS[@]}"; do
         # shellcheck disable=SC2046
         step bwdconfigs-tests "$(limit_for "${T_BWDCONFIGS_TESTS:-150}")" python3 -m pytest -m gpu \
             $(pytest_opts bwdconfigs) tests/test_attention_row_stats.py tests/test_attention_gluon_bwd_gpu.py \
-            -k "row_stats or ds_smem or operand_orders"
+            -k "row_stats or operand_orders"
         # shellcheck disable=SC2086
         step bwdconfigs "$(limit_for "${T_BWDCONFIGS:-300}")" python3 bench/attention_bwd_configs.py \
             --compile-first ${BWDCONFIGS_ARGS:-}

@@ -153,29 +153,6 @@ def test_pipelined_d64_same_bits_as_unpipelined(causal, rng, monkeypatch):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_pipelined_ds_smem_same_bits_as_unpipelined(d, causal, rng, monkeypatch):
-    """GluonBwdConfig.ds_smem (the pipelined step with dS^T in shared memory, dK's operand from there) runs
-    the same products in the same order as the unpipelined loop: the same dq / dk / dv bits, GQA, partial
-    blocks and Sq != Sk included."""
-    import dataclasses
-
-    KB = G.bwd_kernels()
-    q, g = (rng.randn(2, 8, 700, d, dtype=BF16) for _ in range(2))
-    k, v = (rng.randn(2, 2, 555, d, dtype=BF16) for _ in range(2))
-    _gluon_ran(monkeypatch, q, k, v, is_causal=causal)
-    grads = []
-    for over in ({"pipeline": False}, {"pipeline": True, "ds_smem": True}):
-        monkeypatch.setitem(KB.BWD_CONFIGS, d, dataclasses.replace(KB.BWD_CONFIGS[d], **over))
-        L.clear_plans()
-        grads.append(_grads(q, k, v, g, is_causal=causal))
-    plans = [p for p in L._gluon_bwd_plans.values() if p.__class__ is G.BwdPlan]
-    assert plans and all(p.launch.kwargs["DS_SMEM"] for p in plans)
-    for name, a, b in zip("q k v".split(), *grads, strict=True):
-        assert torch.equal(a, b), f"d{name} differs between the ds_smem pipelined and the unpipelined kernel"
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
 def test_row_stats_same_bits(d, causal, rng, monkeypatch):
     """GluonBwdConfig.row_stats (each row's base and 1 / l computed once by attn_bwd_row_stats_kernel, with
     the kernel's own operations) gives the bits of the kernel that derives them at every step."""

@@ -47,7 +47,7 @@ SMEM_LIMIT = 232448  # bytes: H100/H200 (sm_90) maximum dynamic shared memory pe
 # The D=64 forward runs three consumer warpgroups at 160 registers: 0-256 bytes of spills, and measured faster
 # than two warpgroups without spills (bench/RESULTS.md); capped there at what it spills today.
 SPILL_CAP = {"fwd": 0, "fwd+window": 0, "bwd": 96, "dq": 0, "fused": 1100, "fused+tma": 300,
-             "fused+tma+shift": 300, "fused+tma+lpt": 300, "bwd+dsp": 480, "bwd+rs": 96, "fused+tma+dqe": 300,
+             "fused+tma+shift": 300, "fused+tma+lpt": 300, "bwd+rs": 96, "fused+tma+dqe": 300,
              "fused+tma+rs": 300}
 SPILL_CAP_FWD_D64 = 256
 
@@ -103,10 +103,8 @@ _SCRIPT = textwrap.dedent(
             loader_regs = K.LOADER_REGS
         elif kind.startswith("bwd"):  # the backward's dK / dV: every tensor argument is a TMA descriptor
             cfg = KB.BWD_CONFIGS[d]
-            import dataclasses
-            if "+dsp" in kind:  # pipelined with dS^T in shared memory
-                cfg = dataclasses.replace(cfg, pipeline=True, ds_smem=True)
             if "+rs" in kind:  # the row statistics' base and 1 / l precomputed
+                import dataclasses
                 cfg = dataclasses.replace(cfg, row_stats=True)
             fn = KB.attn_bwd_dkdv_gluon_kernel
             constexprs = KB.constexprs(cfg, causal)
@@ -208,7 +206,7 @@ CONFIGS = [(kind, dtype, d, causal, varlen) for kind in FWD_KINDS for dtype in _
     ("fused+tma+lpt", dtype, d, True, False) for dtype in _dtypes("fused+tma+lpt")
     for d in _dims("fused+tma+lpt")] + [
     # Configurations no launcher chooses yet (off by default, to be measured): bf16 at D=128.
-    (kind, "bfloat16", 128, causal, False) for kind in ("bwd+dsp", "bwd+rs", "fused+tma+dqe", "fused+tma+rs")
+    (kind, "bfloat16", 128, causal, False) for kind in ("bwd+rs", "fused+tma+dqe", "fused+tma+rs")
     for causal in (False, True)]
 # The contraction check's controls: one configuration of each kernel compiled with fp fusion on must show
 # f32 fma.

@@ -62,10 +62,6 @@ class GluonBwdConfig:
     # products, and its exponentials run while those are on the tensor cores (registers for two steps'
     # P^T / dS^T: at D=64 only, where dK and dV take 64 of them).
     pipeline: bool = False
-    # (pipeline) dS^T through shared memory (two buffers per warpgroup) instead of registers: dK's operand
-    # from there, 16 registers fewer per thread, so the pipelined step fits D=128 (the same products and
-    # bits).
-    ds_smem: bool = False
     # The per-row base (m, or 0 where m = -inf) and 1 / l come precomputed (attn_bwd_row_stats_kernel: the
     # same operations, so the same bits) instead of being derived from m and l at every step: 16 selects and
     # 16 reciprocals per thread and step fewer in the exponentials' critical path.
@@ -113,7 +109,7 @@ def block_shapes(cfg: GluonBwdConfig, head_dim: int) -> dict[str, list[int]]:
 
 def constexprs(cfg: GluonBwdConfig, causal: bool) -> dict:
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
-                PIPELINE=cfg.pipeline, DS_SMEM=cfg.pipeline and cfg.ds_smem, PRE_STATS=cfg.row_stats)
+                PIPELINE=cfg.pipeline, PRE_STATS=cfg.row_stats)
 
 
 LAUNCH_OPTIONS = {"num_warps": 4}
@@ -255,7 +251,7 @@ def _issue_st_dpt(bufs, k_w, v_w, q_s, do_s, slot, phase, s_layout: gl.constexpr
 
 
 @gluon.jit
-def _probs_t(bufs, st, C1, slot, q_minus_k, MASKED: gl.constexpr, PRE_STATS: gl.constexpr = False):
+def _probs_t(bufs, st, C1, slot, q_minus_k, MASKED: gl.constexpr, PRE_STATS: gl.constexpr):
     """P^T from a retired S^T: z = s * C1, the causal select (``MASKED``: query i sees key j iff j <= i,
     ``q_minus_k`` = the block's first query - the warpgroup's first key), p = exp2(min(z - base, 0)) / l
     from the slot's saved row statistics."""
@@ -296,7 +292,7 @@ def _operands_t(bufs, pt, dpt, slot, a_layout: gl.constexpr):
 
 @gluon.jit
 def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, s_layout: gl.constexpr, a_layout: gl.constexpr,
-          MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PRE_STATS: gl.constexpr = False):
+          MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PRE_STATS: gl.constexpr):
     """One query block of a consumer warpgroup: S^T and dP^T, P^T and dS^T, dV += P^T dO, dK += dS^T Q.
     ``c``: the block's ring position; ``MASKED``: apply the causal select, query i seeing key j iff
     j <= i, where ``q_minus_k`` = (the block's first query) - (the warpgroup's first key)."""
@@ -324,7 +320,7 @@ def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, s_layout: gl.constexpr, a_la
 @gluon.jit
 def _pstep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, q_minus_k, s_layout: gl.constexpr,
            a_layout: gl.constexpr, MASKED: gl.constexpr, FIRST: gl.constexpr, NUM_STAGES: gl.constexpr,
-           PRE_STATS: gl.constexpr = False):
+           PRE_STATS: gl.constexpr):
     """Step ``c`` of the pipelined loop: issues S^T_c and dP^T_c, then (unless ``FIRST``) the previous
     step's dV += P^T dO and dK += dS^T Q from ``p_prev`` / ``ds_prev``; computes P^T_c and dS^T_c (as
     :func:`_step` does) while those run; waits for them and releases the previous step's Q / dO slot.
@@ -359,51 +355,8 @@ def _pstep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, q_minus_k, s_layout: 
 
 
 @gluon.jit
-def _pstep_ds(bufs, C1, k_w, v_w, dk, dv, p_prev, dsb, ds0, c, q_minus_k, s_layout: gl.constexpr,
-              a_layout: gl.constexpr, MASKED: gl.constexpr, FIRST: gl.constexpr, NUM_STAGES: gl.constexpr,
-              PRE_STATS: gl.constexpr = False):
-    """:func:`_pstep` with dS^T in shared memory: step ``c`` writes it to ``dsb.index(c % 2)``, from where the
-    next step's dK product reads it (``ds0``: the warpgroup's first buffer). Returns (dK, dV, P^T_c)."""
-    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
-     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-    dtype: gl.constexpr = q_desc.dtype
-    slot = c % NUM_STAGES
-    q_s = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    do_s = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    st, dpt = _issue_st_dpt(bufs, k_w, v_w, q_s, do_s, slot, (c // NUM_STAGES) & 1, s_layout)
-    # Async products retire in issue order: S^T_c, dP^T_c, then the previous step's dV and dK.
-    if FIRST:
-        st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
-    else:
-        prev = (c - 1) % NUM_STAGES
-        dv = warpgroup_mma(p_prev, do_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
-        dk = warpgroup_mma(dsb.index(ds0 + (c - 1) % 2), q_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dk,
-                           is_async=True)
-        st = warpgroup_mma_wait(num_outstanding=3, deps=(st,))
-    pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED, PRE_STATS)
-    if FIRST:
-        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
-    else:
-        dpt = warpgroup_mma_wait(num_outstanding=2, deps=(dpt,))
-    delta = delta_smem.index(slot).reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
-    # Buffer c % 2 was last read by step c - 2's dK product, which retired in step c - 1.
-    dsb.index(ds0 + c % 2).store((pt * (dpt - delta[None, :])).to(dtype))
-    fence_async_shared()  # the wgmma reads it through the async proxy
-    gl.thread_barrier()  # every warp's rows are in before the warpgroup's next dK product reads them
-    p16 = gl.convert_layout(pt.to(dtype), a_layout)
-    if not FIRST:
-        # P^T of the previous step is dV's register operand: alive until it retires.
-        dk, dv, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p_prev))
-        mbarrier.arrive(q_empty.index((c - 1) % NUM_STAGES), count=1)
-    return dk, dv, p16
-
-
-@gluon.jit
 def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, n_m, group, s_layout: gl.constexpr,
-                     a_layout: gl.constexpr, NUM_STAGES: gl.constexpr, dsb, ds0, DS_SMEM: gl.constexpr,
-                     PRE_STATS: gl.constexpr):
+                     a_layout: gl.constexpr, NUM_STAGES: gl.constexpr, PRE_STATS: gl.constexpr):
     """The consumer's steps (query heads of the group, then query blocks lo .. n_m - 1; those before ``mid``
     take the causal select), software-pipelined (:func:`_pstep`): the same products in the same order as
     the unpipelined loop, so the same bits."""
@@ -415,31 +368,7 @@ def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, n_m, group, s_layo
     dtype: gl.constexpr = q_desc.dtype
     n_mb = n_m - lo
     total = group * n_mb
-    if DS_SMEM:
-        # Per query head of the group: the steps that take the causal select unpipelined (:func:`_step`, at
-        # most two), then the rest pipelined with no select (so no branch in the pipelined loop).
-        c = 0
-        for _g in range(group):
-            for mb in range(lo, mid):
-                dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, s_layout, a_layout, True,
-                               NUM_STAGES, PRE_STATS)
-                c += 1
-            if mid < n_m:
-                no_prev = gl.zeros([BLOCK_N_WG, BLOCK_M], dtype, a_layout)
-                dk, dv, p16 = _pstep_ds(bufs, C1, k_w, v_w, dk, dv, no_prev, dsb, ds0, c, 0, s_layout,
-                                        a_layout, False, True, NUM_STAGES, PRE_STATS)
-                c += 1
-                for _mb in range(mid + 1, n_m):
-                    dk, dv, p16 = _pstep_ds(bufs, C1, k_w, v_w, dk, dv, p16, dsb, ds0, c, 0, s_layout,
-                                            a_layout, False, False, NUM_STAGES, PRE_STATS)
-                    c += 1
-                last = (c - 1) % NUM_STAGES
-                dv = warpgroup_mma(p16, do_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
-                q_last = q_smem.index(last).reshape([BLOCK_M, HEAD_DIM])
-                dk = warpgroup_mma(dsb.index(ds0 + (c - 1) % 2), q_last, dk, is_async=True)
-                dk, dv, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p16))
-                mbarrier.arrive(q_empty.index(last), count=1)
-    elif total > 0:
+    if total > 0:
         no_prev = gl.zeros([BLOCK_N_WG, BLOCK_M], dtype, a_layout)
         if lo < mid:
             dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, no_prev, no_prev, 0, lo * BLOCK_M - k0,
@@ -465,8 +394,7 @@ def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, n_m, group, s_layo
 
 @gluon.jit
 def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_WG: gl.constexpr, PIPELINE: gl.constexpr, ds_smem, DS_SMEM: gl.constexpr,
-              PRE_STATS: gl.constexpr):
+              NUM_WG: gl.constexpr, PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr):
     """Consumer warpgroup ``w``: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
@@ -497,7 +425,7 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
         mid = gl.minimum(gl.cdiv(k0 + BLOCK_N_WG - 1, BLOCK_M), n_m)
     if PIPELINE:
         dk, dv = _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, n_m, group, s_layout, a_layout,
-                                  NUM_STAGES, ds_smem, w * 2, DS_SMEM, PRE_STATS)
+                                  NUM_STAGES, PRE_STATS)
     else:
         c = 0
         for _g in range(group):
@@ -521,14 +449,14 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
 
 @gluon.jit
 def _consumer0(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PIPELINE: gl.constexpr, ds_smem, DS_SMEM: gl.constexpr, PRE_STATS: gl.constexpr):
-    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, ds_smem, DS_SMEM, PRE_STATS)
+               PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr):
+    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS)
 
 
 @gluon.jit
 def _consumer1(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PIPELINE: gl.constexpr, ds_smem, DS_SMEM: gl.constexpr, PRE_STATS: gl.constexpr):
-    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, ds_smem, DS_SMEM, PRE_STATS)
+               PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr):
+    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS)
 
 
 @gluon.jit(do_not_specialize=SIZE_ARGS)
@@ -536,7 +464,7 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
                                C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks,
                                n_tiles, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                                NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PIPELINE: gl.constexpr,
-                               DS_SMEM: gl.constexpr, PRE_STATS: gl.constexpr):
+                               PRE_STATS: gl.constexpr):
     """dk, dv of key block / kv head ``program_id(0)`` of ``n_tiles`` = n_n_blocks x batch x kv heads.
     Descriptors over (B, H, S, D): q / do (B, Hq, Sq, D), k / v / dk / dv (B, Hkv, Sk, D); m, l, delta
     (B, Hq, Sq) contiguous fp32; kv head = q head // group."""
@@ -551,13 +479,6 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     l_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + l_desc.block_type.shape, l_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + delta_desc.block_type.shape,
                                            delta_desc.layout)
-    # (DS_SMEM) two dS^T buffers per consumer warpgroup (keys x queries); otherwise a small unused allocation
-    # (compiled away)
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-    BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
-    DS_ROWS: gl.constexpr = BLOCK_N_WG if DS_SMEM else 8
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([DS_ROWS, BLOCK_M], q_desc.dtype)
-    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG * 2, DS_ROWS, BLOCK_M], ds_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -571,10 +492,8 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     bufs = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
             q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem)
     sizes = (C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles)
-    gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, ds_smem, DS_SMEM,
-                                      PRE_STATS)),
-                        (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, ds_smem, DS_SMEM,
-                                      PRE_STATS)),
+    gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS)),
+                        (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS)),
                         (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, False))],
                        [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -970,6 +889,37 @@ def _async_after_acquire(lanes):
 
 
 @gluon.jit
+def _issue_dq_split(k_smem, ds_all, ds_ready, b, c, w: gl.constexpr, NUM_WG: gl.constexpr,
+                    BLOCK_M: gl.constexpr):
+    """(SPLIT_D) Once the other warpgroup's dS^T rows are in buffer ``b``, issues (async) warpgroup ``w``'s
+    dQ[:, w half] = dS_0 K_0[:, w half] + dS_1 K_1[:, w half]: both warpgroups' keys, in that order."""
+    BLOCK_N_WG: gl.constexpr = k_smem.type.shape[3]  # (NUM_WG, 1, 1, keys, head dim)
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[4]
+    HALF: gl.constexpr = HEAD_DIM // NUM_WG
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF, 16])
+    mbarrier.wait(ds_ready.index(b), (c // 2) & 1)
+    dq = gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout)
+    for u in gl.static_range(NUM_WG):
+        k_u = k_smem.index(u).reshape([BLOCK_N_WG, HEAD_DIM]).slice(w * HALF, HALF, dim=1)
+        dq = warpgroup_mma(ds_all.slice(u * BLOCK_N_WG, BLOCK_N_WG, dim=0).permute((1, 0)), k_u, dq,
+                           use_acc=u > 0, is_async=True)
+    return dq
+
+
+@gluon.jit
+def _hand_dq(fbufs, dq, c, w: gl.constexpr, NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr):
+    """Warpgroup ``w``'s retired dQ partial of step ``c`` into dQ buffer ``c % DQ_BUFS`` for the writer."""
+    ds_smem, ds_ready, dq_smem, dq_full, dq_empty, dq_ptr, out_ptr, sem_ptr, k_free, dqacc_desc = fbufs
+    qb = c % DQ_BUFS
+    mbarrier.wait(dq_empty.index(qb), ((c // DQ_BUFS) & 1) ^ 1)
+    dq_smem.index(qb * NUM_WG + w).store(dq)
+    fence_async_shared()  # (tma_reduce) the writer's TMA reads these stores through the async proxy
+    gl.thread_barrier()  # every warp's part is in shared memory before the one arrive
+    mbarrier.arrive(dq_full.index(qb), count=1)
+
+
+@gluon.jit
 def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr, s_layout: gl.constexpr,
                 a_layout: gl.constexpr, MASKED: gl.constexpr, NUM_STAGES: gl.constexpr,
                 NUM_WG: gl.constexpr, DQ_BUFS: gl.constexpr, SPLIT_D: gl.constexpr, DQ_AFTER: gl.constexpr,
@@ -1020,23 +970,10 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
     dv = warpgroup_mma(p16, do_s, dv, is_async=True)
     if DQ_EARLY:  # (SPLIT_D) dV, dQ, dK; dQ's partial goes to the writer while dK runs
         gl.static_assert(SPLIT_D and not DS_RS)
-        HALF_E: gl.constexpr = HEAD_DIM // NUM_WG
-        dqe_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, HALF_E, 16])
-        mbarrier.wait(ds_ready.index(b), (c // 2) & 1)  # the other warpgroup's dS^T rows are in too
-        dq = gl.zeros([BLOCK_M, HALF_E], gl.float32, dqe_layout)
-        for u in gl.static_range(NUM_WG):
-            k_u = k_smem.index(u).reshape([BLOCK_N_WG, HEAD_DIM]).slice(w * HALF_E, HALF_E, dim=1)
-            dq = warpgroup_mma(ds_all.slice(u * BLOCK_N_WG, BLOCK_N_WG, dim=0).permute((1, 0)), k_u, dq,
-                               use_acc=u > 0, is_async=True)
+        dq = _issue_dq_split(k_smem, ds_all, ds_ready, b, c, w, NUM_WG, BLOCK_M)
         dk = warpgroup_mma(ds_w, q_s, dk, is_async=True)
         dv, dq, p16 = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, p16))  # all but dK retired
-        qb = c % DQ_BUFS
-        mbarrier.wait(dq_empty.index(qb), ((c // DQ_BUFS) & 1) ^ 1)
-        dq_smem.index(qb * NUM_WG + w).store(dq)
-        fence_async_shared()  # (tma_reduce) the writer's TMA reads these stores through the async proxy
-        gl.thread_barrier()  # every warp's part is in shared memory before the one arrive
-        mbarrier.arrive(dq_full.index(qb), count=1)
+        _hand_dq(fbufs, dq, c, w, NUM_WG, DQ_BUFS)
         dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
         mbarrier.arrive(q_empty.index(slot), count=1)
         return dk, dv
@@ -1048,16 +985,7 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
     else:
         dk = warpgroup_mma(ds_w, q_s, dk, is_async=True)
     if SPLIT_D:
-        HALF: gl.constexpr = HEAD_DIM // NUM_WG
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HALF, 16])
-        mbarrier.wait(ds_ready.index(b), (c // 2) & 1)  # the other warpgroup's dS^T rows are in too
-        # dQ[:, w half] = dS_0 K_0[:, w half] + dS_1 K_1[:, w half]: both warpgroups' keys, in that order.
-        dq = gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout)
-        for u in gl.static_range(NUM_WG):
-            k_u = k_smem.index(u).reshape([BLOCK_N_WG, HEAD_DIM]).slice(w * HALF, HALF, dim=1)
-            dq = warpgroup_mma(ds_all.slice(u * BLOCK_N_WG, BLOCK_N_WG, dim=0).permute((1, 0)), k_u, dq,
-                               use_acc=u > 0, is_async=True)
+        dq = _issue_dq_split(k_smem, ds_all, ds_ready, b, c, w, NUM_WG, BLOCK_M)
         if DS_RS:
             dk, dv, dq, p16, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq, p16, ds16))
         else:
@@ -1077,12 +1005,7 @@ def _fused_step(bufs, fbufs, C1, k_w, v_w, dk, dv, c, q_minus_k, w: gl.constexpr
         else:
             dk, dv, dq, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq, p16))
             mbarrier.arrive(q_empty.index(slot), count=1)
-    qb = c % DQ_BUFS
-    mbarrier.wait(dq_empty.index(qb), ((c // DQ_BUFS) & 1) ^ 1)
-    dq_smem.index(qb * NUM_WG + w).store(dq)
-    fence_async_shared()  # (tma_reduce) the writer's TMA reads these stores through the async proxy
-    gl.thread_barrier()  # every warp's part is in shared memory before the one arrive
-    mbarrier.arrive(dq_full.index(qb), count=1)
+    _hand_dq(fbufs, dq, c, w, NUM_WG, DQ_BUFS)
     return dk, dv
 
 

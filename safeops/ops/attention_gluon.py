@@ -490,8 +490,14 @@ class BwdPlan:
         self.launch = KernelLaunch(kernel, (n_tiles,), kwargs)
 
     def _descriptors(self, q, k, v, grad, m, l, delta, dk, dv) -> tuple[list, torch.Tensor, torch.Tensor]:
-        """(the TMA descriptors of q, k, v, dO, dk, dv, m, l, delta; where dk and dv are written)."""
+        """(the TMA descriptors of q, k, v, dO, dk, dv, m, l, delta; where dk and dv are written). With the
+        configuration's ``row_stats`` the m and l descriptors cover each row's base and 1 / l instead."""
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        if self.cfg.row_stats:  # computed once here, not at every step of the kernel
+            from .attention_launch import row_stats
+
+            m, l = row_stats(m, l)
 
         tensors = [_copy(t) if c else t for t, c in zip((q, k, v, grad), self.copy, strict=True)]
         dk_ = torch.empty(k.shape, dtype=k.dtype, device=k.device) if self.scratch else dk
@@ -510,10 +516,6 @@ class BwdPlan:
 
     def __call__(self, q, k, v, grad, m, l, delta, dk, dv) -> None:
         """Writes dk and dv (k's and v's shapes and dtype; any layout)."""
-        if self.cfg.row_stats:  # the kernel reads each row's base and 1 / l, computed once here
-            from .attention_launch import row_stats
-
-            m, l = row_stats(m, l)
         descs, dk_, dv_ = self._descriptors(q, k, v, grad, m, l, delta, dk, dv)
         self.launch(*descs, *self.args)
         if dk_ is not dk:
@@ -590,10 +592,6 @@ class FusedPlan(BwdPlan):
 
     def __call__(self, q, k, v, grad, m, l, delta, dq, dk, dv) -> None:
         """Writes dq, dk and dv (q's, k's and v's shapes and dtype; any layout)."""
-        if self.cfg.row_stats:  # the kernel reads each row's base and 1 / l, computed once here
-            from .attention_launch import row_stats
-
-            m, l = row_stats(m, l)
         descs, dk_, dv_ = self._descriptors(q, k, v, grad, m, l, delta, dk, dv)
         batch, hq, sq, d = q.shape
         turns = torch.zeros(batch * hq * self.n_m_blocks, dtype=torch.int32, device=q.device)
