@@ -47,7 +47,9 @@ import safeops  # noqa: E402, F401  (registers torch.ops.safeops)
 from safeops.ops import attention_gluon as G  # noqa: E402
 from safeops.ops import attention_launch as L  # noqa: E402
 
-# name -> (B, Hq, Hkv, S, D, causal)
+# name -> (B, Hq, Hkv, S, D, causal[, window_left[, packed sequence lengths]]): a window of window_left keys
+# before each query; packed: attention_varlen over sequences of these lengths (B = 1, S = their sum).
+DOCS = (4096, 1024, 2048, 512, 3072, 1536, 2560, 1536)  # 16K tokens of documents, as packed training sees
 SHAPES = {
     "b4s4k-d128": (4, 16, 16, 4096, 128, False),
     "b4s4k-d128-causal": (4, 16, 16, 4096, 128, True),
@@ -55,6 +57,10 @@ SHAPES = {
     "b4s4k-d64-causal": (4, 16, 16, 4096, 64, True),
     "llama8b-s8k": (1, 32, 8, 8192, 128, True),
     "llama8b-s16k": (1, 32, 8, 16384, 128, True),
+    "b4s4k-d128-causal-w1k": (4, 16, 16, 4096, 128, True, 1024),
+    "b4s4k-d64-w1k": (4, 16, 16, 4096, 64, False, 1024),
+    "docs16k-d128-causal": (1, 16, 16, sum(DOCS), 128, True, -1, DOCS),
+    "docs16k-d64-causal": (1, 16, 16, sum(DOCS), 64, True, -1, DOCS),
 }
 WARM_SHAPES = {d: [(1, 2, 2, 512, d, False), (1, 2, 2, 512, d, True)] for d in (64, 128)}
 
@@ -67,6 +73,7 @@ class Variant:
     bwd: dict | None = None
     env: dict = dataclasses.field(default_factory=dict)
     head_dims: tuple = (64, 128)
+    seq: bool = False  # attention_gluon.GLUON_BWD_SEQ: packed sequences and windows on the Gluon kernels
 
 
 TMA = dict(tma_reduce=True, finalize=False)
@@ -75,6 +82,7 @@ VARIANTS = {
     "gluon_bwd": Variant(env={"SAFEOPS_GLUON_BWD": "1"}),
     "triton_bwd": Variant(env={"SAFEOPS_GLUON_BWD": "0"}),
     "row_stats": Variant(bwd=dict(row_stats=True), env={"SAFEOPS_GLUON_BWD": "1"}),
+    "gluon_seq": Variant(seq=True, env={"SAFEOPS_GLUON_BWD": "1"}),
     "fused_tma": Variant(fused=TMA, head_dims=(128,)),
     "fused_tma_shift": Variant(fused=dict(TMA, shift=True, early_turn=True), head_dims=(128,)),
     "fused_tma_lpt": Variant(fused=dict(TMA, causal_lpt=True, early_turn=True), head_dims=(128,)),
@@ -83,9 +91,15 @@ VARIANTS = {
 }
 
 
-def tflops(b: int, hq: int, s: int, d: int, causal: bool, ms: float) -> float:
-    flop = 2.5 * 4 * b * hq * s * s * d / (2 if causal else 1)
-    return flop / ms / 1e9
+def tflops(b: int, hq: int, s: int, d: int, causal: bool, ms: float, wl: int = -1, docs=None) -> float:
+    """Of the pairs computed: per sequence, each query's visible keys (causal, window) x 4 D x 2.5."""
+    pairs = 0
+    for n in docs or (s,) * b:
+        for i in range(n) if wl >= 0 else ():
+            pairs += min(i if causal else n - 1, n - 1) - max(i - wl, 0) + 1
+        if wl < 0:
+            pairs += n * (n + 1) // 2 if causal else n * n
+    return 2.5 * 4 * hq * pairs * d / ms / 1e9
 
 
 @contextlib.contextmanager
@@ -95,6 +109,7 @@ def applied(variant: Variant, d: int):
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.dict(os.environ, variant.env))
         stack.enter_context(mock.patch.object(G, "GLUON_FUSED", variant.fused is not None))
+        stack.enter_context(mock.patch.object(G, "GLUON_BWD_SEQ", variant.seq))
         if variant.fused is not None:
             cfg = dataclasses.replace(KB.FUSED_CONFIGS[d], **variant.fused)
             stack.enter_context(mock.patch.dict(KB.FUSED_CONFIGS, {d: cfg}))
@@ -109,18 +124,26 @@ def applied(variant: Variant, d: int):
 
 
 def run_shape(name: str, shape: tuple, variants: dict[str, Variant], rep_ms: float) -> None:
-    b, hq, hkv, s, d, causal = shape
-    q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    g = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16)
+    b, hq, hkv, s, d, causal = shape[:6]
+    wl = shape[6] if len(shape) > 6 else -1
+    docs = shape[7] if len(shape) > 7 else None
+    # Packed: (T, H, D) tensors and cu_seqlens; otherwise (B, H, S, D).
+    dims_q, dims_k = ((s, hq, d), (s, hkv, d)) if docs else ((b, hq, s, d), (b, hkv, s, d))
+    q, g = (torch.randn(*dims_q, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(*dims_k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cu = None
+    longest = s
+    if docs:
+        cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        longest = max(docs)
     scale = 1 / math.sqrt(d)
     wr = 0 if causal else -1
-    out, m, l = torch.ops.safeops.attention(q, k, v, None, 0, None, None, s, s, causal, scale, None, -1, wr,
-                                            0)
+    out, m, l = torch.ops.safeops.attention(q, k, v, None, 0, cu, cu, longest, longest, causal, scale, None,
+                                            wl, wr, 0)
 
     def backward():
-        return torch.ops.safeops.attention_backward(g, q, k, v, out, m, l, None, 0, None, None, s, s, causal,
-                                                    scale, None, -1, wr, 0)
+        return torch.ops.safeops.attention_backward(g, q, k, v, out, m, l, None, 0, cu, cu, longest, longest,
+                                                    causal, scale, None, wl, wr, 0)
 
     reference = None
     for vname, variant in variants.items():
@@ -143,9 +166,12 @@ def run_shape(name: str, shape: tuple, variants: dict[str, Variant], rep_ms: flo
         diff = (max((a - r).abs().max().item() for a, r in zip(grads, reference, strict=True))
                 if reference is not None else float("nan"))
         same = all(torch.equal(a.float(), x) for a, x in zip(again, grads, strict=True))
-        print(f"{name:20s} {vname:20s} {ms:8.3f} ms {tflops(b, hq, s, d, causal, ms):6.0f} TFLOP/s  "
+        rate = tflops(b, hq, s, d, causal, ms, wl, docs)
+        print(f"{name:20s} {vname:20s} {ms:8.3f} ms {rate:6.0f} TFLOP/s  "
               f"max|diff to default| {diff:.3g}  rerun same bits {same}  first call {first:.1f} s",
               flush=True)
+    if docs or wl >= 0:  # cuDNN through SDPA takes neither packed sequences nor a window
+        return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))

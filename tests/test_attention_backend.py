@@ -434,8 +434,11 @@ def test_backward_launch_matches_the_compiled_signature(sq, monkeypatch, recorde
     assert m_desc.strides[-1] == 1 and all(s % 4 == 0 for s in m_desc.strides[:-1])
     n_blocks = -(-120 // cfg.block_n)
     c1, _, scale_ds = L.constants(0.1, None)
-    assert args[9:] == (c1, scale_ds, 4, 2, args[13], sq, 120, n_blocks, n_blocks * 2 * 2)
+    assert args[9:18] == (c1, scale_ds, 4, 2, args[13], sq, 120, n_blocks, n_blocks * 2 * 2)
     assert grid == (n_blocks * 2 * 2,)
+    # Dense, no window: an int32 stand-in for cu_seqlens, dk and dv (not read), varlen 0, NO_WINDOW.
+    assert args[18].dtype == args[19].dtype == torch.int32 and args[20] is dk and args[21] is dv
+    assert args[22:] == (0, KB.NO_WINDOW, 0, 0, 0, 0)
 
 
 def test_gluon_dq_launch_matches_the_compiled_signature(monkeypatch, recorded):
@@ -469,7 +472,52 @@ def test_gluon_dq_launch_matches_the_compiled_signature(monkeypatch, recorded):
     torch.testing.assert_close(delta.double(), expected, rtol=1e-5, atol=1e-4)
     n_m = -(-sq // cfg.block_m)
     c1, _, scale_ds = L.constants(0.1, None)
-    assert args[8:] == (c1, scale_ds, 4, 2, sq, 90, n_m, n_m * 4) and grid == (n_m * 4,)
+    assert args[8:16] == (c1, scale_ds, 4, 2, sq, 90, n_m, n_m * 4) and grid == (n_m * 4,)
+    assert args[16].dtype == torch.int32 and args[18] is dq and args[20:] == (0, KB.NO_WINDOW, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_gluon_backward_packed_and_window_launches(causal, monkeypatch, recorded):
+    """With ``attention_gluon.GLUON_BWD_SEQ`` on, a packed (varlen) backward with a left window takes the
+    Gluon dQ and dK / dV kernels (the compiled signatures): descriptors over (1, H, T, D) views and the
+    statistics over (1, H, T), cu_seqlens, the packed outputs with their row and head strides, varlen 1
+    and the window; the grid counts the longest sequence's blocks per sequence. Off, the path says why."""
+    from safeops.kernels import attention_gluon_bwd as KB
+
+    _on_hopper(monkeypatch)
+    monkeypatch.setattr(G, "GLUON_DQ", True)
+    d, lengths, wl = 128, [70, 0, 131], 40
+    tq = sum(lengths)
+    cu = torch.tensor([0, 70, 70, 201], dtype=torch.int32)
+    q, o, g = (torch.randn(tq, 4, d).to(BF16) for _ in range(3))
+    k, v = (torch.randn(tq, 2, d).to(BF16) for _ in range(2))
+    m, l = torch.randn(4, tq), torch.rand(4, tq) + 1
+    options = (None, 0, cu, cu, 131, 131, causal, 0.1, None, wl, 0 if causal else -1, 0)
+    why = G.bwd_reason(q, k, v, None, cu, causal, None, wl, options[10])
+    assert why == "the Gluon backward does not take packed (varlen) sequences"
+    monkeypatch.setattr(G, "GLUON_BWD_SEQ", True)
+    assert G.bwd_reason(q, k, v, None, cu, causal, None, wl, options[10]) == ""
+    assert G.bwd_reason(q, k, v, None, None, False, None, wl, 5) == (
+        "the Gluon backward does not take a sliding window with a right bound")
+    assert G.fused_reason(q, k, v, None, cu, causal, None, wl, options[10]) != ""
+    dq, dk, dv = L.backward(g, q, k, v, o, m, l, *options)
+    (grid_q, _, args_q), (grid_k, kwargs_k, args_k) = recorded
+    dcfg, cfg = KB.DQ_CONFIGS[d], KB.BWD_CONFIGS[d]
+    assert _arg_kinds(args_q) == list(KB.dq_signature(dcfg, d, "bfloat16").values())
+    assert _arg_kinds(args_k) == list(KB.signature(cfg, d, "bfloat16").values())
+    assert {n: kwargs_k[n] for n in KB.constexprs(cfg, causal)} == KB.constexprs(cfg, causal)
+    q_desc, k_desc = args_k[0], args_k[1]
+    assert q_desc.shape == [1, 4, tq, d] and k_desc.shape == [1, 2, tq, d]
+    assert list(q_desc.strides[1:]) == [d, 4 * d, 1]
+    m_desc = args_k[6]
+    assert m_desc.shape == [1, 4, tq] and torch.equal(m_desc.base[..., :tq], m)
+    n_blocks = -(-131 // cfg.block_n)
+    assert args_k[14:18] == (tq, tq, n_blocks, n_blocks * 3 * 2) and grid_k == (n_blocks * 3 * 2,)
+    assert args_k[18] is cu and args_k[19] is cu and args_k[20] is dk and args_k[21] is dv
+    assert args_k[22:] == (1, wl, 2 * d, d, 2 * d, d)
+    n_m = -(-131 // dcfg.block_m)
+    assert args_q[12:16] == (tq, tq, n_m, n_m * 3 * 4) and grid_q == (n_m * 3 * 4,)
+    assert args_q[16] is cu and args_q[18] is dq and args_q[20:] == (1, wl, 4 * d, d, 4 * d, d)
 
 
 def test_gluon_sinks_launch_and_rows_without_keys(monkeypatch, recorded):

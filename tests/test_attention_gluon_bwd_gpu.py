@@ -83,7 +83,7 @@ def test_path_and_reasons(rng, monkeypatch):
     assert safeops.attention_backend(q, k, v, attn_mask=mask, backward=True) == (
         "triton", "the Gluon backward does not take an attention mask")
     assert safeops.attention_backend(q, k, v, window=(16, 0), backward=True) == (
-        "triton", "the Gluon backward does not take a sliding window")
+        "triton", "the Gluon backward does not take a sliding window with a right bound")
     monkeypatch.setenv("SAFEOPS_GLUON_BWD", "1")
     assert safeops.attention_backend(q64, q64, q64, is_causal=True, backward=True)[0] == "gluon"
     monkeypatch.setenv("SAFEOPS_GLUON_BWD", "0")
@@ -426,3 +426,91 @@ def test_fused_operand_orders_same_bits(causal, rng, monkeypatch, gluon_fused):
         results.append(_grads(q, k, v, g, is_causal=causal))
     for got in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], got, strict=True))
+
+
+# Packed sequences and a left window on the Gluon dK / dV and dQ kernels (attention_gluon.GLUON_BWD_SEQ, off
+# until these tests and the timings have run on a GPU).
+
+@pytest.fixture
+def gluon_bwd_seq(monkeypatch):
+    monkeypatch.setattr(G, "GLUON_BWD_SEQ", True)
+    monkeypatch.setenv("SAFEOPS_GLUON_BWD", "1")  # D=64 causal too
+    L.clear_plans()
+
+
+SEQ_OPTIONS = {"dense": dict(), "causal": dict(is_causal=True), "causal_window": dict(is_causal=True,
+               window=(100, None)), "left_window": dict(window=(77, None))}
+
+
+def _packed_grads(seqs, gs, **options):
+    """dq, dk, dv of attention_varlen over the sequences (each (1, H, S, D)) packed back to back."""
+    packed = [torch.cat([s[i][0].transpose(0, 1) for s in seqs]).requires_grad_() for i in range(3)]
+    g = torch.cat([x[0].transpose(0, 1) for x in gs])
+    lengths = [s[0].shape[2] for s in seqs]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    assert safeops.attention_backend(*packed, cu_seqlens_q=cu, cu_seqlens_k=cu, backward=True,
+                                     **options)[0] == "gluon"
+    out = safeops.attention_varlen(*packed, cu, cu, **options)
+    return torch.autograd.grad(out, packed, g), cu
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("options", SEQ_OPTIONS.values(), ids=SEQ_OPTIONS.keys())
+def test_seq_packed_equals_dense_values(d, options, rng, gluon_bwd_seq):
+    """Each packed sequence's gradients are those of the same sequence alone in a dense call (its rows past
+    the sequence's end, which a packed tile also loads, selected away; its last blocks stored by masked
+    stores): lengths around the 64- / 128-row blocks, an empty sequence, one row, GQA."""
+    lengths = [300, 1, 0, 1029, 64, 129, 65]
+    seqs = [[rng.randn(1, h, n, d, dtype=BF16) for h in (4, 2, 2)] for n in lengths]
+    gs = [rng.randn(1, 4, n, d, dtype=BF16) for n in lengths]
+    (dq, dk, dv), cu = _packed_grads(seqs, gs, **options)
+    for b, (s, g) in enumerate(zip(seqs, gs, strict=True)):
+        if lengths[b] == 0:
+            continue
+        assert safeops.attention_backend(*s, backward=True, **options)[0] == "gluon"
+        alone = _grads(*s, g, **options)
+        sl = slice(int(cu[b]), int(cu[b + 1]))
+        for name, packed, a in zip("qkv", (dq, dk, dv), alone, strict=True):
+            assert torch.equal(packed[sl], a[0].transpose(0, 1)), f"d{name}, sequence {b} ({lengths[b]} rows)"
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_seq_window_matches_oracle(dtype, d, causal, rng, gluon_bwd_seq):
+    for (b, hq, hkv, sq, sk), wl in zip(SHAPES, (100, 0, 63, 5), strict=True):
+        q = rng.randn(b, hq, sq, d, dtype=dtype)
+        k, v = (rng.randn(b, hkv, sk, d, dtype=dtype) for _ in range(2))
+        options = dict(is_causal=causal, window=(wl, None))
+        assert safeops.attention_backend(q, k, v, backward=True, **options)[0] == "gluon"
+        check_oracle(q, k, v, rng, **options)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_seq_window_same_values_as_the_triton_kernels(d, rng, monkeypatch, gluon_bwd_seq):
+    """MHA with a window: the Gluon kernels visit the Triton kernels' blocks in their order (plus blocks the
+    window excludes entirely, which add zeros): the same values."""
+    for causal, wl in ((True, 200), (False, 130)):
+        q, g = (rng.randn(2, 3, 700, d, dtype=BF16) for _ in range(2))
+        k, v = (rng.randn(2, 3, 700, d, dtype=BF16) for _ in range(2))
+        options = dict(is_causal=causal, window=(wl, None))
+        gluon = _grads(q, k, v, g, **options)
+        monkeypatch.setenv("SAFEOPS_GLUON_BWD", "0")
+        triton = _grads(q, k, v, g, **options)
+        monkeypatch.setenv("SAFEOPS_GLUON_BWD", "1")
+        for name, a, b in zip("qkv", gluon, triton, strict=True):
+            assert torch.equal(a, b), f"d{name} differs from the Triton kernels' (causal {causal}, wl {wl})"
+
+
+def test_seq_deterministic_and_sinks(rng, gluon_bwd_seq):
+    lengths = [1000, 37, 513]
+    seqs = [[rng.randn(1, h, n, 128, dtype=BF16) for h in (8, 2, 2)] for n in lengths]
+    gs = [rng.randn(1, 8, n, 128, dtype=BF16) for n in lengths]
+    options = dict(is_causal=True, window=(300, None))
+    first, _ = _packed_grads(seqs, gs, **options)
+    for _ in range(20):
+        again, _ = _packed_grads(seqs, gs, **options)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    q = rng.randn(1, 4, 300, 128, dtype=BF16)
+    k, v = (rng.randn(1, 2, 300, 128, dtype=BF16) for _ in range(2))
+    check_sinks_oracle(q, k, v, rng.randn(4, std=2.0), rng, is_causal=True, window=(90, None))

@@ -42,12 +42,14 @@ from safeops.ops import attention_gluon as G
 
 SMEM_LIMIT = 232448  # bytes: H100/H200 (sm_90) maximum dynamic shared memory per block
 # ptxas spill bytes allowed per kernel: none in the forward; the D=128 dK / dV kernel sits at its 240 / 248
-# register budgets (two 64 x 128 fp32 accumulators per thread) and spills 8-84 bytes (stores + loads),
-# which this cap lets through and a regression past it does not.
+# register budgets (two 64 x 128 fp32 accumulators per thread) and spills 8-84 bytes (stores + loads);
+# with the packed-sequence and window arguments (2026-12-06) 52-232 bytes, all of them around the step
+# loops (the loops holding the wgmmas have no local-memory access in the SASS), which this cap lets
+# through and a regression past it does not.
 # The D=64 forward runs three consumer warpgroups at 160 registers: 0-256 bytes of spills, and measured faster
 # than two warpgroups without spills (bench/RESULTS.md); capped there at what it spills today.
-SPILL_CAP = {"fwd": 0, "fwd+window": 0, "bwd": 96, "dq": 0, "fused": 1100, "fused+tma": 300,
-             "fused+tma+shift": 300, "fused+tma+lpt": 300, "bwd+rs": 96, "fused+tma+dqe": 300,
+SPILL_CAP = {"fwd": 0, "fwd+window": 0, "bwd": 256, "dq": 0, "fused": 1100, "fused+tma": 300,
+             "fused+tma+shift": 300, "fused+tma+lpt": 300, "bwd+rs": 256, "fused+tma+dqe": 300,
              "fused+tma+rs": 300}
 SPILL_CAP_FWD_D64 = 256
 
@@ -209,9 +211,10 @@ CONFIGS = [(kind, dtype, d, causal, varlen) for kind in FWD_KINDS for dtype in _
     (kind, "bfloat16", 128, causal, False) for kind in ("bwd+rs", "fused+tma+dqe", "fused+tma+rs")
     for causal in (False, True)]
 # The contraction check's controls: one configuration of each kernel compiled with fp fusion on must show
-# f32 fma.
-FUSION_ON = [("fwd", "bfloat16", 128, True, False), ("bwd", "bfloat16", 128, False, False),
-             ("dq", "bfloat16", 128, True, False), ("fused", "bfloat16", 128, True, False)]
+# f32 fma. The backward's at D=64: at D=128 a uniform branch (the window's selects) sits between the score's
+# multiply and its subtraction in every step, so even fusion on has nothing to contract there.
+FUSION_ON = [("fwd", "bfloat16", 128, True, False), ("bwd", "bfloat16", 64, False, False),
+             ("dq", "bfloat16", 64, True, False), ("fused", "bfloat16", 128, True, False)]
 
 
 def _compile(jobs: list[tuple]) -> list[dict]:

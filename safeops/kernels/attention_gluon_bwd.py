@@ -48,6 +48,13 @@ from triton.language import PropagateNan as _PropagateNan
 NEG_INF = gl.constexpr(float("-inf"))
 NAN_ALL = gl.constexpr(_PropagateNan.ALL)  # min(NaN, 0) is NaN: a NaN score stays NaN
 SIZE_ARGS = ["n_heads", "group", "head_group", "seqlen_q", "seqlen_k", "n_n_blocks", "n_tiles"]
+# The dK / dV and dQ kernels' packed-sequence and window arguments: runtime values (one compiled kernel serves
+# dense and packed calls, with and without a window), pointers without alignment hints (dense calls pass any
+# tensor there).
+SEQ_ARGS = ["cu_q_ptr", "cu_k_ptr", "out0_ptr", "out1_ptr", "varlen", "window_left", "out0_stride_row",
+            "out0_stride_head", "out1_stride_row", "out1_stride_head"]
+# window_left of a call without a window: every key is within it (no overflow: sequences are < 2**25 rows).
+NO_WINDOW = 1 << 30
 BLOCK_N_WG = 64  # keys per consumer warpgroup: one m64 wgmma row block (Python side)
 LOADER_REGS = gl.constexpr(24)
 
@@ -133,7 +140,15 @@ def signature(cfg: GluonBwdConfig, head_dim: int, dtype: str) -> dict[str, str]:
         types[f"{name}_desc"] = f"tensordesc<fp32[{', '.join(map(str, stat))}],{layout!r}>"
     types.update(C1="fp32", scale_ds="fp32")
     types.update({name: "i32" for name in SIZE_ARGS})
+    types.update(_seq_types(dtype))
     return {name: types[name] for name in attn_bwd_dkdv_gluon_kernel.arg_names if name in types}
+
+
+def _seq_types(dtype: str) -> dict[str, str]:
+    """Types of the ``SEQ_ARGS``: cu_seqlens (int32), the outputs' pointers (the inputs' dtype), scalars."""
+    types = {name: "i32" for name in SEQ_ARGS}
+    types.update(cu_q_ptr="*i32", cu_k_ptr="*i32", out0_ptr=f"*{_SHORT[dtype]}", out1_ptr=f"*{_SHORT[dtype]}")
+    return types
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -195,36 +210,83 @@ def _query_block(i, start, n_m, SHIFT: gl.constexpr):
 
 
 @gluon.jit
+def _kv_tile(tile, sizes, seq, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(The dK / dV kernel) where CTA ``tile`` is: (n0, bc, b, hk, q_start, k_start, rows_q, rows_k, lo, hi)
+    = its first key in its sequence, the batch coordinate of its TMA boxes, its sequence and kv head, the
+    first row and the length of its sequence in q and in k, and the query blocks it visits, lo .. hi - 1.
+    Dense: bc = b, sequences start at row 0 with the tensors' lengths. ``varlen`` (descriptors over (1, H,
+    T, D) views of packed tensors): bc = 0, starts and lengths from cu_seqlens; a CTA past its sequence's
+    keys visits nothing (hi = lo). With a left window (``window_left`` < NO_WINDOW) query i sees key j only
+    if i <= j + window_left: the query blocks stop at the last one that sees the CTA's last key."""
+    cu_q_ptr, cu_k_ptr, out0_ptr, out1_ptr, varlen, window_left, s0r, s0h, s1r, s1h = seq
+    C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
+    n0, b, hk, lo, n_m, _n = _tile_coords(tile, sizes, BLOCK_N, BLOCK_M, CAUSAL, False)
+    bc = b
+    q_start = b * 0
+    k_start = b * 0
+    rows_q = seqlen_q + b * 0
+    rows_k = seqlen_k + b * 0
+    if varlen != 0:
+        q_start = gl.load(cu_q_ptr + b)
+        rows_q = gl.load(cu_q_ptr + b + 1) - q_start
+        k_start = gl.load(cu_k_ptr + b)
+        rows_k = gl.load(cu_k_ptr + b + 1) - k_start
+        bc = b * 0
+        n_m = gl.cdiv(rows_q, BLOCK_M)
+        if CAUSAL:
+            lo = gl.minimum(n0 // BLOCK_M, n_m)
+    hi = gl.minimum(gl.maximum((n0 + BLOCK_N - 1 + window_left) // BLOCK_M + 1, lo), n_m)
+    if n0 >= rows_k:
+        hi = lo
+    return n0, bc, b, hk, q_start, k_start, rows_q, rows_k, lo, hi
+
+
+@gluon.jit
 def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-              ORDERED: gl.constexpr, SHIFT: gl.constexpr = False):
+              ORDERED: gl.constexpr, SHIFT: gl.constexpr = False, seq=None, SEQ: gl.constexpr = False):
+    """The TMA warp: the CTA's K and V once, then Q, dO and the row statistics of each step. ``SEQ`` (the
+    dK / dV kernel): the CTA and its steps from :func:`_kv_tile` (packed sequences, the window); otherwise
+    (the fused kernel) from :func:`_tile_coords`, dense."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
     C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
-    n0, b, hk, lo, n_m, n_block = _tile_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL,
-                                               ORDERED)
-    start = _shift_start(n_block, n_m, n_n_blocks, SHIFT)
+    if SEQ:
+        n0, b, _b, hk, q_start, k_start, rows_q, rows_k, lo, hi = _kv_tile(
+            gl.program_id(0), sizes, seq, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL)
+        n_m = hi
+        start = 0
+    else:
+        n0, b, hk, lo, n_m, n_block = _tile_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_N_WG, BLOCK_M,
+                                                   CAUSAL, ORDERED)
+        hi = n_m
+        q_start = 0
+        k_start = 0
+        start = _shift_start(n_block, n_m, n_n_blocks, SHIFT)
     mbarrier.expect(kv_ready, 2 * NUM_WG * k_desc.block_type.nbytes)
     for w in gl.static_range(NUM_WG):
-        tma.async_copy_global_to_shared(k_desc, [b, hk, n0 + w * BLOCK_N_WG, 0], kv_ready, k_smem.index(w))
-        tma.async_copy_global_to_shared(v_desc, [b, hk, n0 + w * BLOCK_N_WG, 0], kv_ready, v_smem.index(w))
+        tma.async_copy_global_to_shared(k_desc, [b, hk, k_start + n0 + w * BLOCK_N_WG, 0], kv_ready,
+                                        k_smem.index(w))
+        tma.async_copy_global_to_shared(v_desc, [b, hk, k_start + n0 + w * BLOCK_N_WG, 0], kv_ready,
+                                        v_smem.index(w))
     c = 0
     for g in range(group):
         h = hk * group + g
-        for i in range(lo, n_m):
+        for i in range(lo, hi):
             mb = _query_block(i, start, n_m, SHIFT)
+            row = q_start + mb * BLOCK_M
             slot = c % NUM_STAGES
             mbarrier.wait(q_empty.index(slot), ((c // NUM_STAGES) & 1) ^ 1)
             ready = q_ready.index(slot)
             mbarrier.expect(ready, q_desc.block_type.nbytes + 2 * m_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, h, mb * BLOCK_M, 0], ready, q_smem.index(slot))
-            tma.async_copy_global_to_shared(m_desc, [b, h, mb * BLOCK_M], ready, m_smem.index(slot))
-            tma.async_copy_global_to_shared(l_desc, [b, h, mb * BLOCK_M], ready, l_smem.index(slot))
+            tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], ready, q_smem.index(slot))
+            tma.async_copy_global_to_shared(m_desc, [b, h, row], ready, m_smem.index(slot))
+            tma.async_copy_global_to_shared(l_desc, [b, h, row], ready, l_smem.index(slot))
             ready = do_ready.index(slot)
             mbarrier.expect(ready, do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [b, h, mb * BLOCK_M, 0], ready, do_smem.index(slot))
-            tma.async_copy_global_to_shared(delta_desc, [b, h, mb * BLOCK_M], ready, delta_smem.index(slot))
+            tma.async_copy_global_to_shared(do_desc, [b, h, row, 0], ready, do_smem.index(slot))
+            tma.async_copy_global_to_shared(delta_desc, [b, h, row], ready, delta_smem.index(slot))
             c += 1
 
 
@@ -251,10 +313,15 @@ def _issue_st_dpt(bufs, k_w, v_w, q_s, do_s, slot, phase, s_layout: gl.constexpr
 
 
 @gluon.jit
-def _probs_t(bufs, st, C1, slot, q_minus_k, MASKED: gl.constexpr, PRE_STATS: gl.constexpr):
-    """P^T from a retired S^T: z = s * C1, the causal select (``MASKED``: query i sees key j iff j <= i,
-    ``q_minus_k`` = the block's first query - the warpgroup's first key), p = exp2(min(z - base, 0)) / l
-    from the slot's saved row statistics."""
+def _probs_t(bufs, st, C1, slot, q_minus_k, MASKED: gl.constexpr, PRE_STATS: gl.constexpr,
+             CAUSAL: gl.constexpr = True, BOUNDED: gl.constexpr = False, q_end=0, window_left=0, tail=False):
+    """P^T from a retired S^T: z = s * C1, the select of excluded pairs (``MASKED``), p = exp2(min(z - base,
+    0)) / l from the slot's saved row statistics. With ``MASKED``, in indices relative to the warpgroup's
+    first key (``q_minus_k`` = the block's first query - that key): query i sees key j iff j <= i (causal);
+    ``BOUNDED`` (the dK / dV kernel) also i <= j + ``window_left`` and i < ``q_end`` (its sequence's end:
+    a packed block's rows past it are the next sequence's), the causal part only with ``CAUSAL``. Not
+    ``MASKED`` but ``BOUNDED`` and ``tail`` (a runtime flag: a block below the diagonal that reaches past
+    the window or the sequence's end): those two selects only."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
@@ -265,7 +332,19 @@ def _probs_t(bufs, st, C1, slot, q_minus_k, MASKED: gl.constexpr, PRE_STATS: gl.
     z = st * C1
     if MASKED:
         qi = gl.arange(0, BLOCK_M, layout=col_layout) + q_minus_k
-        z = gl.where(qi[None, :] >= gl.arange(0, BLOCK_N_WG, layout=row_layout)[:, None], z, NEG_INF)
+        kj = gl.arange(0, BLOCK_N_WG, layout=row_layout)
+        if BOUNDED:
+            ok = (qi[None, :] <= kj[:, None] + window_left) & (qi < q_end)[None, :]
+            if CAUSAL:
+                ok = ok & (qi[None, :] >= kj[:, None])
+            z = gl.where(ok, z, NEG_INF)
+        else:
+            z = gl.where(qi[None, :] >= kj[:, None], z, NEG_INF)
+    elif BOUNDED:
+        if tail:  # (a uniform branch)
+            qi = gl.arange(0, BLOCK_M, layout=col_layout) + q_minus_k
+            kj = gl.arange(0, BLOCK_N_WG, layout=row_layout)
+            z = gl.where((qi[None, :] <= kj[:, None] + window_left) & (qi < q_end)[None, :], z, NEG_INF)
     # The row statistics come with Q (m, l) and dO (delta) through shared memory and are read where they
     # are used (16 values per thread each: held across the step they would crowd the accumulators). Rows
     # past seqlen_q read as 0 (TMA): l = 0 gives 1 / l = 0, so p = 0.
@@ -291,11 +370,13 @@ def _operands_t(bufs, pt, dpt, slot, a_layout: gl.constexpr):
 
 
 @gluon.jit
-def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, s_layout: gl.constexpr, a_layout: gl.constexpr,
-          MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PRE_STATS: gl.constexpr):
+def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, bounds, tail, s_layout: gl.constexpr,
+          a_layout: gl.constexpr, MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PRE_STATS: gl.constexpr,
+          CAUSAL: gl.constexpr):
     """One query block of a consumer warpgroup: S^T and dP^T, P^T and dS^T, dV += P^T dO, dK += dS^T Q.
-    ``c``: the block's ring position; ``MASKED``: apply the causal select, query i seeing key j iff
-    j <= i, where ``q_minus_k`` = (the block's first query) - (the warpgroup's first key)."""
+    ``c``: the block's ring position; ``MASKED`` / ``tail``: apply the selects of :func:`_probs_t`
+    (``bounds`` = its (q_end, window_left)), where ``q_minus_k`` = (the block's first query) - (the
+    warpgroup's first key)."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
@@ -305,7 +386,7 @@ def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, s_layout: gl.constexpr, a_la
     do_s = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
     st, dpt = _issue_st_dpt(bufs, k_w, v_w, q_s, do_s, slot, (c // NUM_STAGES) & 1, s_layout)
     st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
-    pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED, PRE_STATS)
+    pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED, PRE_STATS, CAUSAL, True, bounds[0], bounds[1], tail)
     dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
     # Both products are issued from registers once S^T and dP^T have retired: P^T and dS^T are then all
     # that is live beside the accumulators.
@@ -318,9 +399,9 @@ def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, s_layout: gl.constexpr, a_la
 
 
 @gluon.jit
-def _pstep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, q_minus_k, s_layout: gl.constexpr,
+def _pstep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, q_minus_k, bounds, s_layout: gl.constexpr,
            a_layout: gl.constexpr, MASKED: gl.constexpr, FIRST: gl.constexpr, NUM_STAGES: gl.constexpr,
-           PRE_STATS: gl.constexpr):
+           PRE_STATS: gl.constexpr, CAUSAL: gl.constexpr):
     """Step ``c`` of the pipelined loop: issues S^T_c and dP^T_c, then (unless ``FIRST``) the previous
     step's dV += P^T dO and dK += dS^T Q from ``p_prev`` / ``ds_prev``; computes P^T_c and dS^T_c (as
     :func:`_step` does) while those run; waits for them and releases the previous step's Q / dO slot.
@@ -341,7 +422,7 @@ def _pstep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, q_minus_k, s_layout: 
         dv = warpgroup_mma(p_prev, do_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
         dk = warpgroup_mma(ds_prev, q_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
         st = warpgroup_mma_wait(num_outstanding=3, deps=(st,))
-    pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED, PRE_STATS)
+    pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED, PRE_STATS, CAUSAL, True, bounds[0], bounds[1])
     if FIRST:
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
     else:
@@ -355,35 +436,37 @@ def _pstep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, q_minus_k, s_layout: 
 
 
 @gluon.jit
-def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, n_m, group, s_layout: gl.constexpr,
-                     a_layout: gl.constexpr, NUM_STAGES: gl.constexpr, PRE_STATS: gl.constexpr):
-    """The consumer's steps (query heads of the group, then query blocks lo .. n_m - 1; those before ``mid``
-    take the causal select), software-pipelined (:func:`_pstep`): the same products in the same order as
-    the unpipelined loop, so the same bits."""
+def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, umid, hi, bounds, group, s_layout: gl.constexpr,
+                     a_layout: gl.constexpr, NUM_STAGES: gl.constexpr, PRE_STATS: gl.constexpr,
+                     CAUSAL: gl.constexpr):
+    """The consumer's steps (query heads of the group, then query blocks lo .. hi - 1; those before ``mid``
+    and from ``umid`` on take the selects), software-pipelined (:func:`_pstep`): the same products in the
+    same order as the unpipelined loop, so the same bits."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
-    n_mb = n_m - lo
+    n_mb = hi - lo
     total = group * n_mb
     if total > 0:
         no_prev = gl.zeros([BLOCK_N_WG, BLOCK_M], dtype, a_layout)
-        if lo < mid:
+        if lo < mid or lo >= umid:
             dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, no_prev, no_prev, 0, lo * BLOCK_M - k0,
-                                       s_layout, a_layout, True, True, NUM_STAGES, PRE_STATS)
+                                       bounds, s_layout, a_layout, True, True, NUM_STAGES, PRE_STATS, CAUSAL)
         else:
-            dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, no_prev, no_prev, 0, 0, s_layout, a_layout,
-                                       False, True, NUM_STAGES, PRE_STATS)
+            dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, no_prev, no_prev, 0, 0, bounds, s_layout,
+                                       a_layout, False, True, NUM_STAGES, PRE_STATS, CAUSAL)
         for c in range(1, total):
             mb = lo + c % n_mb
-            if mb < mid:
+            if mb < mid or mb >= umid:
                 dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, p16, ds16, c, mb * BLOCK_M - k0,
-                                           s_layout, a_layout, True, False, NUM_STAGES, PRE_STATS)
+                                           bounds, s_layout, a_layout, True, False, NUM_STAGES, PRE_STATS,
+                                           CAUSAL)
             else:
-                dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, p16, ds16, c, 0, s_layout, a_layout,
-                                           False, False, NUM_STAGES, PRE_STATS)
+                dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, p16, ds16, c, 0, bounds, s_layout,
+                                           a_layout, False, False, NUM_STAGES, PRE_STATS, CAUSAL)
         last = (total - 1) % NUM_STAGES
         dv = warpgroup_mma(p16, do_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
         dk = warpgroup_mma(ds16, q_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
@@ -393,12 +476,28 @@ def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, n_m, group, s_layo
 
 
 @gluon.jit
-def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+def _store_rows(ptr, x, row0, n_rows, head, stride_row, stride_head):
+    """A masked store of ``x``'s first ``n_rows`` rows (all if more, none if <= 0) to rows row0.. of head
+    ``head`` of a packed (T, H, D) tensor: a TMA box store would also write the rows past a sequence's end,
+    which are the next sequence's."""
+    layout: gl.constexpr = x.type.layout
+    ROWS: gl.constexpr = x.shape[0]
+    COLS: gl.constexpr = x.shape[1]
+    offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    offs_c = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    rows = head.to(gl.int64) * stride_head + (row0 + offs_r).to(gl.int64) * stride_row
+    mask = (offs_r < n_rows)[:, None] & (offs_c < COLS)[None, :]
+    gl.store(ptr + rows[:, None] + offs_c[None, :], x, mask=mask)
+
+
+@gluon.jit
+def _consumer(w: gl.constexpr, bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_WG: gl.constexpr, PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr):
     """Consumer warpgroup ``w``: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
     C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
+    cu_q_ptr, cu_k_ptr, dk_ptr, dv_ptr, varlen, window_left, dk_sr, dk_sh, dv_sr, dv_sh = seq
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
@@ -409,8 +508,8 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    n0, b, hk, lo, n_m, _n = _tile_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL,
-                                          False)
+    n0, bc, b, hk, q_start, k_start, rows_q, rows_k, lo, hi = _kv_tile(
+        gl.program_id(0), sizes, seq, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL)
     k0 = n0 + w * BLOCK_N_WG
     dk = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N_WG, HEAD_DIM], gl.float32, acc_layout)
@@ -418,56 +517,80 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
     v_w = v_smem.index(w).reshape([BLOCK_N_WG, HEAD_DIM])
     mbarrier.wait(kv_ready, 0)
     # Query blocks [lo, mid) reach above this warpgroup's diagonal (some of their queries precede some of
-    # its keys) and take the causal select; [mid, n_m) see every key. Unpipelined: two loops, so the
-    # unmasked steps carry no branch (and no select); pipelined: one loop, a uniform branch per step.
+    # its keys) and take the causal select (with the others); blocks from ``umid`` on reach past its window
+    # (some query more than window_left after some key) or past a packed sequence's end and take those
+    # selects. Unpipelined: two loops as without a window, the second with a uniform branch to the tail's
+    # selects (the unmasked steps carry no select); pipelined: one loop, a uniform branch per step.
     mid = lo
     if CAUSAL:
-        mid = gl.minimum(gl.cdiv(k0 + BLOCK_N_WG - 1, BLOCK_M), n_m)
+        mid = gl.minimum(gl.cdiv(k0 + BLOCK_N_WG - 1, BLOCK_M), hi)
+    umid = gl.minimum((k0 + window_left + 1) // BLOCK_M, hi)
+    if varlen != 0:  # a dense block's rows past seqlen_q read as zeros (l = 0, so p = 0): no select needed
+        umid = gl.minimum(umid, rows_q // BLOCK_M)
+    umid = gl.maximum(umid, mid)
+    bounds = (rows_q - k0, window_left)  # (the selects' query limit and window, relative to key k0)
     if PIPELINE:
-        dk, dv = _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, n_m, group, s_layout, a_layout,
-                                  NUM_STAGES, PRE_STATS)
+        dk, dv = _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, umid, hi, bounds, group, s_layout,
+                                  a_layout, NUM_STAGES, PRE_STATS, CAUSAL)
     else:
         c = 0
         for _g in range(group):
             for mb in range(lo, mid):
-                dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, s_layout, a_layout, True,
-                               NUM_STAGES, PRE_STATS)
+                dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, bounds, False, s_layout,
+                               a_layout, True, NUM_STAGES, PRE_STATS, CAUSAL)
                 c += 1
-            for _mb in range(mid, n_m):
-                dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, 0, s_layout, a_layout, False, NUM_STAGES,
-                               PRE_STATS)
+            for mb in range(mid, hi):
+                dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, bounds, mb >= umid, s_layout,
+                               a_layout, False, NUM_STAGES, PRE_STATS, CAUSAL)
                 c += 1
-    # dK, dV out through this warpgroup's K and V buffers (dead now) and TMA (rows past seqlen_k dropped).
     dk = dk * scale_ds
-    k_w.store(dk.to(dtype))
-    v_w.store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, hk, k0, 0], k_smem.index(w))
-    tma.async_copy_shared_to_global(dv_desc, [b, hk, k0, 0], v_smem.index(w))
-    tma.store_wait(pendings=0)
+    # The tile's sequence again (two loads): not kept in registers across the steps.
+    n0, bc, b, hk, q_start, k_start, rows_q, rows_k, lo, hi = _kv_tile(
+        gl.program_id(0), sizes, seq, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL)
+    k0 = n0 + w * BLOCK_N_WG
+    if varlen != 0 and k0 + BLOCK_N_WG > rows_k:
+        # The warpgroup's keys reach past its sequence's end: only its own rows are stored.
+        _store_rows(dk_ptr, dk.to(dtype), k_start + k0, rows_k - k0, hk, dk_sr, dk_sh)
+        _store_rows(dv_ptr, dv.to(dtype), k_start + k0, rows_k - k0, hk, dv_sr, dv_sh)
+    else:
+        # dK, dV out through this warpgroup's K and V buffers (dead now) and TMA (rows past seqlen_k
+        # dropped).
+        k_w.store(dk.to(dtype))
+        v_w.store(dv.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [bc, hk, k_start + k0, 0], k_smem.index(w))
+        tma.async_copy_shared_to_global(dv_desc, [bc, hk, k_start + k0, 0], v_smem.index(w))
+        tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _consumer0(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
+def _consumer0(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr):
-    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS)
+    _consumer(0, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS)
 
 
 @gluon.jit
-def _consumer1(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
+def _consumer1(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr):
-    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS)
+    _consumer(1, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS)
 
 
-@gluon.jit(do_not_specialize=SIZE_ARGS)
+@gluon.jit(do_not_specialize=SIZE_ARGS + SEQ_ARGS)
 def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, m_desc, l_desc, delta_desc,
                                C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks,
-                               n_tiles, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+                               n_tiles, cu_q_ptr, cu_k_ptr, out0_ptr, out1_ptr, varlen, window_left,
+                               out0_stride_row, out0_stride_head, out1_stride_row, out1_stride_head,
+                               CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                                NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PIPELINE: gl.constexpr,
                                PRE_STATS: gl.constexpr):
     """dk, dv of key block / kv head ``program_id(0)`` of ``n_tiles`` = n_n_blocks x batch x kv heads.
     Descriptors over (B, H, S, D): q / do (B, Hq, Sq, D), k / v / dk / dv (B, Hkv, Sk, D); m, l, delta
-    (B, Hq, Sq) contiguous fp32; kv head = q head // group."""
+    (B, Hq, Sq) contiguous fp32; kv head = q head // group. ``varlen`` != 0: packed sequences, the
+    descriptors over (1, H, T, D) views of (T, H, D) tensors and the statistics' over (1, Hq, Tq);
+    sequence b is rows cu_q[b]:cu_q[b+1] of q and cu_k[b]:cu_k[b+1] of k; out0 / out1 = dk / dv (packed,
+    with their row and head strides: a sequence's last key block is stored by masked stores). Dense calls
+    pass any pointers there. ``window_left``: query i sees key j only if i <= j + window_left (NO_WINDOW:
+    every key)."""
     gl.static_assert(NUM_WG == 2)
     gl.static_assert(NUM_STAGES >= 2 or not PIPELINE)  # a pipelined step holds the previous step's slot
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -492,9 +615,11 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     bufs = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
             q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem)
     sizes = (C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles)
-    gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS)),
-                        (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS)),
-                        (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, False))],
+    seq = (cu_q_ptr, cu_k_ptr, out0_ptr, out1_ptr, varlen, window_left, out0_stride_row, out0_stride_head,
+           out1_stride_row, out1_stride_head)
+    gl.warp_specialize([(_consumer0, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS)),
+                        (_consumer1, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS)),
+                        (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, False, False, seq, True))],
                        [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -537,13 +662,19 @@ def dq_signature(cfg: GluonDqConfig, head_dim: int, dtype: str) -> dict[str, str
     types = _desc_types(dq_block_shapes(cfg, head_dim), head_dim, dtype)
     types.update(m_ptr="*fp32", l_ptr="*fp32", delta_ptr="*fp32", C1="fp32", scale_ds="fp32")
     types.update({name: "i32" for name in DQ_SIZE_ARGS})
+    types.update(_seq_types(dtype))
     return {name: types[name] for name in attn_bwd_dq_gluon_kernel.arg_names if name in types}
 
 
 @gluon.jit
-def _dq_coords(tile, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """(m0, b, h, hk, key blocks) of CTA ``tile``: query blocks of a head adjacent (they share its K / V in
-    L2); causal: the last query blocks (the most keys) first."""
+def _dq_tile(tile, sizes, seq, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(m0, bc, b, h, hk, q_start, k_start, rows_q, rows_k, lo, n_blocks) of CTA ``tile``: its first query
+    row in its sequence, the batch coordinate of its TMA boxes, its sequence, query and kv head, the first
+    row and length of its sequence in q and k, and its key blocks lo .. n_blocks - 1. Query blocks of a head
+    adjacent (they share its K / V in L2); causal: the last query blocks (the most keys) first. Packed
+    sequences (``varlen``) and the window as :func:`_kv_tile`; a CTA past its sequence's rows visits no key
+    block."""
+    cu_q_ptr, cu_k_ptr, out0_ptr, out1_ptr, varlen, window_left, s0r, s0h, s1r, s1h = seq
     C1, scale_ds, n_heads, group, seqlen_q, seqlen_k, n_m_blocks, n_tiles = sizes
     m_block = tile % n_m_blocks
     if CAUSAL:
@@ -551,39 +682,56 @@ def _dq_coords(tile, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL
     bh = tile // n_m_blocks
     m0 = m_block * BLOCK_M
     h = bh % n_heads
-    hi = seqlen_k
+    b = bh // n_heads
+    bc = b
+    q_start = b * 0
+    k_start = b * 0
+    rows_q = seqlen_q + b * 0
+    rows_k = seqlen_k + b * 0
+    if varlen != 0:
+        q_start = gl.load(cu_q_ptr + b)
+        rows_q = gl.load(cu_q_ptr + b + 1) - q_start
+        k_start = gl.load(cu_k_ptr + b)
+        rows_k = gl.load(cu_k_ptr + b + 1) - k_start
+        bc = b * 0
+    hi = rows_k
     if CAUSAL:
-        hi = gl.minimum(seqlen_k, m0 + BLOCK_M)
-    return m0, bh // n_heads, h, h // group, gl.cdiv(hi, BLOCK_N)
+        hi = gl.minimum(rows_k, m0 + BLOCK_M)
+    n_blocks = gl.cdiv(hi, BLOCK_N)
+    if m0 >= rows_q:
+        n_blocks = n_blocks * 0
+    lo = gl.minimum(gl.maximum(m0 - window_left, 0) // BLOCK_N, n_blocks)
+    return m0, bc, b, h, h // group, q_start, k_start, rows_q, rows_k, lo, n_blocks
 
 
 @gluon.jit
-def _dq_producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+def _dq_producer(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr):
     (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, q_ready, k_ready, v_ready,
      kv_empty, m_ptr, l_ptr, delta_ptr) = bufs
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
-    m0, b, h, hk, n_blocks = _dq_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_M_WG, BLOCK_N, CAUSAL)
+    m0, b, _b, h, hk, q_start, k_start, rows_q, rows_k, lo, n_blocks = _dq_tile(
+        gl.program_id(0), sizes, seq, NUM_WG * BLOCK_M_WG, BLOCK_N, CAUSAL)
     for w in gl.static_range(NUM_WG):
         mbarrier.expect(q_ready.index(w), 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + w * BLOCK_M_WG, 0], q_ready.index(w),
+        tma.async_copy_global_to_shared(q_desc, [b, h, q_start + m0 + w * BLOCK_M_WG, 0], q_ready.index(w),
                                         q_smem.index(w))
-        tma.async_copy_global_to_shared(do_desc, [b, h, m0 + w * BLOCK_M_WG, 0], q_ready.index(w),
+        tma.async_copy_global_to_shared(do_desc, [b, h, q_start + m0 + w * BLOCK_M_WG, 0], q_ready.index(w),
                                         do_smem.index(w))
-    for j in range(n_blocks):
-        slot = j % NUM_STAGES
-        mbarrier.wait(kv_empty.index(slot), ((j // NUM_STAGES) & 1) ^ 1)
+    for c in range(n_blocks - lo):
+        slot = c % NUM_STAGES
+        row = k_start + (lo + c) * BLOCK_N
+        mbarrier.wait(kv_empty.index(slot), ((c // NUM_STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(slot),
-                                        k_smem.index(slot))
+        tma.async_copy_global_to_shared(k_desc, [b, hk, row, 0], k_ready.index(slot), k_smem.index(slot))
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(slot),
-                                        v_smem.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [b, hk, row, 0], v_ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
 def _dq_issue(bufs, q_w, do_w, s_zero, j, NUM_STAGES: gl.constexpr):
-    """Issues S_j = Q K_j^T and dP_j = dO V_j^T (async, in that order) once key block ``j`` has landed."""
+    """Issues S_j = Q K_j^T and dP_j = dO V_j^T (async, in that order) once the key block at ring position
+    ``j`` has landed."""
     (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, q_ready, k_ready, v_ready,
      kv_empty, m_ptr, l_ptr, delta_ptr) = bufs
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -600,13 +748,14 @@ def _dq_issue(bufs, q_w, do_w, s_zero, j, NUM_STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _dq_ds(s, dp, C1, base, delta, j, limit, a_layout: gl.constexpr, dtype: gl.constexpr,
-           MASKED: gl.constexpr, AFTER: gl.constexpr):
+def _dq_ds(s, dp, C1, base, delta, j, limit, first, sfull, a_layout: gl.constexpr, dtype: gl.constexpr,
+           MASKED: gl.constexpr, AFTER: gl.constexpr, WINDOW_BRANCH: gl.constexpr):
     """dS_j of key block ``j`` from S_j and dP_j, as the dQ product's register A operand (waits for both):
     e = exp2(z - base) (unnormalised; 1 / l is applied to dQ at the end, as the Triton dq kernel does),
     dS = e * (dP - delta). ``MASKED``: block ``j`` reaches past some row's ``limit`` (causal diagonal, keys
-    past seqlen_k), and its keys at or past it get z = -inf. ``AFTER``: products issued after S_j and dP_j
-    (the previous block's dQ product, 1; none for block 0), which may stay in flight."""
+    past seqlen_k) or before its ``first`` key (the window), and its keys outside [first, limit) get
+    z = -inf. ``AFTER``: products issued after S_j and dP_j (the previous block's dQ product, 1; none for
+    the first block), which may stay in flight."""
     # Async products retire in issue order: S_j, dP_j, then AFTER more.
     s = warpgroup_mma_wait(num_outstanding=1 + AFTER, deps=(s,))
     BLOCK_N: gl.constexpr = s.shape[1]
@@ -614,38 +763,46 @@ def _dq_ds(s, dp, C1, base, delta, j, limit, a_layout: gl.constexpr, dtype: gl.c
     z = s * C1
     if MASKED:
         keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        z = gl.where(keys[None, :] < limit[:, None], z, NEG_INF)
+        z = gl.where((keys[None, :] < limit[:, None]) & (keys[None, :] >= first[:, None]), z, NEG_INF)
+    elif WINDOW_BRANCH and j < sfull:  # (a uniform branch) the window's first blocks: no key past a limit
+        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        z = gl.where(keys[None, :] >= first[:, None], z, NEG_INF)
     e = gl.exp2(gl.minimum(z - base[:, None], 0.0, propagate_nan=NAN_ALL))
     dp = warpgroup_mma_wait(num_outstanding=AFTER, deps=(dp,))
     return gl.convert_layout((e * (dp - delta[:, None])).to(dtype), a_layout)
 
 
 @gluon.jit
-def _dq_pipe_step(bufs, C1, q_w, do_w, s_zero, base, delta, dq, ds, j, limit, a_layout: gl.constexpr,
-                  MASKED: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Step j >= 1 of the pipelined dQ loop: issues S_j and dP_j, then dQ += dS_{j-1} K_{j-1}; computes dS_j
-    while that product runs; waits for it and releases block j - 1's K / V slot. Returns (dQ, dS_j)."""
+def _dq_pipe_step(bufs, C1, q_w, do_w, s_zero, base, delta, dq, ds, j, lo, limit, first, sfull,
+                  a_layout: gl.constexpr, MASKED: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  WINDOW_BRANCH: gl.constexpr):
+    """Step j > lo of the pipelined dQ loop (key block j, ring position j - lo): issues S_j and dP_j, then
+    dQ += dS_{j-1} K_{j-1}; computes dS_j while that product runs; waits for it and releases block j - 1's
+    K / V slot. Returns (dQ, dS_j)."""
     (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, q_ready, k_ready, v_ready,
      kv_empty, m_ptr, l_ptr, delta_ptr) = bufs
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    s, dp = _dq_issue(bufs, q_w, do_w, s_zero, j, NUM_STAGES)
-    k_prev = k_smem.index((j - 1) % NUM_STAGES).reshape([BLOCK_N, HEAD_DIM])
+    c = j - lo
+    s, dp = _dq_issue(bufs, q_w, do_w, s_zero, c, NUM_STAGES)
+    k_prev = k_smem.index((c - 1) % NUM_STAGES).reshape([BLOCK_N, HEAD_DIM])
     dq = warpgroup_mma(ds, k_prev, dq, is_async=True)
-    ds_next = _dq_ds(s, dp, C1, base, delta, j, limit, a_layout, q_desc.dtype, MASKED, 1)
+    ds_next = _dq_ds(s, dp, C1, base, delta, j, limit, first, sfull, a_layout, q_desc.dtype, MASKED, 1,
+                     WINDOW_BRANCH)
     # dS_{j-1} is the register A operand of the product in flight: kept alive until it retires.
     dq, ds = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds))
-    mbarrier.arrive(kv_empty.index((j - 1) % NUM_STAGES), count=1)
+    mbarrier.arrive(kv_empty.index((c - 1) % NUM_STAGES), count=1)
     return dq, ds_next
 
 
 @gluon.jit
-def _dq_consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+def _dq_consumer(w: gl.constexpr, bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                  NUM_WG: gl.constexpr):
     """Consumer warpgroup ``w``: dQ of rows m0 + 64 w .. m0 + 64 w + 63."""
     (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, q_ready, k_ready, v_ready,
      kv_empty, m_ptr, l_ptr, delta_ptr) = bufs
     C1, scale_ds, n_heads, group, seqlen_q, seqlen_k, n_m_blocks, n_tiles = sizes
+    cu_q_ptr, cu_k_ptr, dq_ptr, _unused, varlen, window_left, dq_sr, dq_sh, s1r, s1h = seq
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -656,26 +813,31 @@ def _dq_consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES:
                                                          instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    m0, b, h, hk, n_blocks = _dq_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_M_WG, BLOCK_N, CAUSAL)
+    m0, bc, b, h, hk, q_start, k_start, rows_q, rows_k, lo, n_blocks = _dq_tile(
+        gl.program_id(0), sizes, seq, NUM_WG * BLOCK_M_WG, BLOCK_N, CAUSAL)
     r0 = m0 + w * BLOCK_M_WG
     offs_m = r0 + gl.arange(0, BLOCK_M_WG, layout=row_layout)
-    ok = offs_m < seqlen_q
-    st = (b * n_heads + h).to(gl.int64) * seqlen_q + offs_m
-    # Two values per thread: the row statistics stay in registers for the whole tile. Rows past seqlen_q
-    # get base 0, 1 / l = 0 (their dQ is 0 and not stored).
+    ok = offs_m < rows_q
+    # The statistics: (B, Hq, Sq) dense, (Hq, Tq) packed (seqlen_q = Tq then).
+    st = (bc * n_heads + h).to(gl.int64) * seqlen_q + q_start + offs_m
+    # Two values per thread: the row statistics stay in registers for the whole tile. Rows past the
+    # sequence get base 0, 1 / l = 0 (their dQ is 0 and not stored).
     m = gl.load(m_ptr + st, mask=ok, other=NEG_INF)
     l = gl.load(l_ptr + st, mask=ok, other=0.0)
     delta = gl.load(delta_ptr + st, mask=ok, other=0.0)
     base = gl.where(m == NEG_INF, 0.0, m)
     inv_l = gl.where(l == 0.0, 0.0, 1.0 / gl.where(l == 0.0, 1.0, l))
-    # Per row, the first key it does not see; blocks from ``full`` on reach past some row's limit.
+    # Per row, the keys it sees: [first, limit). Blocks from ``full`` on reach past some row's limit, blocks
+    # before ``sfull`` before some row's first key (the window): both take the select.
     if CAUSAL:
-        limit = gl.minimum(offs_m + 1, seqlen_k)
-        full = gl.minimum(r0 + 1, seqlen_k) // BLOCK_N
+        limit = gl.minimum(offs_m + 1, rows_k)
+        full = gl.minimum(r0 + 1, rows_k) // BLOCK_N
     else:
-        limit = gl.full([BLOCK_M_WG], 0, gl.int32, row_layout) + seqlen_k
-        full = seqlen_k // BLOCK_N
+        limit = gl.full([BLOCK_M_WG], 0, gl.int32, row_layout) + rows_k
+        full = rows_k // BLOCK_N
     full = gl.minimum(full, n_blocks)
+    first = offs_m - window_left
+    sfull = gl.cdiv(gl.maximum(r0 + BLOCK_M_WG - 1 - window_left, 0), BLOCK_N)
     dq = gl.zeros([BLOCK_M_WG, HEAD_DIM], gl.float32, acc_layout)
     q_w = q_smem.index(w).reshape([BLOCK_M_WG, HEAD_DIM])
     do_w = do_smem.index(w).reshape([BLOCK_M_WG, HEAD_DIM])
@@ -683,48 +845,69 @@ def _dq_consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES:
     mbarrier.wait(q_ready.index(w), 0)
     # Software-pipelined over the key blocks (_dq_pipe_step): dS_j is computed while dQ += dS_{j-1} K_{j-1}
     # runs. The products accumulate into dQ in block order, as unpipelined: the same bits. Blocks before
-    # ``full`` need no mask.
-    if n_blocks > 0:
+    # ``sfull`` (the window) and from ``full`` on take the selects. At D=128 the window's blocks share the
+    # unmasked loop behind a uniform branch (a loop of their own made ptxas copy dS between the loops at
+    # every step, offline); at D=64 (128-key blocks) that branch spills, so there they get their own loop.
+    WINDOW_LOOP: gl.constexpr = BLOCK_N > 64
+    if n_blocks > lo:
         s, dp = _dq_issue(bufs, q_w, do_w, s_zero, 0, NUM_STAGES)
-        if full > 0:
-            ds = _dq_ds(s, dp, C1, base, delta, 0, limit, a_layout, dtype, False, 0)
+        if lo < full and (lo >= sfull or not WINDOW_LOOP):
+            ds = _dq_ds(s, dp, C1, base, delta, lo, limit, first, sfull, a_layout, dtype, False, 0,
+                        not WINDOW_LOOP)
         else:
-            ds = _dq_ds(s, dp, C1, base, delta, 0, limit, a_layout, dtype, True, 0)
-        for j in range(1, full):
-            dq, ds = _dq_pipe_step(bufs, C1, q_w, do_w, s_zero, base, delta, dq, ds, j, limit, a_layout,
-                                   False, NUM_STAGES)
-        for j in range(gl.maximum(full, 1), n_blocks):
-            dq, ds = _dq_pipe_step(bufs, C1, q_w, do_w, s_zero, base, delta, dq, ds, j, limit, a_layout,
-                                   True, NUM_STAGES)
-        k_last = k_smem.index((n_blocks - 1) % NUM_STAGES).reshape([BLOCK_N, HEAD_DIM])
-        dq = warpgroup_mma(ds, k_last, dq, is_async=True)
+            ds = _dq_ds(s, dp, C1, base, delta, lo, limit, first, sfull, a_layout, dtype, True, 0,
+                        not WINDOW_LOOP)
+        s1 = lo + 1
+        if WINDOW_LOOP:
+            s1 = gl.minimum(gl.maximum(sfull, lo + 1), n_blocks)
+            for j in range(lo + 1, s1):
+                dq, ds = _dq_pipe_step(bufs, C1, q_w, do_w, s_zero, base, delta, dq, ds, j, lo, limit, first,
+                                       sfull, a_layout, True, NUM_STAGES, False)
+        f1 = gl.minimum(gl.maximum(full, s1), n_blocks)
+        for j in range(s1, f1):
+            dq, ds = _dq_pipe_step(bufs, C1, q_w, do_w, s_zero, base, delta, dq, ds, j, lo, limit, first,
+                                   sfull, a_layout, False, NUM_STAGES, not WINDOW_LOOP)
+        for j in range(f1, n_blocks):
+            dq, ds = _dq_pipe_step(bufs, C1, q_w, do_w, s_zero, base, delta, dq, ds, j, lo, limit, first,
+                                   sfull, a_layout, True, NUM_STAGES, not WINDOW_LOOP)
+        last = (n_blocks - 1 - lo) % NUM_STAGES
+        dq = warpgroup_mma(ds, k_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
         dq, ds = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds))
-        mbarrier.arrive(kv_empty.index((n_blocks - 1) % NUM_STAGES), count=1)
+        mbarrier.arrive(kv_empty.index(last), count=1)
     dq = dq * gl.convert_layout(inv_l * scale_ds, gl.SliceLayout(1, acc_layout))[:, None]
-    # dQ out through this warpgroup's Q buffer (Q is dead: every product has retired) and TMA.
-    q_w.store(dq.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [b, h, r0, 0], q_smem.index(w))
-    tma.store_wait(pendings=0)
+    if varlen != 0 and r0 + BLOCK_M_WG > rows_q:
+        # The warpgroup's rows reach past its sequence's end (or start past it): only its own rows are
+        # stored.
+        _store_rows(dq_ptr, dq.to(dtype), q_start + r0, rows_q - r0, h, dq_sr, dq_sh)
+    else:
+        # dQ out through this warpgroup's Q buffer (Q is dead: every product has retired) and TMA.
+        q_w.store(dq.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dq_desc, [bc, h, q_start + r0, 0], q_smem.index(w))
+        tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _dq_consumer0(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr):
-    _dq_consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG)
+def _dq_consumer0(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+    _dq_consumer(0, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG)
 
 
 @gluon.jit
-def _dq_consumer1(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr):
-    _dq_consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG)
+def _dq_consumer1(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+    _dq_consumer(1, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG)
 
 
-@gluon.jit(do_not_specialize=DQ_SIZE_ARGS)
+@gluon.jit(do_not_specialize=DQ_SIZE_ARGS + SEQ_ARGS)
 def attn_bwd_dq_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, m_ptr, l_ptr, delta_ptr, C1, scale_ds,
-                             n_heads, group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, CAUSAL: gl.constexpr,
+                             n_heads, group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, cu_q_ptr, cu_k_ptr,
+                             out0_ptr, out1_ptr, varlen, window_left, out0_stride_row, out0_stride_head,
+                             out1_stride_row, out1_stride_head, CAUSAL: gl.constexpr,
                              NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """dq of query tile ``program_id(0)`` of ``n_tiles`` = n_m_blocks x batch x query heads, from delta
     (computed before, by the Triton dq kernel's delta-only launch). Descriptors over (B, H, S, D) views;
-    m, l, delta (B, Hq, Sq) contiguous fp32."""
+    m, l, delta (B, Hq, Sq) contiguous fp32. ``varlen`` != 0: packed sequences as in the dK / dV kernel
+    (m, l, delta (Hq, Tq), ``seqlen_q`` = Tq; out0 = dq, packed, with its row and head strides; out1 is not
+    read); ``window_left`` as there."""
     gl.static_assert(NUM_WG == 2)
     gl.static_assert(NUM_STAGES >= 2)  # the pipelined loop holds one block's slot while it waits for the next
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG] + q_desc.block_type.shape, q_desc.layout)
@@ -745,9 +928,11 @@ def attn_bwd_dq_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, m_ptr, l_
     bufs = (q_desc, k_desc, v_desc, do_desc, dq_desc, q_smem, k_smem, v_smem, do_smem, q_ready, k_ready,
             v_ready, kv_empty, m_ptr, l_ptr, delta_ptr)
     sizes = (C1, scale_ds, n_heads, group, seqlen_q, seqlen_k, n_m_blocks, n_tiles)
-    gl.warp_specialize([(_dq_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG)),
-                        (_dq_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG)),
-                        (_dq_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG))],
+    seq = (cu_q_ptr, cu_k_ptr, out0_ptr, out1_ptr, varlen, window_left, out0_stride_row, out0_stride_head,
+           out1_stride_row, out1_stride_head)
+    gl.warp_specialize([(_dq_consumer0, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG)),
+                        (_dq_consumer1, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG)),
+                        (_dq_producer, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG))],
                        [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 

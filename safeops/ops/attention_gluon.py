@@ -132,7 +132,7 @@ def settings() -> tuple:
     (its plans are dropped when any of it changes)."""
     return (_config.gluon_enabled(), _config.gluon_bwd_setting(), PERSISTENT, L2_CHUNK_BYTES, reason, Plan,
             device_reason, bwd_reason, GLUON_DQ, dq_reason, GLUON_SINKS, GLUON_WINDOW, GLUON_FUSED,
-            fused_reason)
+            fused_reason, GLUON_BWD_SEQ)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -371,7 +371,7 @@ def bwd_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is
     if mode == "off":
         off = "SAFEOPS_GLUON=0" if not _config.gluon_enabled() else "SAFEOPS_GLUON_BWD=0"
         return f"{off} keeps dk / dv on the Triton kernel"
-    return _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, mode,
+    return _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, mode, True,
                        bwd_kernels().BWD_CONFIGS)
 
 
@@ -382,8 +382,15 @@ def dq_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_
     mode = _config.gluon_bwd_mode()
     if not GLUON_DQ or mode == "off":
         return "the Gluon dq kernel is off (attention_gluon.GLUON_DQ)"
-    return _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, mode,
+    return _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, mode, True,
                        bwd_kernels().DQ_CONFIGS)
+
+
+# Packed sequences (``attention_varlen``) and a left window (causal or not) on the Gluon dK / dV and dQ
+# kernels: runtime arguments of the same kernels (one compile serves dense and packed calls, with and
+# without a window). Off until their GPU tests and timings have run (tests/test_attention_gluon_bwd_gpu.py's
+# ``seq`` cases switch it on).
+GLUON_BWD_SEQ = False
 
 
 # The fused Gluon backward (``attn_bwd_fused_gluon_kernel``: dk, dv and dq in one kernel, dq added into an
@@ -399,24 +406,29 @@ def fused_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, 
     mode = _config.gluon_bwd_mode()
     if not GLUON_FUSED or mode == "off":
         return "the fused Gluon backward is off (attention_gluon.GLUON_FUSED: not measured yet)"
-    return _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, "on",
+    return _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, "on", False,
                        bwd_kernels().FUSED_CONFIGS)
 
 
-def _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, mode, configs) -> str:
+def _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, mode, seq: bool, configs) -> str:
+    """``seq``: the kernels take packed sequences and a left window (the dK / dV and dQ kernels with
+    ``GLUON_BWD_SEQ``; not the fused one)."""
+    seq = seq and GLUON_BWD_SEQ
     if grad_dtype is not None and grad_dtype != q.dtype:
         return f"the Gluon backward writes dk / dv in the inputs' dtype, not {grad_dtype}"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"the Gluon backward takes bf16 or fp16, not {str(q.dtype).removeprefix('torch.')}"
     if k.dtype != q.dtype or v.dtype != q.dtype:
         return "the Gluon backward needs q, k and v in one dtype"
-    if cu_q is not None:
+    if cu_q is not None and not seq:
         return "the Gluon backward does not take packed (varlen) sequences"
     if mask is not None:
         return "the Gluon backward does not take an attention mask"
     if softcap is not None:
         return "the Gluon backward does not take softcap"
-    if wl >= 0 or (wr >= 0 and not is_causal):
+    if wr >= 0 and not is_causal:
+        return "the Gluon backward does not take a sliding window with a right bound"
+    if wl >= 0 and not seq:
         return "the Gluon backward does not take a sliding window"
     d, dv = q.shape[-1], v.shape[-1]
     if d not in configs:
@@ -439,6 +451,30 @@ def describe_bwd(q: torch.Tensor, is_causal: bool, gluon_dq: bool = False, fused
     return f"{dtype} {causal} D={q.shape[-1]} on {_arch(q.device.index)}: {kernels}"
 
 
+def _stat_desc(t: torch.Tensor, block: list[int], layout, varlen: bool):
+    """The TMA descriptor of a row statistic: (B, H, S) dense, (H, T) packed (as (1, H, T))."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    t = _stat_view(t)
+    shape = list(t.shape)
+    strides = list(t.stride())
+    if varlen:
+        shape, strides = [1] + shape, [4] + strides
+    # A dimension of size 1 other than the last is never stepped along: a valid stride (16 bytes).
+    strides = [s if n > 1 else 4 for n, s in zip(shape[:-1], strides[:-1], strict=True)] + [1]
+    return TensorDescriptor(t, shape, strides, block, layout)
+
+
+def _seq_args(varlen: bool, cu_q, cu_k, out0: torch.Tensor, out1: torch.Tensor, window_left: int,
+              dummy: torch.Tensor) -> tuple:
+    """The Gluon backward kernels' ``SEQ_ARGS``: cu_seqlens (a dense call passes an int32 stand-in, never
+    read), the packed outputs with their row and head strides, whether packed, the left window."""
+    wl = window_left if window_left >= 0 else bwd_kernels().NO_WINDOW
+    if varlen:
+        return (cu_q, cu_k, out0, out1, 1, wl, out0.stride(0), out0.stride(1), out1.stride(0), out1.stride(1))
+    return (dummy, dummy, out0, out1, 0, wl, 0, 0, 0, 0)
+
+
 def _stat_view(t: torch.Tensor) -> torch.Tensor:
     """A (B, H, S) fp32 statistic as TMA reads it: its row stride a multiple of 16 bytes. Otherwise a copy
     padded to S rounded up to 4, the padding l = 0 (p = 0) and m = delta = 0; the rows past S are read as
@@ -454,7 +490,8 @@ def _stat_view(t: torch.Tensor) -> torch.Tensor:
 class BwdPlan:
     """The Gluon dK / dV launch of one backward signature (shapes, strides, dtypes, alignment, options)."""
 
-    __slots__ = ("cfg", "block_shapes", "layouts", "stat_layout", "args", "launch", "copy", "scratch")
+    __slots__ = ("cfg", "block_shapes", "layouts", "stat_layout", "args", "launch", "copy", "scratch",
+                 "varlen", "window_left", "dummy")
 
     @staticmethod
     def _kernel(K, d: int, causal: bool, sk: int, device: torch.device):
@@ -462,28 +499,39 @@ class BwdPlan:
         cfg = K.BWD_CONFIGS[d]
         return cfg, K.attn_bwd_dkdv_gluon_kernel, K.constexprs(cfg, causal)
 
-    def __init__(self, q, k, v, grad, causal: bool, c1: float, scale_ds: float):
+    def __init__(self, q, k, v, grad, causal: bool, c1: float, scale_ds: float, cu_q=None, max_q: int = 0,
+                 max_k: int = 0, window_left: int = -1):
+        """Dense (B, H, S, D) tensors, or with ``cu_q`` packed (T, H, D) ones (sequences of up to ``max_q``
+        / ``max_k`` rows); ``window_left`` >= 0: query i sees key j only if i - j <= window_left."""
         from ._launch import KernelLaunch
 
         K = bwd_kernels()
-        batch, hq, sq, d = q.shape
-        hkv, sk = k.shape[1], k.shape[2]
-        cfg, kernel, constexprs = self._kernel(K, d, causal, sk, q.device)
+        varlen = self.varlen = cu_q is not None
+        self.window_left = window_left
+        self.dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
+        if varlen:
+            batch, hq, d = cu_q.numel() - 1, q.shape[1], q.shape[2]
+            hkv, sq, sk = k.shape[1], q.shape[0], k.shape[0]
+        else:
+            batch, hq, sq, d = q.shape
+            hkv, sk = k.shape[1], k.shape[2]
+            max_q, max_k = sq, sk
+        cfg, kernel, constexprs = self._kernel(K, d, causal, max_k, q.device)
         self.cfg = cfg
         dtype = "bfloat16" if q.dtype == torch.bfloat16 else "float16"
         shapes = K.block_shapes(cfg, d)
         self.block_shapes = [shapes[n] for n in ("q", "k", "v", "do", "dk", "dv")]
         self.layouts = [K.shared_layout(s[2], d, dtype) for s in self.block_shapes]
         self.stat_layout = K.stat_layout(cfg)
-        self.copy = tuple(not _tma_ok(t, False) for t in (q, k, v, grad))
+        self.copy = tuple(not _tma_ok(t, varlen) for t in (q, k, v, grad))
         dk_like = torch.empty_like(k, device="meta")
         self.scratch = not (dk_like.stride(-1) == 1 and all(
-            s > 0 and s % (16 // k.element_size()) == 0 for s in _view4(dk_like, False)[1][:-1]))
-        n_n_blocks = triton.cdiv(sk, cfg.block_n)
+            s > 0 and s % (16 // k.element_size()) == 0 for s in _view4(dk_like, varlen)[1][:-1]))
+        n_n_blocks = triton.cdiv(max_k, cfg.block_n)
         n_tiles = n_n_blocks * batch * hkv
         if n_tiles >= 2**31:
             raise ValueError(f"k: {n_tiles} key tiles, more than the 2**31 - 1 the launch grid allows")
-        qdo_bytes = 2 * (hq // hkv) * max(sq, 1) * d * q.element_size()  # one kv head's Q and dO
+        qdo_bytes = 2 * (hq // hkv) * max(max_q, 1) * d * q.element_size()  # one kv head's Q and dO
         head_group = max(1, min(batch * hkv, L2_CHUNK_BYTES // qdo_bytes))
         self.args = (c1, scale_ds, hq, hq // hkv, head_group, sq, sk, n_n_blocks, n_tiles)
         kwargs = dict(constexprs, **K.LAUNCH_OPTIONS, enable_fp_fusion=_config.fp_fusion)
@@ -503,21 +551,17 @@ class BwdPlan:
         dk_ = torch.empty(k.shape, dtype=k.dtype, device=k.device) if self.scratch else dk
         dv_ = torch.empty(v.shape, dtype=v.dtype, device=v.device) if self.scratch else dv
         tensors += [dk_, dv_]
-        descs = [TensorDescriptor(t, *_view4(t, False), block, layout) for t, block, layout
+        descs = [TensorDescriptor(t, *_view4(t, self.varlen), block, layout) for t, block, layout
                  in zip(tensors, self.block_shapes, self.layouts, strict=True)]
         stat_block = [1, 1, self.cfg.block_m]
-        for t in (m, l, delta):
-            t = _stat_view(t)
-            shape = list(t.shape)
-            # A dimension of size 1 other than the last is never stepped along: a valid stride (16 bytes).
-            strides = [s if n > 1 else 4 for n, s in zip(shape[:-1], t.stride()[:-1], strict=True)] + [1]
-            descs.append(TensorDescriptor(t, shape, strides, stat_block, self.stat_layout))
+        descs += [_stat_desc(t, stat_block, self.stat_layout, self.varlen) for t in (m, l, delta)]
         return descs, dk_, dv_
 
-    def __call__(self, q, k, v, grad, m, l, delta, dk, dv) -> None:
+    def __call__(self, q, k, v, grad, m, l, delta, dk, dv, cu_q=None, cu_k=None) -> None:
         """Writes dk and dv (k's and v's shapes and dtype; any layout)."""
         descs, dk_, dv_ = self._descriptors(q, k, v, grad, m, l, delta, dk, dv)
-        self.launch(*descs, *self.args)
+        self.launch(*descs, *self.args,
+                    *_seq_args(self.varlen, cu_q, cu_k, dk_, dv_, self.window_left, self.dummy))
         if dk_ is not dk:
             dk.copy_(dk_)
             dv.copy_(dv_)
@@ -526,24 +570,35 @@ class BwdPlan:
 class DqPlan:
     """The Gluon dQ launch of one backward signature (shapes, strides, dtypes, alignment, options)."""
 
-    __slots__ = ("block_shapes", "layouts", "args", "launch", "copy", "scratch")
+    __slots__ = ("block_shapes", "layouts", "args", "launch", "copy", "scratch", "varlen", "window_left",
+                 "dummy")
 
-    def __init__(self, q, k, v, grad, causal: bool, c1: float, scale_ds: float):
+    def __init__(self, q, k, v, grad, causal: bool, c1: float, scale_ds: float, cu_q=None, max_q: int = 0,
+                 max_k: int = 0, window_left: int = -1):
+        """As :class:`BwdPlan`'s."""
         from ._launch import KernelLaunch
 
         K = bwd_kernels()
-        batch, hq, sq, d = q.shape
-        hkv, sk = k.shape[1], k.shape[2]
+        varlen = self.varlen = cu_q is not None
+        self.window_left = window_left
+        self.dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
+        if varlen:  # seqlen_q: the statistics' head stride (Tq)
+            batch, hq, d = cu_q.numel() - 1, q.shape[1], q.shape[2]
+            hkv, sq, sk = k.shape[1], q.shape[0], k.shape[0]
+        else:
+            batch, hq, sq, d = q.shape
+            hkv, sk = k.shape[1], k.shape[2]
+            max_q = sq
         cfg = K.DQ_CONFIGS[d]
         dtype = "bfloat16" if q.dtype == torch.bfloat16 else "float16"
         shapes = K.dq_block_shapes(cfg, d)
         self.block_shapes = [shapes[n] for n in ("q", "k", "v", "do", "dq")]
         self.layouts = [K.shared_layout(s[2], d, dtype) for s in self.block_shapes]
-        self.copy = tuple(not _tma_ok(t, False) for t in (q, k, v, grad))
+        self.copy = tuple(not _tma_ok(t, varlen) for t in (q, k, v, grad))
         dq_like = torch.empty_like(q, device="meta")
         self.scratch = not (dq_like.stride(-1) == 1 and all(
-            s > 0 and s % (16 // q.element_size()) == 0 for s in _view4(dq_like, False)[1][:-1]))
-        n_m_blocks = triton.cdiv(sq, cfg.block_m)
+            s > 0 and s % (16 // q.element_size()) == 0 for s in _view4(dq_like, varlen)[1][:-1]))
+        n_m_blocks = triton.cdiv(max_q, cfg.block_m)
         n_tiles = n_m_blocks * batch * hq
         if n_tiles >= 2**31:
             raise ValueError(f"q: {n_tiles} query tiles, more than the 2**31 - 1 the launch grid allows")
@@ -551,16 +606,18 @@ class DqPlan:
         kwargs = dict(K.dq_constexprs(cfg, causal), **K.LAUNCH_OPTIONS, enable_fp_fusion=_config.fp_fusion)
         self.launch = KernelLaunch(K.attn_bwd_dq_gluon_kernel, (n_tiles,), kwargs)
 
-    def __call__(self, q, k, v, grad, m, l, delta, dq) -> None:
-        """Writes dq (q's shape and dtype; any layout) from contiguous (B, H, S) fp32 m, l and delta."""
+    def __call__(self, q, k, v, grad, m, l, delta, dq, cu_q=None, cu_k=None) -> None:
+        """Writes dq (q's shape and dtype; any layout) from contiguous fp32 m, l and delta ((B, H, S) dense,
+        (H, T) packed)."""
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         tensors = [_copy(t) if c else t for t, c in zip((q, k, v, grad), self.copy, strict=True)]
         dq_ = torch.empty(q.shape, dtype=q.dtype, device=q.device) if self.scratch else dq
         tensors.append(dq_)
-        descs = [TensorDescriptor(t, *_view4(t, False), block, layout) for t, block, layout
+        descs = [TensorDescriptor(t, *_view4(t, self.varlen), block, layout) for t, block, layout
                  in zip(tensors, self.block_shapes, self.layouts, strict=True)]
-        self.launch(*descs, m, l, delta, *self.args)
+        self.launch(*descs, m, l, delta, *self.args,
+                    *_seq_args(self.varlen, cu_q, cu_k, dq_, dq_, self.window_left, self.dummy))
         if dq_ is not dq:
             dq.copy_(dq_)
 

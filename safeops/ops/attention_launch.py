@@ -535,6 +535,7 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
     # dq first: its programs also compute delta = rowsum(dO * O) of their rows, which dk/dv reads (only delta
     # where the Gluon dq kernel computes dq, after it).
     fused = not gluon_fused_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype)
+    seq = (cu_q, p.max_q, p.max_k, wl)  # the Gluon dK / dV and dQ plans' packed sequences and window
     gluon_dq = fused or not gluon_dq_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype)
     qc = config("dq", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
     n_m_blocks = _cdiv(p.max_q, qc.block_m)
@@ -553,13 +554,13 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
         _gluon_launch(_gluon.FusedPlan, (q_, k_, v_, g_), (dq_, dk_, dv_), is_causal, c1, scale_ds)(
             q_, k_, v_, g_, row_max, row_sum, delta, dq_, dk_, dv_)
     elif gluon_dq:
-        _gluon_launch(_gluon.DqPlan, (q_, k_, v_, g_), (dq_,), is_causal, c1, scale_ds)(
-            q_, k_, v_, g_, row_max, row_sum, delta, dq_)
+        _gluon_launch(_gluon.DqPlan, (q_, k_, v_, g_), (dq_,), is_causal, c1, scale_ds, seq)(
+            q_, k_, v_, g_, row_max, row_sum, delta, dq_, cu_q, cu_k)
     if fused:
         pass  # dk / dv came with dq
     elif not gluon_bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype):
-        _gluon_launch(_gluon.BwdPlan, (q_, k_, v_, g_), (dk_, dv_), is_causal, c1, scale_ds)(
-            q_, k_, v_, g_, row_max, row_sum, delta, dk_, dv_)
+        _gluon_launch(_gluon.BwdPlan, (q_, k_, v_, g_), (dk_, dv_), is_causal, c1, scale_ds, seq)(
+            q_, k_, v_, g_, row_max, row_sum, delta, dk_, dv_, cu_q, cu_k)
     else:
         _dkdv_triton(p, q_, k_, v_, g_, dk, dv, dk_, dv_, row_max, row_sum, delta, st, common, block_d,
                      c1, c2, scale_ds, record)
@@ -746,17 +747,21 @@ def gluon_dq_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype=
 _gluon_bwd_plans: dict = {}
 
 
-def _gluon_launch(plan_class, inputs: tuple, outputs: tuple, causal: bool, c1: float, scale_ds: float):
-    """The kept ``attention_gluon.BwdPlan`` / ``DqPlan`` for these inputs (q, k, v, grad) and outputs
-    (their layouts and alignment make the key), made on first use."""
+def _gluon_launch(plan_class, inputs: tuple, outputs: tuple, causal: bool, c1: float, scale_ds: float,
+                  seq: tuple = (None, 0, 0, -1)):
+    """The kept ``attention_gluon.BwdPlan`` / ``DqPlan`` / ``FusedPlan`` for these inputs (q, k, v, grad)
+    and outputs (their layouts and alignment make the key) and ``seq`` = (cu_q, max_q, max_k,
+    window_left) (packed sequences: cu_q not None), made on first use."""
+    cu_q, max_q, max_k, wl = seq
     key = (plan_class,) + tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16, t.device)
                                 for t in inputs + outputs) + (causal, c1, scale_ds, _gluon.settings(),
-                                                              _config.fp_fusion)
+                                                              _config.fp_fusion, _sig(cu_q), max_q, max_k, wl)
     plan = _gluon_bwd_plans.get(key)
     if plan is None:
         if len(_gluon_bwd_plans) >= 256:
             _gluon_bwd_plans.clear()
-        plan = _gluon_bwd_plans[key] = plan_class(*inputs, causal, c1, scale_ds)
+        extra = () if cu_q is None and wl < 0 else (cu_q, max_q, max_k, wl)
+        plan = _gluon_bwd_plans[key] = plan_class(*inputs, causal, c1, scale_ds, *extra)
     return plan
 
 
