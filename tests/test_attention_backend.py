@@ -268,7 +268,7 @@ def test_launch_matches_the_compiled_signature(dtype, d, varlen, monkeypatch, re
     if varlen:
         assert q_desc.shape == [1, 4, 150, d] and q_desc.strides[1:] == [d, 4 * d, 1]
         assert k_desc.shape == [1, 2, 120, d] and m.shape == (4, 150)
-        assert args[7] is cu_q and args[8] is cu_k and args[-4:] == (o.stride(0), o.stride(1), 0, 0)
+        assert args[7] is cu_q and args[8] is cu_k and args[-5:] == (o.stride(0), o.stride(1), 0, 0, 1.0)
         n_m_blocks = -(-100 // cfg.block_m)
         sizes = (150, 100, n_m_blocks, n_m_blocks * 2 * 4)  # seqlen_q = Tq (the stats' head stride)
     else:
@@ -537,7 +537,7 @@ def test_gluon_sinks_launch_and_rows_without_keys(monkeypatch, recorded):
     L.forward(q, k, v, *options, sinks=sinks)
     ((grid, kwargs, args),) = recorded
     cfg = K.FWD_CONFIGS[64]
-    assert "HAS_SINKS" not in kwargs and args[-1] == 1 and args[9] is sinks
+    assert "HAS_SINKS" not in kwargs and args[-2] == 1 and args[9] is sinks
     assert _arg_kinds(args) == list(K.signature(cfg, 64, "bfloat16").values())
     no_keys = (None, 0, None, None, 100, 0, True, 0.125, None, -1, 0, 0)
     o, m, l = L.forward(q, k[:, :, :0], v[:, :, :0], *no_keys, sinks=sinks)
@@ -569,10 +569,31 @@ def test_gluon_window_reasons_and_launch(monkeypatch, recorded):
     options = (None, 0, None, None, 100, 70, True, 0.125, None, 16, 0, 0)
     L.forward(q, k, v, *options)
     ((grid, kwargs, args),) = recorded
-    assert kwargs["HAS_WL"] is True and args[-2:] == (16, 0)  # window_left, has_sinks
+    assert kwargs["HAS_WL"] is True and args[-3:] == (16, 0, 1.0)  # window_left, has_sinks, C2
     assert _arg_kinds(args) == list(K.signature(K.FWD_CONFIGS[64], 64, "bfloat16").values())
     L.forward(q, k, v, None, 0, None, None, 100, 70, True, 0.125, None, -1, 0, 0)
-    assert recorded[1][1]["HAS_WL"] is False and recorded[1][2][-2:] == (0, 0)
+    assert recorded[1][1]["HAS_WL"] is False and recorded[1][2][-3:] == (0, 0, 1.0)
+
+
+def test_gluon_softcap_reason_and_launch(monkeypatch, recorded):
+    """With ``attention_gluon.GLUON_SOFTCAP`` on, a softcapped forward takes the Gluon kernel's SOFTCAP
+    build with the Triton path's two constants (C1 and C2 of ``constants(scale, softcap)``); off, the path
+    says why. The backward of a softcapped forward stays on the Triton kernels."""
+    _on_hopper(monkeypatch)
+    q, k, v = _qkv(sq=100, sk=70)
+    assert safeops.attention_backend(q, k, v, softcap=30.0) == (
+        "triton", "the Gluon kernel does not take softcap")
+    monkeypatch.setattr(G, "GLUON_SOFTCAP", True)
+    assert safeops.attention_backend(q, k, v, softcap=30.0)[0] == "gluon"
+    assert safeops.attention_backend(q, k, v, softcap=30.0, backward=True) == (
+        "triton", "the Gluon backward does not take softcap")
+    L.forward(q, k, v, None, 0, None, None, 100, 70, False, 0.125, 30.0, -1, -1, 0)
+    ((grid, kwargs, args),) = recorded
+    c1, c2, _ = L.constants(0.125, 30.0)
+    assert kwargs["SOFTCAP"] is True and args[10] == c1 and args[-1] == c2 and c2 != 1.0
+    assert _arg_kinds(args) == list(K.signature(K.FWD_CONFIGS[64], 64, "bfloat16").values())
+    L.forward(q, k, v, None, 0, None, None, 100, 70, False, 0.125, None, -1, -1, 0)
+    assert recorded[1][1]["SOFTCAP"] is False and recorded[1][2][-1] == 1.0
 
 
 def test_gluon_fused_launch_matches_the_compiled_signature(monkeypatch, recorded):

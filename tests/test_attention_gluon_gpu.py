@@ -384,3 +384,48 @@ def test_window_rows_without_keys_varlen_and_sinks(rng, monkeypatch):
     sinks = rng.randn(4, std=3.0)
     assert safeops.attention_backend(q, k, v, is_causal=True, window=(128, None), sinks=sinks)[0] == "gluon"
     check_sinks_oracle(q, k, v, sinks, rng, is_causal=True, window=(128, None))
+
+
+# Softcap (attention_gluon.GLUON_SOFTCAP, off until these tests and the timings have run): the Triton
+# kernels' formula in the Gluon forward, so the same bits; the backward (Triton) reads its statistics.
+
+SOFTCAP_CASES = [(BF16, 128, False), (BF16, 128, True), (FP16, 64, True), (BF16, 256, False)]
+
+
+def _forward_softcap(q, k, v, causal, softcap, window_left=-1):
+    return L.forward(q, k, v, None, 0, None, None, q.shape[2], k.shape[2], causal, q.shape[-1] ** -0.5,
+                     softcap, window_left, 0 if causal else -1, 0)
+
+
+@pytest.mark.parametrize("dtype,d,causal", SOFTCAP_CASES)
+def test_softcap_same_bits_as_the_triton_forward_and_oracle(dtype, d, causal, rng, monkeypatch):
+    monkeypatch.setattr(G, "GLUON_SOFTCAP", True)
+    L.clear_plans()
+    for (b, hq, hkv, sq, sk), cap in zip(SHAPES[:3], (30.0, 5.0, 50.0), strict=True):
+        q = rng.randn(b, hq, sq, d, dtype=dtype, std=3.0)
+        k, v = (rng.randn(b, hkv, sk, d, dtype=dtype) for _ in range(2))
+        assert safeops.attention_backend(q, k, v, is_causal=causal, softcap=cap)[0] == "gluon"
+        gluon = _forward_softcap(q, k, v, causal, cap)
+        monkeypatch.setenv("SAFEOPS_GLUON", "0")
+        triton = _forward_softcap(q, k, v, causal, cap)
+        monkeypatch.delenv("SAFEOPS_GLUON")
+        for name, a, t in zip(("o", "m", "l"), gluon, triton, strict=True):
+            assert torch.equal(a, t), f"{name} differs from the Triton forward's ({b, hq, sq, sk}, {cap})"
+        check_oracle(q, k, v, rng, grads=sq < 300, is_causal=causal, softcap=cap)
+
+
+def test_softcap_window_varlen_gemma_layer(rng, monkeypatch):
+    """Gemma 2's local layers: softcap 50 with a causal sliding window, packed sequences: each sequence's
+    bits those of its dense call; the dense call against the oracle."""
+    monkeypatch.setattr(G, "GLUON_SOFTCAP", True)
+    L.clear_plans()
+    lengths = [300, 70, 129]
+    seqs, packed, cu_q, cu_k = _packed(rng, lengths, lengths, 4, 2, 128, BF16)
+    options = dict(is_causal=True, window=(100, None), softcap=50.0)
+    assert safeops.attention_backend(*packed, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **options)[0] == "gluon"
+    out, lse = safeops.attention_varlen(*packed, cu_q, cu_k, return_lse=True, **options)
+    for b in range(3):
+        o, ls = safeops.attention(*seqs[b], return_lse=True, **options)
+        sl = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        assert torch.equal(out[sl], o[0].transpose(0, 1)) and torch.equal(lse[:, sl], ls[0]), (b, rng)
+    check_oracle(*seqs[0], rng, **options)

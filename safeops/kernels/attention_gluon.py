@@ -27,6 +27,8 @@ Numerics (CONTRACT.md sections 1-4, 6), identical in meaning to ``safeops.kernel
 
     s  = dot(q, k)                          fp32 accumulation (wgmma)
     z2 = s * C1                             ONE fp32 multiply, C1 = fp32(scale * log2(e)) from the host
+    (``SOFTCAP``: z2 = (1 - 2 / (exp2(s * C1) + 1)) * C2, C1 = fp32(2 log2(e) scale / softcap),
+     C2 = fp32(softcap * log2(e)): the Triton kernels' formula, the bracket tanh)
     z2 = -inf where the key is excluded     a select (causal, keys past seqlen_k), never an add
     m  = max(m, rowmax(z2)); base = (m == -inf ? 0 : m)   the guarded rescale: never -inf - -inf
     alpha = exp2(m_old - base); p = exp2(z2 - base); l = l * alpha + rowsum(p); o = o * alpha + p @ v
@@ -115,11 +117,14 @@ def block_shapes(cfg: GluonFwdConfig, head_dim: int) -> dict[str, list[int]]:
     return {"q": qo, "k": kv, "v": kv, "o": qo}
 
 
-def constexprs(cfg: GluonFwdConfig, causal: bool, varlen: bool = False, window: bool = False) -> dict:
+def constexprs(cfg: GluonFwdConfig, causal: bool, varlen: bool = False, window: bool = False,
+               softcap: bool = False) -> dict:
     """The kernel's constexpr arguments for one configuration (block shapes come with the descriptors).
-    ``window``: a left window bound (row i sees keys from i - window_left on)."""
+    ``window``: a left window bound (row i sees keys from i - window_left on); ``softcap``: scores softcapped
+    (the constant C2 a runtime argument)."""
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
-                PINGPONG=cfg.pingpong, VARLEN=varlen, SEPARATE_O=cfg.separate_o, HAS_WL=window)
+                PINGPONG=cfg.pingpong, VARLEN=varlen, SEPARATE_O=cfg.separate_o, HAS_WL=window,
+                SOFTCAP=softcap)
 
 
 LAUNCH_OPTIONS = {"num_warps": 4}  # the default partition is one consumer warpgroup
@@ -135,7 +140,7 @@ def signature(cfg: GluonFwdConfig, head_dim: int, dtype: str, varlen: bool = Fal
         types[f"{name}_desc"] = f"tensordesc<{_SHORT[dtype]}[{', '.join(map(str, shape))}],{layout!r}>"
     cu = "*i32" if varlen else "*fp32"
     types.update(m_ptr="*fp32", l_ptr="*fp32", o_ptr=f"*{_SHORT[dtype]}", cu_q_ptr=cu, cu_k_ptr=cu,
-                 sinks_ptr="*fp32", C1="fp32")
+                 sinks_ptr="*fp32", C1="fp32", C2="fp32")
     types.update({name: "i32" for name in SIZE_ARGS})
     return {name: types[name] for name in attn_fwd_gluon_kernel.arg_names if name in types}
 
@@ -159,7 +164,7 @@ def _tile_coords(tile, sizes, cu_q_ptr, cu_k_ptr, BLOCK_M: gl.constexpr, BLOCK_N
     short ones fill the tail. Otherwise the query blocks of one head are adjacent (they share K/V in L2).
     Query row i sees key j iff j <= i (top-left aligned within each sequence, as the Triton path)."""
     (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
-     o_stride_head, window_left, has_sinks) = sizes
+     o_stride_head, window_left, has_sinks, C2) = sizes
     n_bh = n_tiles // n_m_blocks
     if CAUSAL:
         chunk = tile // (head_group * n_m_blocks)
@@ -244,7 +249,7 @@ def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_W
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row, o_stride_head,
-     window_left, has_sinks) = sizes
+     window_left, has_sinks, C2) = sizes
     c = 0  # K/V blocks loaded so far (ring position, across this program's tiles)
     t = 0  # tiles loaded so far (phase of the Q barriers)
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
@@ -262,13 +267,18 @@ def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_W
 
 
 @gluon.jit
-def _softmax_block(s, m_i, l_i, n0, offs_n0, limit, start, C1, masked, masked_start, HAS_WL: gl.constexpr):
+def _softmax_block(s, m_i, l_i, n0, offs_n0, limit, start, C1, C2, masked, masked_start, HAS_WL: gl.constexpr,
+                   SOFTCAP: gl.constexpr):
     """One key block of the online softmax (the contract's arithmetic, as in the Triton forward):
     returns (p, m_new, l_new, alpha). ``limit``: per row, the first key it does not see (keys >= limit get
     -inf by select); ``masked``: whether some key of the block can be at or past some row's limit. With
     ``HAS_WL`` also keys before each row's ``start`` (its sliding window's first key) where
     ``masked_start`` says the block reaches before some row's start."""
-    z = s * C1
+    if SOFTCAP:  # z = softcap * tanh(s * scale / softcap) in base 2: the Triton kernels' formula and order
+        e = gl.exp2(s * C1)
+        z = (1.0 - 2.0 / (e + 1.0)) * C2
+    else:
+        z = s * C1
     keys = (n0 + offs_n0)[None, :]
     if HAS_WL:
         if masked or masked_start:
@@ -346,13 +356,13 @@ def _store_empty_rows(o_ptr, m_ptr, l_ptr, sinks_ptr, has_sinks, row0, n_rows, h
 def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, lo, n_blocks, q_start,
                   rows_q, rows_k, c, t, rounds, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                   NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr,
-                  SEPARATE_O: gl.constexpr, HAS_WL: gl.constexpr):
+                  SEPARATE_O: gl.constexpr, HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr):
     """Consumer warpgroup ``w``'s rows m0 + 64 w .. m0 + 64 w + 63 of one tile (key blocks lo .. n_blocks - 1,
     at least one): the online softmax, then O, m and l out. Returns (c, t, rounds) after the tile."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
      v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr) = bufs
     (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
-     o_stride_head, window_left, has_sinks) = sizes
+     o_stride_head, window_left, has_sinks, C2) = sizes
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -397,8 +407,9 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, l
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     mbarrier.arrive(k_empty.index(slot), count=1)
     n0 = lo * BLOCK_N
-    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, n0, offs_n0, limit, start, C1, n0 + BLOCK_N > full_end,
-                                        HAS_WL and n0 < full_start, HAS_WL)
+    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, n0, offs_n0, limit, start, C1, C2,
+                                        n0 + BLOCK_N > full_end,
+                                        HAS_WL and n0 < full_start, HAS_WL, SOFTCAP)
     p = gl.convert_layout(p.to(dtype), p_layout)
 
     # Block j: issue S_j = Q K_j^T, rescale O, issue O += P_{j-1} V_{j-1}; the softmax of S_j runs while
@@ -419,8 +430,9 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, l
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         mbarrier.arrive(k_empty.index(kslot), count=1)
         n0 = j * BLOCK_N
-        p_next, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, n0, offs_n0, limit, start, C1,
-                                                 n0 + BLOCK_N > full_end, HAS_WL and n0 < full_start, HAS_WL)
+        p_next, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, n0, offs_n0, limit, start, C1, C2,
+                                                 n0 + BLOCK_N > full_end, HAS_WL and n0 < full_start, HAS_WL,
+                                                 SOFTCAP)
         # P_{j-1} is a register operand of the PV wgmma: keep it alive until that wgmma has retired.
         o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
         mbarrier.arrive(v_empty.index(vslot), count=1)
@@ -474,12 +486,12 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, l
 @gluon.jit
 def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-              HAS_WL: gl.constexpr):
+              HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr):
     """Consumer warpgroup ``w``: rows m0 + 64 w .. m0 + 64 w + 63 of each tile of this program."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
      v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr) = bufs
     (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
-     o_stride_head, window_left, has_sinks) = sizes
+     o_stride_head, window_left, has_sinks, C2) = sizes
     BLOCK_M_WG: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -503,7 +515,7 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
                 if n_blocks > 0:
                     c, t, rounds = _consume_tile(w, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, lo, n_blocks,
                                                  q_start, rows_q, rows_k, c, t, rounds, CAUSAL, NUM_STAGES,
-                                                 NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL)
+                                                 NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP)
                 else:  # a sequence without keys: its rows are empty, and nothing was loaded for them
                     _store_empty_rows(o_ptr, m_ptr, l_ptr, sinks_ptr, has_sinks,
                                       q_start + m0 + w * BLOCK_M_WG, rows_q - m0 - w * BLOCK_M_WG, h,
@@ -512,7 +524,7 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
         else:
             c, t, rounds = _consume_tile(w, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, lo, n_blocks, q_start,
                                          rows_q, rows_k, c, t, rounds, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG,
-                                         VARLEN, SEPARATE_O, HAS_WL)
+                                         VARLEN, SEPARATE_O, HAS_WL, SOFTCAP)
     if SEPARATE_O:
         tma.store_wait(pendings=0)  # the last O store has read its buffer before the program ends
 
@@ -520,31 +532,32 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
 @gluon.jit
 def _consumer0(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-               HAS_WL: gl.constexpr):
-    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL)
+               HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr):
+    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP)
 
 
 @gluon.jit
 def _consumer1(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-               HAS_WL: gl.constexpr):
-    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL)
+               HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr):
+    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP)
 
 
 @gluon.jit
 def _consumer2(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-               HAS_WL: gl.constexpr):
-    _consumer(2, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL)
+               HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr):
+    _consumer(2, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP)
 
 
 @gluon.jit(do_not_specialize=SIZE_ARGS, do_not_specialize_on_alignment=UNALIGNED_ARGS)
 def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr,
                           C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles,
-                          o_stride_row, o_stride_head, window_left, has_sinks, CAUSAL: gl.constexpr,
+                          o_stride_row, o_stride_head, window_left, has_sinks, C2, CAUSAL: gl.constexpr,
                           NUM_STAGES: gl.constexpr,
                           NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-                          VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr, HAS_WL: gl.constexpr):
+                          VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr, HAS_WL: gl.constexpr,
+                          SOFTCAP: gl.constexpr = False):
     """o, m, l of the query tiles program_id(0), program_id(0) + num_programs(0), ... of ``n_tiles`` =
     n_m_blocks x batch x heads. kv head = q head // group; ``head_group``: heads per chunk of the causal
     tile order (``_tile_coords``).
@@ -589,24 +602,24 @@ def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, c
     bufs = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
             k_empty, v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr)
     sizes = (C1, n_heads, group, head_group, seqlen_q, seqlen_k, n_m_blocks, n_tiles, o_stride_row,
-             o_stride_head, window_left, has_sinks)
+             o_stride_head, window_left, has_sinks, C2)
     # (The argument tuples are written out: a tuple assigned to a name turns its constexprs into tensors.)
     if NUM_WG == 2:
         gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_WL)),
+                                          SEPARATE_O, HAS_WL, SOFTCAP)),
                             (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_WL)),
+                                          SEPARATE_O, HAS_WL, SOFTCAP)),
                             (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
                                          SEPARATE_O, HAS_WL))],
                            [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.static_assert(NUM_WG == 3)
         gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_WL)),
+                                          SEPARATE_O, HAS_WL, SOFTCAP)),
                             (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_WL)),
+                                          SEPARATE_O, HAS_WL, SOFTCAP)),
                             (_consumer2, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_WL)),
+                                          SEPARATE_O, HAS_WL, SOFTCAP)),
                             (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
                                          SEPARATE_O, HAS_WL))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

@@ -43,6 +43,9 @@ L2_CHUNK_BYTES = 32 << 20
 # Attention sinks in the Gluon forward (the runtime flag has_sinks: each row's first score). Switched off, a
 # call with sinks runs the Triton forward, and attention_backend says so.
 GLUON_SINKS = True
+# Softcapped scores in the Gluon forward (a SOFTCAP build of the kernel: the Triton kernels' formula, so their
+# bits); off until its GPU tests and timings have run. The backward of a softcapped forward stays on Triton.
+GLUON_SOFTCAP = False
 # A left sliding-window bound in the Gluon forward (HAS_WL; causal or not, no right bound). Switched off, a
 # window runs the Triton forward.
 GLUON_WINDOW = True
@@ -100,7 +103,7 @@ def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_cau
         return f"the Gluon kernel takes bf16 or fp16, not {str(q.dtype).removeprefix('torch.')}"
     if mask is not None:
         return "the Gluon kernel does not take an attention mask"
-    if softcap is not None:
+    if softcap is not None and not GLUON_SOFTCAP:
         return "the Gluon kernel does not take softcap"
     if sinks is not None and not GLUON_SINKS:
         return "the Gluon kernel does not take attention sinks"
@@ -132,7 +135,7 @@ def settings() -> tuple:
     (its plans are dropped when any of it changes)."""
     return (_config.gluon_enabled(), _config.gluon_bwd_setting(), PERSISTENT, L2_CHUNK_BYTES, reason, Plan,
             device_reason, bwd_reason, GLUON_DQ, dq_reason, GLUON_SINKS, GLUON_WINDOW, GLUON_FUSED,
-            fused_reason, GLUON_BWD_SEQ)
+            fused_reason, GLUON_BWD_SEQ, GLUON_SOFTCAP)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -176,12 +179,14 @@ class Plan:
     builds the descriptors and launches."""
 
     __slots__ = ("varlen", "copy", "o_scratch", "stat_shape", "empty", "block_shapes", "layouts", "args",
-                 "launch", "templates", "window", "has_sinks")
+                 "launch", "templates", "window", "has_sinks", "c2")
 
     def __init__(self, q, k, v, cu_q, max_q: int, max_k: int, causal: bool, c1: float, *,
-                 persistent: bool | None = None, config=None, sinks: bool = False, window_left: int = -1):
+                 persistent: bool | None = None, config=None, sinks: bool = False, window_left: int = -1,
+                 softcap_c2: float | None = None):
         """``c1``: fp32(scale * log2(e)), the Triton path's constant (``attention_launch.constants``), so
-        both paths multiply the scores by the same bits."""
+        both paths multiply the scores by the same bits; with softcap (``softcap_c2`` its C2) the two
+        softcap constants of ``constants(scale, softcap)``."""
         from ._launch import KernelLaunch
 
         K = kernels()
@@ -222,8 +227,9 @@ class Plan:
         self.args = (c1, hq, hq // hkv, head_group, rows_q, rows_k, n_m_blocks, n_tiles)
         self.window = max(window_left, 0)  # not read without HAS_WL
         self.has_sinks = int(sinks)
-        kwargs = dict(K.constexprs(cfg, causal, varlen, window_left >= 0), **K.LAUNCH_OPTIONS,
-                      enable_fp_fusion=_config.fp_fusion)
+        self.c2 = 1.0 if softcap_c2 is None else softcap_c2  # (not read without softcap)
+        kwargs = dict(K.constexprs(cfg, causal, varlen, window_left >= 0, softcap_c2 is not None),
+                      **K.LAUNCH_OPTIONS, enable_fp_fusion=_config.fp_fusion)
         self.launch = KernelLaunch(K.attn_fwd_gluon_kernel, grid, kwargs)
 
     def _descriptors(self, tensors) -> list:
@@ -270,10 +276,10 @@ class Plan:
         sinks_arg = m if sinks is None else sinks
         if self.varlen:
             self.launch(q_desc, k_desc, v_desc, o_desc, m, l, o_, cu_q, cu_k, sinks_arg, *self.args,
-                        o_.stride(0), o_.stride(1), self.window, self.has_sinks)
+                        o_.stride(0), o_.stride(1), self.window, self.has_sinks, self.c2)
         else:
             self.launch(q_desc, k_desc, v_desc, o_desc, m, l, o_, m, m, sinks_arg, *self.args, 0, 0,
-                        self.window, self.has_sinks)
+                        self.window, self.has_sinks, self.c2)
         if o_ is not o:
             o.copy_(o_)
         return o, m, l

@@ -781,8 +781,10 @@ def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale
         if not gluon_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, out_dtype, sinks):
             if len(plans) >= _PLANS_MAX:
                 plans.clear()
-            plan = plans[key] = _gluon.Plan(q, k, v, cu_q, max_q, max_k, is_causal, constants(scale, None)[0],
-                                            sinks=sinks is not None, window_left=wl)
+            c1, c2, _ = constants(scale, softcap)
+            plan = plans[key] = _gluon.Plan(q, k, v, cu_q, max_q, max_k, is_causal, c1,
+                                            sinks=sinks is not None, window_left=wl,
+                                            softcap_c2=None if softcap is None else c2)
             return plan(q, k, v, cu_q, cu_k, sinks)
         record: list = []
         result = _forward_general(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale,
