@@ -16,13 +16,18 @@ FLOPs: forward 4 * B * H * Sq * Sk * D (halved for causal), backward 2.5x the fo
   default until measured): dk, dv and dq in one kernel, dq added in a fixed order of key blocks;
 - safeops gluon bwd (backward only): the Gluon dK / dV kernel where the backward does not take it by default
   (``SAFEOPS_GLUON_BWD=1``; D=64 causal; D=64 without causal takes it by default since 2026-12-06);
+- safeops gluon softcap (forward only, with ``--softcap``): the Gluon forward's softcap build
+  (``attention_gluon.GLUON_SOFTCAP``, off by default until measured); "safeops" runs the Triton forward there;
 - SDPA backends and FlexAttention: ``torch.autograd.grad`` of the output w.r.t. (q, k, v) on a retained
   graph, which runs their backward kernels only.
+
+``--softcap C``: every case's scores softcapped (``C * tanh(s / C)``, Gemma 2's attention): safeops and
+FlexAttention (a score_mod) run it, SDPA cannot (refused), the check's reference is fp32 math.
 
 The dense bf16 matmul ceiling (8192^3 ``torch.mm``) is measured in the same run; "% ceil" is ours against it.
 
     python3 bench/attention.py --out DIR [--budget-s S] [--quick] [--impl safeops,flex] [--d 128]
-                               [--causal 0,1] [--directions fwd,bwd]
+                               [--causal 0,1] [--directions fwd,bwd] [--softcap 50]
 
 Needs a CUDA GPU; without one it exits with a message.
 """
@@ -53,6 +58,7 @@ MATMUL_LABEL = "dense bf16 matmul ceiling (8192^3 torch.mm, same run)"
 
 
 # A case's shape is (B, H, S, D, causal, precision code); precision only matters for fp32.
+SOFTCAP: float | None = None  # --softcap: every case softcapped
 PRECISION_NAMES = {0: "ieee", 1: "tf32", 2: "tf32x3", 3: "-"}
 
 
@@ -84,7 +90,7 @@ def make_inputs(case: H.Case) -> dict:
     b, h, s, d, causal, _ = case.shape
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, g = (torch.randn(b, h, s, d, device="cuda", dtype=case.dtype, generator=gen) for _ in range(4))
-    return {"q": q, "k": k, "v": v, "g": g, "causal": bool(causal)}
+    return {"q": q, "k": k, "v": v, "g": g, "causal": bool(causal), "softcap": SOFTCAP}
 
 
 def reference(case: H.Case, t: dict) -> torch.Tensor:
@@ -92,8 +98,15 @@ def reference(case: H.Case, t: dict) -> torch.Tensor:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q, k, v = (t[n].float().requires_grad_(case.direction == "bwd") for n in ("q", "k", "v"))
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=t["causal"])
+    if t["softcap"] is not None:  # fp32 math, one head at a time on the stack of scores
+        cap = t["softcap"]
+        z = torch.tanh((q @ k.transpose(-1, -2)) / (math.sqrt(q.shape[-1]) * cap)) * cap
+        if t["causal"]:
+            z = z.masked_fill(torch.ones_like(z[0, 0], dtype=torch.bool).triu(1), float("-inf"))
+        out = torch.softmax(z, -1) @ v
+    else:
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=t["causal"])
     if case.direction == "fwd":
         return out.detach()
     (dq,) = torch.autograd.grad(out, (q,), t["g"].float())
@@ -137,19 +150,25 @@ def gluon_bwd_everywhere(on: bool):
 
 
 def build_safeops(case: H.Case, t: dict, fusion: bool = False, triton_dq: bool = False, bwd: bool = False,
-                  fused: bool = False):
+                  fused: bool = False, softcap_gluon: bool = False):
     import safeops
 
-    q, k, v, causal = t["q"], t["k"], t["v"], t["causal"]
+    q, k, v, causal, cap = t["q"], t["k"], t["v"], t["causal"], t["softcap"]
     prec = PRECISION_NAMES[case.shape[5]] if case.dtype == torch.float32 else None
     scale = 1.0 / math.sqrt(q.shape[-1])
     if case.direction == "fwd":
         if triton_dq or bwd or fused:
             raise H.Refused("a backward variant")
+        if softcap_gluon and cap is None:
+            raise H.Refused("a softcap variant (--softcap)")
+
         def call():
-            with fp_fusion(fusion):
-                return safeops.attention(q, k, v, is_causal=causal, precision=prec)
+            with (fp_fusion(fusion),
+                  gluon_switch("GLUON_SOFTCAP", True) if softcap_gluon else contextlib.nullcontext()):
+                return safeops.attention(q, k, v, is_causal=causal, precision=prec, softcap=cap)
         return call
+    if softcap_gluon:
+        raise H.Refused("a forward variant")
     code = case.shape[5] if case.dtype == torch.float32 else 0
     s = q.shape[2]
     if bwd:
@@ -171,14 +190,14 @@ def build_safeops(case: H.Case, t: dict, fusion: bool = False, triton_dq: bool =
         if why:
             raise H.Refused(f"the fused Gluon backward does not take this backward: {why}")
     with fp_fusion(fusion):
-        out, m, l = torch.ops.safeops.attention(q, k, v, None, 0, None, None, s, s, causal, scale, None, -1,
+        out, m, l = torch.ops.safeops.attention(q, k, v, None, 0, None, None, s, s, causal, scale, cap, -1,
                                                 0 if causal else -1, code)
 
     def backward():
         with (fp_fusion(fusion), gluon_switch("GLUON_DQ", False) if triton_dq else contextlib.nullcontext(),
               gluon_bwd_everywhere(bwd), gluon_switch("GLUON_FUSED", fused)):
             return torch.ops.safeops.attention_backward(t["g"], q, k, v, out, m, l, None, 0, None, None, s, s,
-                                                        causal, scale, None, -1, 0 if causal else -1, code)[0]
+                                                        causal, scale, cap, -1, 0 if causal else -1, code)[0]
     return backward
 
 
@@ -201,6 +220,8 @@ def sdpa_builder(backend_name: str):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         backend = getattr(SDPBackend, backend_name)
+        if t["softcap"] is not None:
+            raise H.Refused("SDPA has no softcap")
 
         def forward(q, k, v):
             with sdpa_kernel([backend]):
@@ -247,9 +268,13 @@ def _block_mask(s: int, causal: bool):
 def build_flex(case: H.Case, t: dict):
     fn = _flex_fn()
     mask = _block_mask(t["q"].shape[2], t["causal"])
+    cap = t["softcap"]
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / cap) * cap
 
     def forward(q, k, v):
-        return fn(q, k, v, block_mask=mask)
+        return fn(q, k, v, block_mask=mask, score_mod=None if cap is None else softcap)
     return _autograd_call(case, t, forward)
 
 
@@ -262,6 +287,7 @@ def build_benchmark(cases: list[H.Case], only: set[str] | None = None) -> H.Benc
         ("safeops triton dq", lambda c, t: build_safeops(c, t, triton_dq=True), dict(role="variant")),
         ("safeops gluon bwd", lambda c, t: build_safeops(c, t, bwd=True), dict(role="variant")),
         ("safeops gluon fused", lambda c, t: build_safeops(c, t, fused=True), dict(role="variant")),
+        ("safeops gluon softcap", lambda c, t: build_safeops(c, t, softcap_gluon=True), dict(role="variant")),
         ("sdpa flash", sdpa_builder("FLASH_ATTENTION"), dict(tag="F")),
         ("sdpa cudnn", sdpa_builder("CUDNN_ATTENTION"), dict(tag="C")),
         ("sdpa efficient", sdpa_builder("EFFICIENT_ATTENTION"), dict(tag="E")),
@@ -278,7 +304,7 @@ def build_benchmark(cases: list[H.Case], only: set[str] | None = None) -> H.Benc
 # --quick's default set: the peers the issue's targets name (cuDNN, FlexAttention), SDPA flash, and our
 # fusion-on variant for the safety cost. SDPA efficient / math only in the full run.
 QUICK_IMPLS = {"safeops", "safeops fusion on", "safeops triton dq", "safeops gluon bwd",
-               "safeops gluon fused", "sdpa cudnn", "sdpa flash", "flex"}
+               "safeops gluon fused", "safeops gluon softcap", "sdpa cudnn", "sdpa flash", "flex"}
 
 
 def _skip_slow_peers(bench: H.Benchmark) -> None:
@@ -409,7 +435,10 @@ def main(argv=None) -> int:
     p.add_argument("--impl", default="", help="comma list of implementation names (default: all)")
     p.add_argument("--warmup", type=float, default=25)
     p.add_argument("--rep", type=float, default=100)
+    p.add_argument("--softcap", type=float, default=None, help="softcap every case's scores (Gemma 2: 50)")
     args = p.parse_args(argv)
+    global SOFTCAP
+    SOFTCAP = args.softcap
     H.require_cuda("bench/attention.py")
     import safeops  # noqa: F401
 
