@@ -244,6 +244,19 @@ def test_window_with_no_visible_key(backend, seed):
 
 
 @given(seed=seeds())
+def test_window_longer_than_int32_arithmetic(backend, seed):
+    """A window of 2**31 - 1 keys on either side is no window (the kernels' position + window sums would wrap
+    in int32 unclamped): the results of the call without one."""
+    q, k, v = qkv(seed, sq=40, sk=70)
+    g = seed.randn(1, 2, 40, 24)
+    big = 2**31 - 1
+    for options, same in ((dict(window=(big, None)), dict()), (dict(window=(big, big)), dict()),
+                          (dict(window=(big, None), is_causal=True), dict(is_causal=True))):
+        for a, b in zip(_run(q, k, v, g, **options), _run(q, k, v, g, **same), strict=True):
+            assert torch.equal(a, b), f"{options}; {seed}"
+
+
+@given(seed=seeds())
 def test_first_block_masked(backend, seed):
     """Rows whose first key blocks are all excluded: the online rescale starts from -inf without NaN."""
     q, k, v = qkv(seed, sq=20, sk=50)

@@ -301,7 +301,10 @@ def _problem(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, wl, 
     return _Problem(
         varlen=varlen, batch=batch, hq=hq, hkv=hkv, max_q=max_q, max_k=max_k, d=q.shape[-1], dv=v.shape[-1],
         precision=precision if q.dtype == torch.float32 else 3, masked=wl >= 0 or wr >= 0,
-        has_wl=wl >= 0, has_wr=wr >= 0, window_left=max(wl, 0), window_right=max(wr, 0),
+        # Windows clamped to 2**30 keys (longer than any sequence the kernels take): their position + window
+        # sums stay inside int32.
+        has_wl=wl >= 0, has_wr=wr >= 0, window_left=min(max(wl, 0), 1 << 30),
+        window_right=min(max(wr, 0), 1 << 30),
         mask_arg=mask_arg, mask_strides=mask_strides,
         mask_bytes=mask_arg.element_size() if mask is not None else 0,
         cu_q=cu_q if varlen else q, cu_k=cu_k if varlen else q,
