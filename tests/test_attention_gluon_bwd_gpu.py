@@ -12,7 +12,11 @@ the Triton dq kernel. Skipped without such a GPU (the device check's reason is t
   100 reruns of the backward; batch invariance; a (B, S, H, D) memory layout and one TMA cannot read;
 - exact cases: keys that no query sees (causal, Sk > Sq) get dk = dv = 0 exactly; sinks (their gradient
   comes from the Triton dq kernel; dk / dv from this one);
-- the path: attention_backend's answers, ``SAFEOPS_GLUON_BWD=0`` and ``SAFEOPS_GLUON=0``.
+- the path: attention_backend's answers, ``SAFEOPS_GLUON_BWD=0`` and ``SAFEOPS_GLUON=0``;
+- packed sequences and a left window (``attention_gluon.GLUON_BWD_SEQ``, switched on by the ``seq_`` tests):
+  each packed sequence's gradients equal those of the sequence alone (lengths around the block sizes, an
+  empty and a one-row sequence, GQA), windows against the oracle and the Triton kernels' values (MHA),
+  reruns, sinks with a window.
 """
 
 from __future__ import annotations
