@@ -694,6 +694,20 @@ def test_backward_settings_edge_cases(monkeypatch, recorded):
     assert not L._gluon_bwd_plans and not L._gluon_plans
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_warm_up_passes_the_launch_signature(varlen, monkeypatch):
+    """The ahead-of-time warm-up (``G._warm``, run by the GPU tests' fixture) passes the forward kernel the
+    arguments of a launch, in the types the offline test compiles (a missing one would fail every warm-up
+    on the GPU and with it the Gluon GPU tests' setup)."""
+    calls = []
+    monkeypatch.setattr(K.attn_fwd_gluon_kernel, "warmup", lambda *a, **kw: calls.append((a, kw)))
+    G._warm(("bfloat16", 128, True, varlen, {}, False))
+    ((args, kwargs),) = calls
+    assert _arg_kinds(args) == list(K.signature(K.FWD_CONFIGS[128], 128, "bfloat16", varlen).values())
+    assert {n: kwargs[n] for n in K.constexprs(K.FWD_CONFIGS[128], True, varlen)} == K.constexprs(
+        K.FWD_CONFIGS[128], True, varlen)
+
+
 def test_warm_up_lists_every_kernel_the_path_can_launch(monkeypatch):
     """G.configurations() (what the GPU tests and benchmarks compile ahead) holds every (dtype, head dim,
     causal, packed, left window) the path choice sends to the Gluon forward, and nothing it cannot send."""

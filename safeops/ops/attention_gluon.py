@@ -318,7 +318,8 @@ def _warm(job) -> tuple:
         descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout))
     stat = torch.empty(1, 256)
     cu = torch.zeros(2, dtype=torch.int32) if varlen else stat
-    sizes = (1, 1, 1, 256, 256, 2, 2, 0, 0, 0, 0)  # n_heads .. window_left, has_sinks (not specialized)
+    sizes = (1, 1, 1, 256, 256, 2, 2, 0, 0, 0, 0, 0.5)  # n_heads .. window_left, has_sinks (not
+    # specialized), C2 (a float: never specialized)
     K.attn_fwd_gluon_kernel.warmup(*descs, stat, stat, t, cu, cu, stat, 0.5, *sizes, grid=(1,),
                                    **K.constexprs(cfg, causal, varlen, window), **K.LAUNCH_OPTIONS,
                                    enable_fp_fusion=_config.fp_fusion)
