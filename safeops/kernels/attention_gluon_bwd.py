@@ -210,17 +210,11 @@ def _query_block(i, start, n_m, SHIFT: gl.constexpr):
 
 
 @gluon.jit
-def _kv_tile(tile, sizes, seq, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """(The dK / dV kernel) where CTA ``tile`` is: (n0, bc, b, hk, q_start, k_start, rows_q, rows_k, lo, hi)
-    = its first key in its sequence, the batch coordinate of its TMA boxes, its sequence and kv head, the
-    first row and the length of its sequence in q and in k, and the query blocks it visits, lo .. hi - 1.
-    Dense: bc = b, sequences start at row 0 with the tensors' lengths. ``varlen`` (descriptors over (1, H,
-    T, D) views of packed tensors): bc = 0, starts and lengths from cu_seqlens; a CTA past its sequence's
-    keys visits nothing (hi = lo). With a left window (``window_left`` < NO_WINDOW) query i sees key j only
-    if i <= j + window_left: the query blocks stop at the last one that sees the CTA's last key."""
+def _sequence(b, seq, seqlen_q, seqlen_k):
+    """(bc, q_start, k_start, rows_q, rows_k) of sequence ``b``: the batch coordinate of its TMA boxes, its
+    first row and length in q and in k. Dense: bc = b, rows from 0 with the tensors' lengths; ``varlen``
+    (descriptors over (1, H, T, D) views): bc = 0, starts and lengths from cu_seqlens."""
     cu_q_ptr, cu_k_ptr, out0_ptr, out1_ptr, varlen, window_left, s0r, s0h, s1r, s1h = seq
-    C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
-    n0, b, hk, lo, n_m, _n = _tile_coords(tile, sizes, BLOCK_N, BLOCK_M, CAUSAL, False)
     bc = b
     q_start = b * 0
     k_start = b * 0
@@ -232,6 +226,23 @@ def _kv_tile(tile, sizes, seq, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, CAU
         k_start = gl.load(cu_k_ptr + b)
         rows_k = gl.load(cu_k_ptr + b + 1) - k_start
         bc = b * 0
+    return bc, q_start, k_start, rows_q, rows_k
+
+
+@gluon.jit
+def _kv_tile(tile, sizes, seq, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(The dK / dV kernel) where CTA ``tile`` is: (n0, bc, b, hk, q_start, k_start, rows_q, rows_k, lo, hi)
+    = its first key in its sequence, the batch coordinate of its TMA boxes, its sequence and kv head, the
+    first row and the length of its sequence in q and in k, and the query blocks it visits, lo .. hi - 1.
+    Dense: bc = b, sequences start at row 0 with the tensors' lengths. ``varlen`` (descriptors over (1, H,
+    T, D) views of packed tensors): bc = 0, starts and lengths from cu_seqlens; a CTA past its sequence's
+    keys visits nothing (hi = lo). With a left window (``window_left`` < NO_WINDOW) query i sees key j only
+    if i <= j + window_left: the query blocks stop at the last one that sees the CTA's last key."""
+    cu_q_ptr, cu_k_ptr, out0_ptr, out1_ptr, varlen, window_left, s0r, s0h, s1r, s1h = seq
+    C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
+    n0, b, hk, lo, n_m, _n = _tile_coords(tile, sizes, BLOCK_N, BLOCK_M, CAUSAL, False)
+    bc, q_start, k_start, rows_q, rows_k = _sequence(b, seq, seqlen_q, seqlen_k)
+    if varlen != 0:
         n_m = gl.cdiv(rows_q, BLOCK_M)
         if CAUSAL:
             lo = gl.minimum(n0 // BLOCK_M, n_m)
@@ -683,17 +694,7 @@ def _dq_tile(tile, sizes, seq, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAU
     m0 = m_block * BLOCK_M
     h = bh % n_heads
     b = bh // n_heads
-    bc = b
-    q_start = b * 0
-    k_start = b * 0
-    rows_q = seqlen_q + b * 0
-    rows_k = seqlen_k + b * 0
-    if varlen != 0:
-        q_start = gl.load(cu_q_ptr + b)
-        rows_q = gl.load(cu_q_ptr + b + 1) - q_start
-        k_start = gl.load(cu_k_ptr + b)
-        rows_k = gl.load(cu_k_ptr + b + 1) - k_start
-        bc = b * 0
+    bc, q_start, k_start, rows_q, rows_k = _sequence(b, seq, seqlen_q, seqlen_k)
     hi = rows_k
     if CAUSAL:
         hi = gl.minimum(rows_k, m0 + BLOCK_M)

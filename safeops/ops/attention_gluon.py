@@ -476,10 +476,9 @@ def _seq_args(varlen: bool, cu_q, cu_k, out0: torch.Tensor, out1: torch.Tensor, 
               dummy: torch.Tensor) -> tuple:
     """The Gluon backward kernels' ``SEQ_ARGS``: cu_seqlens (a dense call passes an int32 stand-in, never
     read), the packed outputs with their row and head strides, whether packed, the left window."""
-    # A window at least as long as any sequence is no window: clamped, so the kernels' key + window sums stay
-    # inside int32 (a window of 2**31 - 1 keys would wrap).
-    no_window = bwd_kernels().NO_WINDOW
-    wl = min(window_left, no_window) if window_left >= 0 else no_window
+    # (``window_left`` comes clamped to 2**30 = NO_WINDOW keys from attention_launch's problem: the kernels'
+    # key + window sums stay inside int32.)
+    wl = window_left if window_left >= 0 else bwd_kernels().NO_WINDOW
     if varlen:
         return (cu_q, cu_k, out0, out1, 1, wl, out0.stride(0), out0.stride(1), out1.stride(0), out1.stride(1))
     return (dummy, dummy, out0, out1, 0, wl, 0, 0, 0, 0)

@@ -538,7 +538,8 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
     # dq first: its programs also compute delta = rowsum(dO * O) of their rows, which dk/dv reads (only delta
     # where the Gluon dq kernel computes dq, after it).
     fused = not gluon_fused_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype)
-    seq = (cu_q, p.max_q, p.max_k, wl)  # the Gluon dK / dV and dQ plans' packed sequences and window
+    # The Gluon dK / dV and dQ plans' packed sequences and window (clamped, as the Triton kernels get it).
+    seq = (cu_q, p.max_q, p.max_k, p.window_left if p.has_wl else -1)
     gluon_dq = fused or not gluon_dq_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype)
     qc = config("dq", block_d, q.dtype, p.masked, q.device, p.precision, p.mask_bytes)
     n_m_blocks = _cdiv(p.max_q, qc.block_m)
