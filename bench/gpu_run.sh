@@ -16,8 +16,8 @@
 #             T_FUSED), then bench/attention.py's backward with it beside the default and cuDNN
 #   bwdconfigs the attention backward's switched-off configurations: their GPU bit tests, then
 #             bench/attention_bwd_configs.py --compile-first (BWDCONFIGS_ARGS, e.g. "--variants row_stats")
-#   switched  the switched-off Gluon builds (packed / window backward, softcap forward, row_stats): GPU tests,
-#             memcheck on a packed backward, timings (SWITCHED_ARGS for bench/attention_bwd_configs.py)
+#   switched  the switched-off Gluon build (packed / window backward, GLUON_BWD_SEQ): GPU tests, memcheck on a
+#             packed backward, timings (SWITCHED_ARGS for bench/attention_bwd_configs.py)
 #   bench     python3 bench/softmax.py --out $OUT     (softmax.csv, softmax.md, softmax.png)
 #   compile   python3 bench/compile.py                (a transformer block compiled stock vs safeops.register())
 #   attention python3 bench/attention.py --out $OUT   (attention.{csv,md,png}; ATTENTION_ARGS, e.g. --quick)
@@ -212,19 +212,18 @@ for s in "${STEPS[@]}"; do
             --compile-first ${BWDCONFIGS_ARGS:-}
         ;;
     switched)
-        # The switched-off Gluon builds waiting for a GPU (GLUON_BWD_SEQ: packed sequences and windows in the
-        # backward; GLUON_SOFTCAP: softcap in the forward; row_stats): their GPU tests, memcheck on a packed
-        # backward, then their timings (bwdconfigs' bench with SWITCHED_ARGS, the softcap forward's).
+        # The switched-off Gluon build waiting for a GPU (GLUON_BWD_SEQ: packed sequences and windows in the
+        # backward): its GPU tests, memcheck on a packed backward, then its timings (bwdconfigs' bench with
+        # SWITCHED_ARGS) and the softcap forward's.
         # shellcheck disable=SC2046
         step switched-tests "$(limit_for "${T_SWITCHED_TESTS:-240}")" python3 -m pytest -m gpu \
-            $(pytest_opts switched) tests/test_attention_row_stats.py tests/test_attention_gluon_bwd_gpu.py \
-            tests/test_attention_gluon_gpu.py -k "row_stats or seq_ or softcap or path_and"
+            $(pytest_opts switched) tests/test_attention_gluon_bwd_gpu.py -k "seq_"
         step switched-memcheck "$(limit_for "${T_SWITCHED_SAN:-120}")" compute-sanitizer --tool memcheck \
             --error-exitcode 99 --print-limit 10 python3 -m pytest -q -rfEs -p no:cacheprovider \
-            tests/test_attention_gluon_bwd_gpu.py -k "seq_packed_equals_dense_values and 128-causal_window"
+            tests/test_attention_gluon_bwd_gpu.py -k "seq_packed_equals_dense_values and causal_window-128"
         # shellcheck disable=SC2086
         step switched-bwd "$(limit_for "${T_SWITCHED_BWD:-200}")" python3 bench/attention_bwd_configs.py \
-            ${SWITCHED_ARGS:---variants row_stats,gluon_seq --rep-ms 100 --shapes docs16k-d128-causal,b4s4k-d128-causal-w1k,b4s4k-d128,b4s4k-d128-causal,docs16k-d64-causal,b4s4k-d64-w1k}
+            ${SWITCHED_ARGS:---variants gluon_seq --rep-ms 100 --shapes docs16k-d128-causal,b4s4k-d128-causal-w1k,b4s4k-d128,b4s4k-d128-causal,docs16k-d64-causal,b4s4k-d64-w1k}
         step switched-softcap "$(limit_for "${T_SWITCHED_SOFTCAP:-150}")" python3 bench/attention.py --quick \
             --softcap 50 --directions fwd --d 128,256 --impl "safeops,safeops gluon softcap" \
             --out "$OUT/softcap" --budget-s 120

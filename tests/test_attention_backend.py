@@ -15,6 +15,8 @@ tests/test_attention_gluon_gpu.py and compiles offline in tests/test_attention_g
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -54,7 +56,10 @@ def _on_hopper(monkeypatch):
         (dict(dtype=torch.float64), {}, "reference", "float64 inputs run the float64 reference"),
         (dict(d=96), {}, "triton", "head dim 96: the Gluon kernel has head dims 64, 128, 256"),
         (dict(d=64, dv=128), {}, "triton", "v's head dim 128 is not q's 64"),
-        (dict(), {"softcap": 30.0}, "triton", "the Gluon kernel does not take softcap"),
+        (dict(), {"softcap": 30.0}, "triton", "head dim 64 with softcap: the Triton forward"),
+        (dict(d=128), {"softcap": 30.0}, "triton", "head dim 128 with softcap: the Triton forward"),
+        (dict(d=128), {"softcap": 30.0, "is_causal": True}, "triton", "needs a CUDA device; q is on cpu"),
+        (dict(d=256), {"softcap": 30.0}, "triton", "needs a CUDA device; q is on cpu"),
         (dict(), {"attn_mask": torch.ones(64, 64, dtype=torch.bool)}, "triton",
          "the Gluon kernel does not take an attention mask"),
         (dict(), {"attn_mask": torch.zeros(64, 64)}, "triton",
@@ -126,7 +131,8 @@ def test_answer_depends_on_no_size_or_layout(monkeypatch):
                     answers.add((path, why.replace(" packed (varlen)", "")))
                 assert len(answers) == 1, (dtype, d, options, answers)
                 (answer,) = answers
-                takes = dtype != torch.float32 and d != 32 and not ({"softcap", "window"} & set(options))
+                takes = (dtype != torch.float32 and d != 32 and "window" not in options
+                         and ("softcap" not in options or d == 256))  # softcap: G.SOFTCAP_CASES
                 assert (answer[0] == "gluon") == takes, (dtype, d, options, answer)
 
 
@@ -332,12 +338,16 @@ def test_empty_problems_launch_nothing(monkeypatch, recorded):
         (dict(d=128), {"softcap": 30.0}, "auto", "the Gluon backward does not take softcap"),
         (dict(d=128), {"attn_mask": torch.zeros(64, 64)}, "auto",
          "the Gluon backward does not take an attention mask"),
-        (dict(d=128), {"window": (16, None)}, "auto", "the Gluon backward does not take a sliding window"),
+        (dict(d=64), {"window": (16, None)}, "auto",
+         "head dim 64 with a sliding window: the Triton backward"),
+        (dict(d=128), {"window": (None, 16)}, "auto",
+         "the Gluon backward does not take a sliding window with a right bound"),
         (dict(d=128), {}, "0", "SAFEOPS_GLUON_BWD=0 keeps dk / dv on the Triton kernel"),
     ],
 )
 def test_backward_reasons(make, options, env, reason, monkeypatch):
     _on_hopper(monkeypatch)
+    monkeypatch.setattr(G, "GLUON_BWD_SEQ", True)
     monkeypatch.setenv("SAFEOPS_GLUON_BWD", env)
     q, k, v = _qkv(**make)
     path, why = safeops.attention_backend(q, k, v, backward=True, **options)
@@ -345,6 +355,7 @@ def test_backward_reasons(make, options, env, reason, monkeypatch):
 
 
 def test_backward_answers(monkeypatch):
+    monkeypatch.setattr(G, "GLUON_BWD_SEQ", True)
     q, k, v = _qkv(d=128)
     assert safeops.attention_backend(q, k, v, backward=True) == (
         "triton", "the Gluon kernel needs a CUDA device; q is on cpu")
@@ -357,7 +368,10 @@ def test_backward_answers(monkeypatch):
     p = torch.zeros(64, 2, 128, dtype=BF16)
     cu = torch.tensor([0, 64], dtype=torch.int32)
     answer = safeops.attention_backend(p, p, p, cu_seqlens_q=cu, cu_seqlens_k=cu, backward=True)
-    assert answer == ("triton", "the Gluon backward does not take packed (varlen) sequences")
+    assert answer == ("gluon", "bf16 non-causal D=128 on sm_90: Gluon dq, dk / dv")
+    p64 = p[..., :64]
+    answer = safeops.attention_backend(p64, p64, p64, cu_seqlens_q=cu, cu_seqlens_k=cu, backward=True)
+    assert answer[0] == "triton" and answer[1].startswith("head dim 64 with packed (varlen) sequences")
     q64, k64, v64 = _qkv(d=64, dtype=torch.float16)
     # D=64: the Gluon kernels without causal by default, the Triton ones causal (as measured)
     assert safeops.attention_backend(q64, k64, v64, backward=True) == (
@@ -430,7 +444,7 @@ def test_backward_launch_matches_the_compiled_signature(sq, monkeypatch, recorde
     assert q_desc.shape == [2, 4, sq, d]
     assert all(a == b for a, b, n in zip(q_desc.strides, q.stride(), q.shape, strict=True) if n > 1)
     assert m_desc.shape == [2, 4, sq]
-    if cfg.row_stats:  # each row's base and 1 / l (attn_bwd_row_stats_kernel, tests/test_attention_row_stats.py)
+    if cfg.row_stats:  # each row's base and 1 / l (tests/test_attention_row_stats.py checks them)
         assert m_desc.base is not m and l_desc.base is not l
         m, l = L.row_stats(m, l)
     else:
@@ -498,10 +512,18 @@ def test_gluon_backward_packed_and_window_launches(causal, monkeypatch, recorded
     k, v = (torch.randn(tq, 2, d).to(BF16) for _ in range(2))
     m, l = torch.randn(4, tq), torch.rand(4, tq) + 1
     options = (None, 0, cu, cu, 131, 131, causal, 0.1, None, wl, 0 if causal else -1, 0)
+    monkeypatch.setattr(G, "GLUON_BWD_SEQ", False)
     why = G.bwd_reason(q, k, v, None, cu, causal, None, wl, options[10])
     assert why == "the Gluon backward does not take packed (varlen) sequences"
     monkeypatch.setattr(G, "GLUON_BWD_SEQ", True)
     assert G.bwd_reason(q, k, v, None, cu, causal, None, wl, options[10]) == ""
+    q64, k64, v64 = q[..., :64], k[..., :64], v[..., :64]
+    assert G.bwd_reason(q64, k64, v64, None, cu, causal, None, wl, options[10]) == (
+        "head dim 64 with packed (varlen) sequences: the Triton backward (the Gluon one at head dims 128; "
+        "bench/RESULTS.md)")
+    assert G.bwd_reason(q64, k64, v64, None, None, causal, None, wl, options[10]) == (
+        "head dim 64 with a sliding window: the Triton backward (the Gluon one at head dims 128; "
+        "bench/RESULTS.md)")
     assert G.bwd_reason(q, k, v, None, None, False, None, wl, 5) == (
         "the Gluon backward does not take a sliding window with a right bound")
     assert G.fused_reason(q, k, v, None, cu, causal, None, wl, options[10]) != ""
@@ -514,8 +536,15 @@ def test_gluon_backward_packed_and_window_launches(causal, monkeypatch, recorded
     q_desc, k_desc = args_k[0], args_k[1]
     assert q_desc.shape == [1, 4, tq, d] and k_desc.shape == [1, 2, tq, d]
     assert list(q_desc.strides[1:]) == [d, 4 * d, 1]
-    m_desc = args_k[6]
-    assert m_desc.shape == [1, 4, tq] and torch.equal(m_desc.base[..., :tq], m)
+    # The statistics re-laid with each sequence's first row on a 16-byte boundary (TMA): sequence b from
+    # column 4 ceil(cu[b] / 4) + 4 b (0, 76 (empty), 80), the gaps 0.
+    m_desc, l_desc = args_k[6], args_k[7]
+    assert m_desc.shape == [1, 4, 204 + 12] and l_desc.shape == [1, 4, 216]
+    base, rinv = (m, l) if not cfg.row_stats else L.row_stats(m, l)
+    for desc, want in ((m_desc, base), (l_desc, rinv)):
+        got = desc.base.reshape(4, 216)
+        assert torch.equal(got[:, :70], want[:, :70]) and torch.equal(got[:, 80:211], want[:, 70:])
+        assert (got[:, 70:80] == 0).all() and (got[:, 211:] == 0).all()
     n_blocks = -(-131 // cfg.block_n)
     assert args_k[14:18] == (tq, tq, n_blocks, n_blocks * 3 * 2) and grid_k == (n_blocks * 3 * 2,)
     assert args_k[18] is cu and args_k[19] is cu and args_k[20] is dk and args_k[21] is dv
@@ -585,19 +614,20 @@ def test_gluon_softcap_reason_and_launch(monkeypatch, recorded):
     build with the Triton path's two constants (C1 and C2 of ``constants(scale, softcap)``); off, the path
     says why. The backward of a softcapped forward stays on the Triton kernels."""
     _on_hopper(monkeypatch)
-    q, k, v = _qkv(sq=100, sk=70)
-    assert safeops.attention_backend(q, k, v, softcap=30.0) == (
+    q, k, v = _qkv(d=128, sq=100, sk=70)
+    monkeypatch.setattr(G, "GLUON_SOFTCAP", False)
+    assert safeops.attention_backend(q, k, v, softcap=30.0, is_causal=True) == (
         "triton", "the Gluon kernel does not take softcap")
     monkeypatch.setattr(G, "GLUON_SOFTCAP", True)
-    assert safeops.attention_backend(q, k, v, softcap=30.0)[0] == "gluon"
-    assert safeops.attention_backend(q, k, v, softcap=30.0, backward=True) == (
+    assert safeops.attention_backend(q, k, v, softcap=30.0, is_causal=True)[0] == "gluon"
+    assert safeops.attention_backend(q, k, v, softcap=30.0, is_causal=True, backward=True) == (
         "triton", "the Gluon backward does not take softcap")
-    L.forward(q, k, v, None, 0, None, None, 100, 70, False, 0.125, 30.0, -1, -1, 0)
+    L.forward(q, k, v, None, 0, None, None, 100, 70, True, 0.125, 30.0, -1, 0, 0)
     ((grid, kwargs, args),) = recorded
     c1, c2, _ = L.constants(0.125, 30.0)
     assert kwargs["SOFTCAP"] is True and args[10] == c1 and args[-1] == c2 and c2 != 1.0
-    assert _arg_kinds(args) == list(K.signature(K.FWD_CONFIGS[64], 64, "bfloat16").values())
-    L.forward(q, k, v, None, 0, None, None, 100, 70, False, 0.125, None, -1, -1, 0)
+    assert _arg_kinds(args) == list(K.signature(K.FWD_CONFIGS[128], 128, "bfloat16").values())
+    L.forward(q, k, v, None, 0, None, None, 100, 70, True, 0.125, None, -1, 0, 0)
     assert recorded[1][1]["SOFTCAP"] is False and recorded[1][2][-1] == 1.0
 
 
@@ -706,29 +736,31 @@ def test_warm_up_passes_the_launch_signature(varlen, monkeypatch):
     on the GPU and with it the Gluon GPU tests' setup)."""
     calls = []
     monkeypatch.setattr(K.attn_fwd_gluon_kernel, "warmup", lambda *a, **kw: calls.append((a, kw)))
-    G._warm(("bfloat16", 128, True, varlen, {}, False))
-    ((args, kwargs),) = calls
-    assert _arg_kinds(args) == list(K.signature(K.FWD_CONFIGS[128], 128, "bfloat16", varlen).values())
-    assert {n: kwargs[n] for n in K.constexprs(K.FWD_CONFIGS[128], True, varlen)} == K.constexprs(
-        K.FWD_CONFIGS[128], True, varlen)
+    for softcap in (False, True):
+        calls.clear()
+        G._warm(("bfloat16", 128, True, varlen, {}, False, softcap))
+        ((args, kwargs),) = calls
+        assert _arg_kinds(args) == list(K.signature(K.FWD_CONFIGS[128], 128, "bfloat16", varlen).values())
+        constexprs = K.constexprs(K.FWD_CONFIGS[128], True, varlen, False, softcap)
+        assert {n: kwargs[n] for n in constexprs} == constexprs
 
 
 def test_warm_up_lists_every_kernel_the_path_can_launch(monkeypatch):
     """G.configurations() (what the GPU tests and benchmarks compile ahead) holds every (dtype, head dim,
     causal, packed, left window) the path choice sends to the Gluon forward, and nothing it cannot send."""
     _on_hopper(monkeypatch)
-    listed = {(dt, d, causal, varlen, window) for dt, d, causal, varlen, _, window in G.configurations()}
+    listed = set(((dt, d, causal, varlen, window, softcap)
+                  for dt, d, causal, varlen, _, window, softcap in G.configurations()))
     launchable = set()
     for dtype in (BF16, torch.float16):
         for d in (32, 64, 96, 128, 256):
-            for causal in (False, True):
-                for varlen in (False, True):
-                    for window in (False, True):
-                        q, k, v = _qkv(d=d, dtype=dtype)
-                        cu = torch.tensor([0, 64], dtype=torch.int32) if varlen else None
-                        why = G.reason(q, k, v, None, cu, causal, None, 16 if window else -1,
-                                       0 if causal else -1)
-                        if not why:
-                            name = "bfloat16" if dtype == BF16 else "float16"
-                            launchable.add((name, d, causal, varlen, window))
+            for causal, varlen, window, softcap in itertools.product((False, True), repeat=4):
+                q, k, v = _qkv(d=d, dtype=dtype)
+                cu = torch.tensor([0, 64], dtype=torch.int32) if varlen else None
+                why = G.reason(q, k, v, None, cu, causal, 30.0 if softcap else None, 16 if window else -1,
+                               0 if causal else -1)
+                if not why:
+                    name = "bfloat16" if dtype == BF16 else "float16"
+                    launchable.add((name, d, causal, varlen, window, softcap))
     assert launchable == listed
+    assert any(c[-1] for c in listed)  # softcap builds among them

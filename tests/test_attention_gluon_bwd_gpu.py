@@ -13,7 +13,7 @@ the Triton dq kernel. Skipped without such a GPU (the device check's reason is t
 - exact cases: keys that no query sees (causal, Sk > Sq) get dk = dv = 0 exactly; sinks (their gradient
   comes from the Triton dq kernel; dk / dv from this one);
 - the path: attention_backend's answers, ``SAFEOPS_GLUON_BWD=0`` and ``SAFEOPS_GLUON=0``;
-- packed sequences and a left window (``attention_gluon.GLUON_BWD_SEQ``, switched on by the ``seq_`` tests):
+- packed sequences and a left window (``attention_gluon.GLUON_BWD_SEQ``; the ``seq_`` tests also take D=64):
   each packed sequence's gradients equal those of the sequence alone (lengths around the block sizes, an
   empty and a one-row sequence, GQA), windows against the oracle and the Triton kernels' values (MHA),
   reruns, sinks with a window.
@@ -432,12 +432,13 @@ def test_fused_operand_orders_same_bits(causal, rng, monkeypatch, gluon_fused):
         assert all(torch.equal(a, b) for a, b in zip(results[0], got, strict=True))
 
 
-# Packed sequences and a left window on the Gluon dK / dV and dQ kernels (attention_gluon.GLUON_BWD_SEQ, off
-# until these tests and the timings have run on a GPU).
+# Packed sequences and a left window on the Gluon dK / dV and dQ kernels (attention_gluon.GLUON_BWD_SEQ; the
+# launcher takes them at the head dims of SEQ_HEAD_DIMS, these tests at D=64 too).
 
 @pytest.fixture
 def gluon_bwd_seq(monkeypatch):
     monkeypatch.setattr(G, "GLUON_BWD_SEQ", True)
+    monkeypatch.setattr(G, "SEQ_HEAD_DIMS", (64, 128))
     monkeypatch.setenv("SAFEOPS_GLUON_BWD", "1")  # D=64 causal too
     L.clear_plans()
 

@@ -386,31 +386,26 @@ def test_window_rows_without_keys_varlen_and_sinks(rng, monkeypatch):
     check_sinks_oracle(q, k, v, sinks, rng, is_causal=True, window=(128, None))
 
 
-# Softcap (attention_gluon.GLUON_SOFTCAP, off until these tests and the timings have run): the Triton
-# kernels' formula in the Gluon forward, so the same bits; the backward (Triton) reads its statistics.
+# Softcap (attention_gluon.GLUON_SOFTCAP): the Triton kernels' formula in the Gluon forward; the backward
+# (Triton) reads its statistics. Not the Triton forward's bits: the Gluon forward's key blocks differ (128
+# keys at D=64 / 128 against 64), which orders each row's sum differently, as without softcap.
 
 SOFTCAP_CASES = [(BF16, 128, False), (BF16, 128, True), (FP16, 64, True), (BF16, 256, False)]
 
 
-def _forward_softcap(q, k, v, causal, softcap, window_left=-1):
-    return L.forward(q, k, v, None, 0, None, None, q.shape[2], k.shape[2], causal, q.shape[-1] ** -0.5,
-                     softcap, window_left, 0 if causal else -1, 0)
-
-
 @pytest.mark.parametrize("dtype,d,causal", SOFTCAP_CASES)
-def test_softcap_same_bits_as_the_triton_forward_and_oracle(dtype, d, causal, rng, monkeypatch):
+def test_softcap_matches_oracle_and_reruns(dtype, d, causal, rng, monkeypatch):
+    """Against the float64 oracle (forward, and the backward from the Gluon forward's statistics for the
+    shorter shapes), large scores (std 3 queries) pressed against the cap; reruns give the same bits."""
     monkeypatch.setattr(G, "GLUON_SOFTCAP", True)
     L.clear_plans()
     for (b, hq, hkv, sq, sk), cap in zip(SHAPES[:3], (30.0, 5.0, 50.0), strict=True):
         q = rng.randn(b, hq, sq, d, dtype=dtype, std=3.0)
         k, v = (rng.randn(b, hkv, sk, d, dtype=dtype) for _ in range(2))
         assert safeops.attention_backend(q, k, v, is_causal=causal, softcap=cap)[0] == "gluon"
-        gluon = _forward_softcap(q, k, v, causal, cap)
-        monkeypatch.setenv("SAFEOPS_GLUON", "0")
-        triton = _forward_softcap(q, k, v, causal, cap)
-        monkeypatch.delenv("SAFEOPS_GLUON")
-        for name, a, t in zip(("o", "m", "l"), gluon, triton, strict=True):
-            assert torch.equal(a, t), f"{name} differs from the Triton forward's ({b, hq, sq, sk}, {cap})"
+        first = safeops.attention(q, k, v, is_causal=causal, softcap=cap, return_lse=True)
+        again = safeops.attention(q, k, v, is_causal=causal, softcap=cap, return_lse=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True)), ((b, hq, sq, sk), cap)
         check_oracle(q, k, v, rng, grads=sq < 300, is_causal=causal, softcap=cap)
 
 

@@ -202,8 +202,14 @@ def _dims(kind: str) -> tuple[int, ...]:
     return K.WINDOW_HEAD_DIMS if "window" in kind else K.HEAD_DIMS if kind.startswith("fwd") else KB.HEAD_DIMS
 
 
+def _launchable(kind: str, d: int, causal: bool) -> bool:
+    """The softcap build at the (head dim, causal) pairs the path choice sends to it (G.SOFTCAP_CASES)."""
+    return "softcap" not in kind or _gated(kind) or (d, causal) in G.SOFTCAP_CASES
+
+
 CONFIGS = [(kind, dtype, d, causal, varlen) for kind in FWD_KINDS for dtype in _dtypes(kind)
-           for d in _dims(kind) for causal in (False, True) for varlen in (False, True)] + [
+           for d in _dims(kind) for causal in (False, True) for varlen in (False, True)
+           if _launchable(kind, d, causal)] + [
     (kind, dtype, d, causal, False) for kind in ("bwd", "dq", "fused", "fused+tma") for dtype in _dtypes(kind)
     for d in _dims(kind) for causal in (False, True)] + [
     ("fused+tma+shift", dtype, d, False, False) for dtype in _dtypes("fused+tma+shift")

@@ -268,12 +268,20 @@ def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_W
             gl.program_id(0), sizes, seq, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL)
         n_m = hi
         start = 0
+        # Packed statistics come re-laid with each sequence's first row 16-byte aligned (a TMA box along a
+        # tensor's innermost dimension must start there): sequence _b from column 4 ceil(q_start / 4) + 4 _b
+        # (attention_gluon's _aligned_stats). Dense: q_start = 0.
+        s_start = q_start
+        cu_q_ptr, cu_k_ptr, out0_ptr, out1_ptr, varlen, window_left, s0r, s0h, s1r, s1h = seq
+        if varlen != 0:
+            s_start = gl.cdiv(q_start, 4) * 4 + 4 * _b
     else:
         n0, b, hk, lo, n_m, n_block = _tile_coords(gl.program_id(0), sizes, NUM_WG * BLOCK_N_WG, BLOCK_M,
                                                    CAUSAL, ORDERED)
         hi = n_m
         q_start = 0
         k_start = 0
+        s_start = 0
         start = _shift_start(n_block, n_m, n_n_blocks, SHIFT)
     mbarrier.expect(kv_ready, 2 * NUM_WG * k_desc.block_type.nbytes)
     for w in gl.static_range(NUM_WG):
@@ -287,17 +295,18 @@ def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_W
         for i in range(lo, hi):
             mb = _query_block(i, start, n_m, SHIFT)
             row = q_start + mb * BLOCK_M
+            srow = s_start + mb * BLOCK_M
             slot = c % NUM_STAGES
             mbarrier.wait(q_empty.index(slot), ((c // NUM_STAGES) & 1) ^ 1)
             ready = q_ready.index(slot)
             mbarrier.expect(ready, q_desc.block_type.nbytes + 2 * m_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], ready, q_smem.index(slot))
-            tma.async_copy_global_to_shared(m_desc, [b, h, row], ready, m_smem.index(slot))
-            tma.async_copy_global_to_shared(l_desc, [b, h, row], ready, l_smem.index(slot))
+            tma.async_copy_global_to_shared(m_desc, [b, h, srow], ready, m_smem.index(slot))
+            tma.async_copy_global_to_shared(l_desc, [b, h, srow], ready, l_smem.index(slot))
             ready = do_ready.index(slot)
             mbarrier.expect(ready, do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(do_desc, [b, h, row, 0], ready, do_smem.index(slot))
-            tma.async_copy_global_to_shared(delta_desc, [b, h, row], ready, delta_smem.index(slot))
+            tma.async_copy_global_to_shared(delta_desc, [b, h, srow], ready, delta_smem.index(slot))
             c += 1
 
 

@@ -43,9 +43,12 @@ L2_CHUNK_BYTES = 32 << 20
 # Attention sinks in the Gluon forward (the runtime flag has_sinks: each row's first score). Switched off, a
 # call with sinks runs the Triton forward, and attention_backend says so.
 GLUON_SINKS = True
-# Softcapped scores in the Gluon forward (a SOFTCAP build of the kernel: the Triton kernels' formula, so their
-# bits); off until its GPU tests and timings have run. The backward of a softcapped forward stays on Triton.
-GLUON_SOFTCAP = False
+# Softcapped scores in the Gluon forward (a SOFTCAP build of the kernel, the Triton kernels' formula), at the
+# (head dim, causal) pairs of SOFTCAP_CASES, where it measured faster than the Triton forward: D=128 causal
+# 1.10x, D=256 1.26-1.30x; D=128 without causal 0.81x (its step spills), D=64 not measured (bench/RESULTS.md).
+# The backward of a softcapped forward stays on Triton.
+GLUON_SOFTCAP = True
+SOFTCAP_CASES = ((128, True), (256, False), (256, True))
 # A left sliding-window bound in the Gluon forward (HAS_WL; causal or not, no right bound). Switched off, a
 # window runs the Triton forward.
 GLUON_WINDOW = True
@@ -120,6 +123,9 @@ def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_cau
         return f"v's head dim {dv} is not q's {d}: the Gluon kernel needs them equal"
     if wl >= 0 and d not in kernels().WINDOW_HEAD_DIMS:
         return f"head dim {d}: the Gluon kernel takes a sliding window at head dims 64 and 128"
+    if softcap is not None and (d, is_causal) not in SOFTCAP_CASES:
+        return (f"head dim {d}{' causal' if is_causal else ''} with softcap: the Triton forward (the Gluon "
+                f"kernel takes softcap where it measured faster; bench/RESULTS.md)")
     return device_reason(q.device)
 
 
@@ -135,7 +141,7 @@ def settings() -> tuple:
     (its plans are dropped when any of it changes)."""
     return (_config.gluon_enabled(), _config.gluon_bwd_setting(), PERSISTENT, L2_CHUNK_BYTES, reason, Plan,
             device_reason, bwd_reason, GLUON_DQ, dq_reason, GLUON_SINKS, GLUON_WINDOW, GLUON_FUSED,
-            fused_reason, GLUON_BWD_SEQ, GLUON_SOFTCAP)
+            fused_reason, GLUON_BWD_SEQ, SEQ_HEAD_DIMS, GLUON_SOFTCAP)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -289,14 +295,16 @@ class Plan:
 # Compiling ahead, in parallel (GPU tests, benchmarks): first launches then load from Triton's cache.
 # ------------------------------------------------------------------------------------------------------
 
-def configurations() -> list[tuple[str, int, bool, bool, dict, bool]]:
-    """Every (dtype name, head dim, causal, varlen, config changes, left window) the path choice can launch
-    (one compiled kernel each; sinks are a runtime argument)."""
+def configurations() -> list[tuple[str, int, bool, bool, dict, bool, bool]]:
+    """Every (dtype name, head dim, causal, varlen, config changes, left window, softcap) the path choice can
+    launch (one compiled kernel each; sinks and the softcap value are runtime arguments)."""
     K = kernels()
     windows = (False, True) if GLUON_WINDOW else (False,)
-    return [(dtype, d, causal, varlen, {}, window) for dtype in K.DTYPES for d in K.HEAD_DIMS
+    softcaps = (False, True) if GLUON_SOFTCAP else (False,)
+    return [(dtype, d, causal, varlen, {}, window, softcap) for dtype in K.DTYPES for d in K.HEAD_DIMS
             for causal in (False, True) for varlen in (False, True) for window in windows
-            if not window or d in K.WINDOW_HEAD_DIMS]
+            for softcap in softcaps
+            if (not window or d in K.WINDOW_HEAD_DIMS) and (not softcap or (d, causal) in SOFTCAP_CASES)]
 
 
 def _warm(job) -> tuple:
@@ -307,7 +315,7 @@ def _warm(job) -> tuple:
 
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    dtype_name, d, causal, varlen, changes, window = job
+    dtype_name, d, causal, varlen, changes, window, softcap = job
     K = kernels()
     dtype = getattr(torch, dtype_name)
     cfg = dataclasses.replace(K.FWD_CONFIGS[d], **changes)
@@ -321,20 +329,20 @@ def _warm(job) -> tuple:
     sizes = (1, 1, 1, 256, 256, 2, 2, 0, 0, 0, 0, 0.5)  # n_heads .. window_left, has_sinks (not
     # specialized), C2 (a float: never specialized)
     K.attn_fwd_gluon_kernel.warmup(*descs, stat, stat, t, cu, cu, stat, 0.5, *sizes, grid=(1,),
-                                   **K.constexprs(cfg, causal, varlen, window), **K.LAUNCH_OPTIONS,
+                                   **K.constexprs(cfg, causal, varlen, window, softcap), **K.LAUNCH_OPTIONS,
                                    enable_fp_fusion=_config.fp_fusion)
     return job
 
 
 def warm_cache(jobs: list[tuple] | None = None, workers: int = 8) -> list[str]:
     """Compiles Gluon configurations (default: :func:`configurations`; a job is (dtype name, head dim,
-    causal, varlen), optionally followed by a dict of ``GluonFwdConfig`` changes and the left-window flag)
-    in ``workers`` spawned processes into Triton's on-disk cache. Returns the failures, in words (those
-    compile again on first launch)."""
+    causal, varlen), optionally followed by a dict of ``GluonFwdConfig`` changes, the left-window flag and
+    the softcap flag) in ``workers`` spawned processes into Triton's on-disk cache. Returns the failures, in
+    words (those compile again on first launch)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    jobs = [(*j, *({}, False)[len(j) - 4:]) for j in (configurations() if jobs is None else jobs)]
+    jobs = [(*j, *({}, False, False)[len(j) - 4:]) for j in (configurations() if jobs is None else jobs)]
     failed = []
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         for job, future in [(j, pool.submit(_warm, j)) for j in jobs]:
@@ -395,9 +403,13 @@ def dq_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_
 
 # Packed sequences (``attention_varlen``) and a left window (causal or not) on the Gluon dK / dV and dQ
 # kernels: runtime arguments of the same kernels (one compile serves dense and packed calls, with and
-# without a window). Off until their GPU tests and timings have run (tests/test_attention_gluon_bwd_gpu.py's
-# ``seq`` cases switch it on).
+# without a window), at the head dims of SEQ_HEAD_DIMS. D=128: 1.17-1.19x the Triton backward on packed
+# documents and a 1K window, the same bits; D=64 measured 2-3% slower than the Triton kernels there, so
+# packed or windowed D=64 calls stay on Triton (bench/RESULTS.md). Off until the packed GPU tests pass with
+# the statistics re-laid for TMA (_aligned_stats; before it, packed calls whose sequences start off a
+# 16-byte boundary faulted).
 GLUON_BWD_SEQ = False
+SEQ_HEAD_DIMS = (128,)
 
 
 # The fused Gluon backward (``attn_bwd_fused_gluon_kernel``: dk, dv and dq in one kernel, dq added into an
@@ -440,6 +452,10 @@ def _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, mod
     d, dv = q.shape[-1], v.shape[-1]
     if d not in configs:
         return f"head dim {d}: the Gluon backward has head dims {', '.join(map(str, sorted(configs)))}"
+    if (cu_q is not None or wl >= 0) and d not in SEQ_HEAD_DIMS:
+        what = "packed (varlen) sequences" if cu_q is not None else "a sliding window"
+        return (f"head dim {d} with {what}: the Triton backward (the Gluon one at head dims "
+                f"{', '.join(map(str, SEQ_HEAD_DIMS))}; bench/RESULTS.md)")
     if dv != d:
         return f"v's head dim {dv} is not q's {d}: the Gluon backward needs them equal"
     auto = bwd_kernels().AUTO_HEAD_DIMS if is_causal else bwd_kernels().AUTO_HEAD_DIMS_NONCAUSAL
@@ -470,6 +486,21 @@ def _stat_desc(t: torch.Tensor, block: list[int], layout, varlen: bool):
     # A dimension of size 1 other than the last is never stepped along: a valid stride (16 bytes).
     strides = [s if n > 1 else 4 for n, s in zip(shape[:-1], strides[:-1], strict=True)] + [1]
     return TensorDescriptor(t, shape, strides, block, layout)
+
+
+def _aligned_stats(stats, cu: torch.Tensor) -> list[torch.Tensor]:
+    """Packed (H, T) row statistics re-laid for the dK / dV kernel's TMA loads, which must start on a 16-byte
+    boundary along the innermost (row) dimension: sequence b's rows from column 4 ceil(cu[b] / 4) + 4 b on
+    (the kernel computes the same columns), the gaps 0. Device ops only: nothing syncs."""
+    h, t = stats[0].shape
+    n_seq = cu.numel() - 1
+    cu64 = cu.to(torch.int64)
+    rows = torch.arange(t, device=cu.device)
+    seq = torch.searchsorted(cu64[1:], rows, right=True)  # each packed row's sequence (empty ones skipped)
+    start = (cu64[:-1] + 3) // 4 * 4 + 4 * torch.arange(n_seq, device=cu.device)
+    cols = start[seq] + (rows - cu64[seq])
+    width = (t + 3) // 4 * 4 + 4 * n_seq
+    return [torch.zeros(h, width, dtype=s.dtype, device=s.device).index_copy_(1, cols, s) for s in stats]
 
 
 def _seq_args(varlen: bool, cu_q, cu_k, out0: torch.Tensor, out1: torch.Tensor, window_left: int,
@@ -546,15 +577,19 @@ class BwdPlan:
         kwargs = dict(constexprs, **K.LAUNCH_OPTIONS, enable_fp_fusion=_config.fp_fusion)
         self.launch = KernelLaunch(kernel, (n_tiles,), kwargs)
 
-    def _descriptors(self, q, k, v, grad, m, l, delta, dk, dv) -> tuple[list, torch.Tensor, torch.Tensor]:
+    def _descriptors(self, q, k, v, grad, m, l, delta, dk, dv, cu_q=None
+                     ) -> tuple[list, torch.Tensor, torch.Tensor]:
         """(the TMA descriptors of q, k, v, dO, dk, dv, m, l, delta; where dk and dv are written). With the
-        configuration's ``row_stats`` the m and l descriptors cover each row's base and 1 / l instead."""
+        configuration's ``row_stats`` the m and l descriptors cover each row's base and 1 / l instead;
+        packed statistics are re-laid by :func:`_aligned_stats`."""
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         if self.cfg.row_stats:  # computed once here, not at every step of the kernel
             from .attention_launch import row_stats
 
             m, l = row_stats(m, l)
+        if self.varlen:
+            m, l, delta = _aligned_stats((m, l, delta), cu_q)
 
         tensors = [_copy(t) if c else t for t, c in zip((q, k, v, grad), self.copy, strict=True)]
         dk_ = torch.empty(k.shape, dtype=k.dtype, device=k.device) if self.scratch else dk
@@ -568,7 +603,7 @@ class BwdPlan:
 
     def __call__(self, q, k, v, grad, m, l, delta, dk, dv, cu_q=None, cu_k=None) -> None:
         """Writes dk and dv (k's and v's shapes and dtype; any layout)."""
-        descs, dk_, dv_ = self._descriptors(q, k, v, grad, m, l, delta, dk, dv)
+        descs, dk_, dv_ = self._descriptors(q, k, v, grad, m, l, delta, dk, dv, cu_q)
         self.launch(*descs, *self.args,
                     *_seq_args(self.varlen, cu_q, cu_k, dk_, dv_, self.window_left, self.dummy))
         if dk_ is not dk:
