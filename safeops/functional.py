@@ -427,8 +427,9 @@ def attention_backend(q, k, v, *, attn_mask=None, is_causal=False, scale=None, s
     bits, does not change with what else is in the batch.
 
     ``backward=True`` answers for the backward instead, whatever the forward ran: ``"gluon"`` where dk / dv
-    come from the warp-specialized Gluon kernel (CUDA, sm_90, bf16 / fp16, dense (not packed), no mask,
-    softcap or window; head dim 128, or 64 without causal (64 causal with ``SAFEOPS_GLUON_BWD=1``); dq from
+    come from the warp-specialized Gluon kernel (CUDA, sm_90, bf16 / fp16, no mask or softcap, no window
+    with a right bound; head dim 128, dense or packed, with or without a left window; or 64 without causal,
+    dense and without a window (64 causal with ``SAFEOPS_GLUON_BWD=1``)); dq from
     the Gluon dQ kernel, delta and the sinks' gradient from the Triton dq kernel), e.g. ``("gluon", "bf16
     causal D=128 on sm_90: Gluon dq, dk / dv")``, else ``"triton"`` with the reason, or ``"reference"``. For
     MHA both dk / dv kernels give the same bits.

@@ -78,6 +78,13 @@ def _targets(target_ptr, rows, row_ok, n_cols, ignore_index):
     return tl.where(good, t, 0), counted, good
 
 
+@triton.jit
+def _load_block(starts, cols, n_cols, rows_read, sc, WIDE: tl.constexpr):
+    """The raw logits of columns ``cols`` of the rows ``rows_read`` says to read (0 elsewhere)."""
+    mask = rows_read[:, None] & (cols < n_cols)[None, :]
+    return tl.load(starts[:, None] + _col_offsets(cols, sc, WIDE)[None, :], mask=mask, other=0.0)
+
+
 @triton.jit(do_not_specialize=ROW_ARGS)
 def cross_entropy_fwd_kernel(
     x_ptr, target_ptr, weight_ptr, weight_sum_ptr, row_max_ptr, row_sum_ptr, loss_ptr, zl_ptr,
@@ -101,11 +108,15 @@ def cross_entropy_fwd_kernel(
     m = tl.full((BLOCK_M,), NEG_INF, tl.float32)
     l_acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     s_acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    # Each block's loads are issued one step ahead (registers for two blocks): the next block is in flight
+    # while this one is reduced. The same values in the same order: the same bits.
+    x_next = _load_block(starts, lanes, n_cols, good, sc, WIDE)
     for c0 in range(0, n_cols, BLOCK_N):
         cols = c0 + lanes
         col_ok = cols < n_cols
         valid = good[:, None] & col_ok[None, :]
-        x = to_f32(tl.load(starts[:, None] + _col_offsets(cols, sc, WIDE)[None, :], mask=valid, other=0.0))
+        x = to_f32(x_next)
+        x_next = _load_block(starts, cols + BLOCK_N, n_cols, good, sc, WIDE)
         z = tl.where(valid, x, NEG_INF)
         m_new = tl.maximum(m, tl.max(z, 1))
         m_new_safe = _safe_max(m_new)
@@ -254,11 +265,13 @@ def cross_entropy_bwd_kernel(
     starts = _row_starts(x_ptr, rows, B2, s1, s2, ROW_DIMS, XA)
     d_starts = _row_starts(dx_ptr, rows, B2, d1, d2, ROW_DIMS, DA)
     lanes = tl.arange(0, BLOCK_N)
+    x_next = _load_block(starts, lanes, n_cols, live, sc, WIDE)  # one block ahead, as the forward
     for c0 in range(0, n_cols, BLOCK_N):
         cols = c0 + lanes
         col_ok = cols < n_cols
         valid = live[:, None] & col_ok[None, :]
-        x = to_f32(tl.load(starts[:, None] + _col_offsets(cols, sc, WIDE)[None, :], mask=valid, other=0.0))
+        x = to_f32(x_next)
+        x_next = _load_block(starts, cols + BLOCK_N, n_cols, live, sc, WIDE)
         p = tl.exp(x - m_safe[:, None]) * inv_l[:, None]
         dz = p * a[:, None]
         if HAS_NLL:

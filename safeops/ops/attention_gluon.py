@@ -403,12 +403,11 @@ def dq_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_
 
 # Packed sequences (``attention_varlen``) and a left window (causal or not) on the Gluon dK / dV and dQ
 # kernels: runtime arguments of the same kernels (one compile serves dense and packed calls, with and
-# without a window), at the head dims of SEQ_HEAD_DIMS. D=128: 1.17-1.19x the Triton backward on packed
+# without a window), at the head dims of SEQ_HEAD_DIMS. D=128: 1.25-1.28x the Triton backward on packed
 # documents and a 1K window, the same bits; D=64 measured 2-3% slower than the Triton kernels there, so
-# packed or windowed D=64 calls stay on Triton (bench/RESULTS.md). Off until the packed GPU tests pass with
-# the statistics re-laid for TMA (_aligned_stats; before it, packed calls whose sequences start off a
-# 16-byte boundary faulted).
-GLUON_BWD_SEQ = False
+# packed or windowed D=64 calls stay on Triton (bench/RESULTS.md). Packed statistics are re-laid for TMA
+# (_aligned_stats).
+GLUON_BWD_SEQ = True
 SEQ_HEAD_DIMS = (128,)
 
 
