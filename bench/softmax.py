@@ -8,6 +8,8 @@ backward reads two tensors and writes dx (3 * numel * bytes). What each backward
   row max and row sum (it recomputes p from x; reads x and dy, writes dx: the same 3 tensors as the peers);
 - safeops, fp fusion on: the same kernels compiled with fp contraction on (``safeops._config.fp_fusion``),
   to show that the safe setting costs nothing; it is our variant, not a peer;
+- safeops stream (forward): long rows through the streamed forward (``safeops._config.long_rows_stream``:
+  one cooperative launch, x read a second time from L2), the same bits; our variant;
 - torch eager: ``torch._softmax_backward_data(dy, y, dim, dtype)``, the kernel autograd runs for softmax;
 - torch.compile: ``torch.compile`` of that same call, compiled per shape (dynamic=False): the backward
   kernel Inductor generates for ``torch.compile(torch.softmax)`` (its decomposition of this aten op);
@@ -134,6 +136,30 @@ def _softmax_kind() -> int:
     return getattr(ref, "SOFTMAX", 0)
 
 
+@contextlib.contextmanager
+def long_rows_stream(on: bool):
+    from safeops import _config
+
+    old = _config.long_rows_stream
+    _config.long_rows_stream = on
+    try:
+        yield
+    finally:
+        _config.long_rows_stream = old
+
+
+def build_stream(case: H.Case, t: dict):
+    import safeops
+
+    x = t["x"]
+
+    def call():
+        with long_rows_stream(True):
+            return safeops.softmax(x, DIM)
+
+    return call
+
+
 def build_safeops(case: H.Case, t: dict, fusion: bool = False):
     import safeops
 
@@ -244,6 +270,7 @@ def build_benchmark(cases: list[H.Case], only: set[str] | None = None) -> H.Benc
                         make_inputs=make_inputs, reference=reference, check=check)
     bench.add("safeops", build_safeops, role="ours")
     bench.add("safeops fp-fusion on", lambda c, t: build_safeops(c, t, fusion=True), role="variant", tag="")
+    bench.add("safeops stream", build_stream, role="variant", tag="", directions=("fwd",))
     bench.add("torch eager", build_eager, tag="e")
     bench.add("torch.compile", build_compiled, tag="c")
     _, why = _liger_module()

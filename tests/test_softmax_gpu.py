@@ -153,18 +153,19 @@ def _compiled_kernels_on_cuda(monkeypatch):
 
 @contextlib.contextmanager
 def long_rows(mode: str):
-    """'default', or force the one-launch / two-launch long-row path where safeops has both."""
+    """'default', or force the one-launch / streamed / two-launch long-row path where safeops has them."""
     if mode == "default":
         yield
         return
     if not hasattr(_config, "one_launch_long_rows"):
         pytest.skip("safeops._config has no one_launch_long_rows switch")
-    old = _config.one_launch_long_rows
+    old = _config.one_launch_long_rows, getattr(_config, "long_rows_stream", False)
     _config.one_launch_long_rows = mode == "one_launch"
+    _config.long_rows_stream = mode == "stream"
     try:
         yield
     finally:
-        _config.one_launch_long_rows = old
+        _config.one_launch_long_rows, _config.long_rows_stream = old
 
 
 def call(op: str, x: torch.Tensor, dim: int = -1, **kwargs) -> torch.Tensor:
@@ -913,6 +914,39 @@ def test_one_launch_matches_two_launch_bitwise(op, dtype, n, rng):
     what = f"{op} {dtype} N={n} {rng}"
     assert_bitwise(results["one_launch"][0], results["two_launch"][0], f"{what}: forward one- vs two-launch")
     assert_bitwise(results["one_launch"][1], results["two_launch"][1], f"{what}: backward one- vs two-launch")
+
+
+@pytest.mark.parametrize("n", SPLIT_N)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
+@pytest.mark.parametrize("op", ("softmax", "log_softmax"))
+@given(rng=rngs())
+def test_streamed_forward_matches_two_launch_bitwise(op, dtype, n, rng):
+    """``_config.long_rows_stream``: the streamed forward (one cooperative launch, partials exchanged
+    through per-epoch counters, x read again from L2) gives the two-launch path's bits, with a scale tensor
+    and a mask, for row counts around the epoch size; where rows take the split path it really ran."""
+    ran = []
+    real = softmax_launch._launch_stream
+
+    def recording(*args, **kwargs):
+        ran.append(real(*args, **kwargs))
+        return ran[-1]
+
+    softmax_launch._launch_stream = recording
+    try:
+        scale = torch.tensor(0.7, device="cuda")
+        for rows in (1, 3, 37):
+            x = rng.randn((rows, n), dtype, std=3.0)
+            mask = torch.rand((1, n), device="cuda") < 0.8
+            for kw in ({}, {"scale": scale, "mask": mask}):
+                with long_rows("stream"):
+                    streamed = call(op, x, **kw)
+                with long_rows("two_launch"):
+                    two = call(op, x, **kw)
+                what = f"{op} {dtype} {rows}x{n} {sorted(kw)} {rng}"
+                assert_bitwise(streamed, two, f"{what}: streamed vs two-launch")
+    finally:
+        softmax_launch._launch_stream = real
+    assert all(ran) and (ran or n < 65536), f"the streamed launch fell back or never ran: {ran}"
 
 
 @pytest.mark.parametrize("variant", ["scale_float", "scale_tensor_mask"])

@@ -708,3 +708,83 @@ def softmax_bwd_fused_kernel(
         valid = next_valid
     if NEED_DSCALE:
         tl.store(dscale_ptr + pid, tl.sum(dscale_acc, 0))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Long rows, streamed (off by default: `_config.long_rows_stream`). The two-launch path's work in one
+# cooperative launch: the `n_splits` programs of a group take their group's rows `ROWS` at a time (an
+# epoch). In epoch e a program writes the (max, sum) partial of its column range of each row and counts
+# itself in on the epoch's counter (release); then it waits for epoch e - 1's counter (acquire), which
+# its group's other programs usually filled while it worked, and writes epoch e - 1's ranges, reading x a
+# second time while it is still in L2 (the launcher keeps two epochs of every program within it). Every
+# program counts itself in on epoch e before it waits on e - 1, so no wait can close a cycle. One block
+# per range and the partials combined in split order, as `softmax_fwd_partial_kernel` /
+# `softmax_fwd_finish_kernel` do with one block per program: the same bits.
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=ROW_STRIDES)
+def softmax_fwd_stream_kernel(
+    x_ptr, out_ptr, mask_ptr, scale_ptr, ws_max_ptr, ws_sum_ptr, row_max_ptr, row_sum_ptr, arrive_ptr,
+    n_rows, n_cols, B1, B2,
+    sx0, sx1, sx2, sxn,
+    so0, so1, so2, son,
+    sm0, sm1, sm2, smn,
+    scale_value, n_splits, n_groups,
+    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
+    XA: tl.constexpr, OA: tl.constexpr, MA: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):
+    """KIND 0 softmax, 1 log-softmax (logsumexp reads x once on the two-launch path already).
+    ``arrive_ptr``: one zeroed int32 counter per epoch of ``ROWS`` rows (cdiv(n_rows, ROWS))."""
+    pid = tl.program_id(0)
+    group = pid // n_splits
+    split = pid % n_splits
+    scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
+    first = split * BLOCK_N
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols - first
+    x_cols = _col_offsets(cols, sxn, WIDE)
+    m_cols = _col_offsets(cols, smn, WIDE)
+    o_cols = _col_offsets(cols, son, WIDE)
+    n_epochs = tl.cdiv(tl.cdiv(n_rows, ROWS) - group, n_groups)
+    for e in range(0, n_epochs + 1):
+        if e < n_epochs:
+            epoch = e * n_groups + group
+            for i in range(0, ROWS):
+                row = epoch * ROWS + i
+                if row < n_rows:
+                    x, z = _logits(_range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA) + x_cols,
+                                   _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA) + m_cols,
+                                   col_ok, scale, SCALE_MODE, HAS_MASK)
+                    m_part, l_part = _online_step(tl.full((), NEG_INF, tl.float32), tl.zeros((), tl.float32),
+                                                  z)
+                    ws = row.to(tl.int64) * n_splits + split
+                    tl.store(ws_max_ptr + ws, m_part)
+                    tl.store(ws_sum_ptr + ws, l_part)
+            tl.debug_barrier()  # every thread's partials stored before the one release increment
+            tl.atomic_add(arrive_ptr + epoch, 1, sem="release")
+        if e > 0:
+            epoch = (e - 1) * n_groups + group
+            while tl.load(arrive_ptr + epoch, volatile=True) < n_splits:
+                pass
+            tl.atomic_add(arrive_ptr + epoch, 0, sem="acquire")
+            tl.debug_barrier()
+            for i in range(0, ROWS):
+                row = epoch * ROWS + i
+                if row < n_rows:
+                    m, l = _combine_partials(ws_max_ptr, ws_sum_ptr, row.to(tl.int64) * n_splits, n_splits,
+                                             SPLITS, True)
+                    if split == 0:
+                        tl.store(row_max_ptr + row, m)
+                        tl.store(row_sum_ptr + row, l)
+                    x, z = _logits(_range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA) + x_cols,
+                                   _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA) + m_cols,
+                                   col_ok, scale, SCALE_MODE, HAS_MASK)
+                    m_safe = _safe_max(m)
+                    if KIND == 0:
+                        out = _probabilities(z, m_safe, _inv_sum(l))
+                    else:
+                        out = tl.where(l == 0.0, NEG_INF, (z - m_safe) - _log_sum(l))
+                    o_ptrs = _range_base(out_ptr, row, B1, B2, so0, so1, so2, first, son, OA) + o_cols
+                    tl.store(o_ptrs, cast(out, out_ptr.dtype.element_ty), mask=col_ok)

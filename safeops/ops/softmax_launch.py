@@ -254,6 +254,46 @@ def _launch_one_pass(kernel, args: list, options: dict, n_splits: int, n_rows: i
     return False
 
 
+# The streamed long-row forward: rows per epoch, and the share of the L2 cache that two epochs of every
+# program may fill (its second read of x must find the range there).
+STREAM_ROWS = 2
+STREAM_L2_SHARE = 0.5
+
+
+def _launch_stream(kernel, args: list, options: dict, sc: SplitConfig, n_rows: int, elem_size: int, *,
+                   device: torch.device) -> bool:
+    """Launches ``softmax_fwd_stream_kernel`` cooperatively: groups of ``sc.n_splits`` programs, as many as
+    fit on the GPU at once and keep two epochs of x within ``STREAM_L2_SHARE`` of the L2 cache. Returns
+    False when not even one group fits (the caller takes the two-launch path). The number of groups decides
+    which program handles which rows, never how a row is computed."""
+    props = torch.cuda.get_device_properties(device)
+    epoch_bytes = 2 * STREAM_ROWS * sc.block_n * elem_size
+    l2_programs = int(getattr(props, "L2_cache_size", 50 * 2**20) * STREAM_L2_SHARE) // epoch_bytes
+    key = (kernel.fn.__name__, device.index, tuple(sorted(
+        (k, v) for k, v in options.items() if not isinstance(v, torch.Tensor))),
+        tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+    n_epochs = triton.cdiv(n_rows, STREAM_ROWS)
+    args[8] = torch.zeros((n_epochs,), dtype=torch.int32, device=device)
+    capacity = _resident_cache.get(key)
+    if capacity is None:
+        capacity = _resident_programs(kernel, args, options, device)
+    while sc.n_splits <= min(capacity, l2_programs):
+        n_groups = min(min(capacity, l2_programs) // sc.n_splits, n_epochs)
+        args[-1] = n_groups
+        try:
+            kernel[(n_groups * sc.n_splits,)](*args, **options, launch_cooperative_grid=True)
+        except RuntimeError as exc:
+            if "cooperative" not in str(exc):
+                raise
+            capacity = n_groups * sc.n_splits - max(1, sc.n_splits // 2) if n_groups > 1 else sc.n_splits - 1
+            _resident_cache[key] = capacity
+            continue
+        _resident_cache[key] = capacity
+        return True
+    _resident_cache[key] = capacity
+    return False
+
+
 def _wide(rows: Rows) -> bool:
     """Whether per-element column offsets can pass 2**31 (then the kernels compute them in 64 bits)."""
     if rows.n_cols >= 2**31:
@@ -507,6 +547,15 @@ def _forward_general(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_
     ws_sum = torch.empty_like(ws_max)
     common = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, WIDE=_wide(rows), **al,
                   SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n)
+    if kind != 2 and x.device.type == "cuda" and _config.long_rows_stream:
+        args = [x_, out_, mask_arg, scale_ptr, ws_max, ws_sum, row_max, row_sum, None,
+                rows.n_rows, rows.n_cols, B1, B2,
+                *rows.args("x"), *rows.args("out"), *rows.args("mask"),
+                scale_value, sc.n_splits, 1]
+        options = {**common, **_launch_options(sc), "ROWS": STREAM_ROWS}
+        if _launch_stream(k.softmax_fwd_stream_kernel, args, options, sc, rows.n_rows, elem, device=x.device):
+            _write_back(out, out_)
+            return out, row_max, row_sum
     if kind != 2 and x.device.type == "cuda" and _config.one_launch_long_rows:
         arrive = torch.zeros((1,), dtype=torch.int32, device=x.device)
         args = [x_, out_, mask_arg, scale_ptr, ws_max, ws_sum, row_max, row_sum, arrive,
