@@ -88,6 +88,9 @@ _SCRIPT = textwrap.dedent(
                     k.softmax_bwd_fused_kernel, {**base, **splits, "NEED_DSCALE": True}, split)
                 results[f"fwd_stream/{kind}/{scale_mode}"] = count(
                     k.softmax_fwd_stream_kernel, {**base, **splits, "ROWS": L.STREAM_ROWS}, split)
+                results[f"bwd_stream/{kind}/{scale_mode}"] = count(
+                    k.softmax_bwd_stream_kernel,
+                    {**base, **splits, "NEED_DSCALE": True, "ROWS": L.STREAM_ROWS}, split)
         results[f"fwd_partial/{kind}"] = count(
             k.softmax_fwd_partial_kernel,
             {"SCALE_MODE": 1, "HAS_MASK": True, "WIDE": False, "BLOCK_N": split.block_n, "LSE": kind == 2},

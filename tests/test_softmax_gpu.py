@@ -920,10 +920,11 @@ def test_one_launch_matches_two_launch_bitwise(op, dtype, n, rng):
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
 @pytest.mark.parametrize("op", ("softmax", "log_softmax"))
 @given(rng=rngs())
-def test_streamed_forward_matches_two_launch_bitwise(op, dtype, n, rng):
-    """``_config.long_rows_stream``: the streamed forward (one cooperative launch, partials exchanged
-    through per-epoch counters, x read again from L2) gives the two-launch path's bits, with a scale tensor
-    and a mask, for row counts around the epoch size; where rows take the split path it really ran."""
+def test_streamed_long_rows_match_two_launch_bitwise(op, dtype, n, rng):
+    """``_config.long_rows_stream``: the streamed forward and backward (one cooperative launch each,
+    partials exchanged through per-epoch counters, x (and the gradient) read again from L2) give the
+    two-launch path's bits, output, d/dx and the scale tensor's gradient, with a mask, for row counts around
+    the epoch size; where rows take the split path they really ran."""
     ran = []
     real = softmax_launch._launch_stream
 
@@ -933,17 +934,24 @@ def test_streamed_forward_matches_two_launch_bitwise(op, dtype, n, rng):
 
     softmax_launch._launch_stream = recording
     try:
-        scale = torch.tensor(0.7, device="cuda")
         for rows in (1, 3, 37):
             x = rng.randn((rows, n), dtype, std=3.0)
+            g = rng.randn((rows, n), dtype)
             mask = torch.rand((1, n), device="cuda") < 0.8
-            for kw in ({}, {"scale": scale, "mask": mask}):
-                with long_rows("stream"):
-                    streamed = call(op, x, **kw)
-                with long_rows("two_launch"):
-                    two = call(op, x, **kw)
-                what = f"{op} {dtype} {rows}x{n} {sorted(kw)} {rng}"
-                assert_bitwise(streamed, two, f"{what}: streamed vs two-launch")
+            for with_scale in (False, True):
+                results = {}
+                for mode in ("stream", "two_launch"):
+                    xs = x.clone().requires_grad_()
+                    scale = torch.tensor(0.7, device="cuda", requires_grad=True)
+                    kw = {"scale": scale, "mask": mask} if with_scale else {}
+                    with long_rows(mode):
+                        out = call(op, xs, **kw)
+                        grads = torch.autograd.grad(out, [xs, scale] if with_scale else [xs], g)
+                    results[mode] = (out.detach(), *grads)
+                what = f"{op} {dtype} {rows}x{n} scale/mask {with_scale} {rng}"
+                for name, a, b in zip(("out", "d/dx", "d/dscale"), results["stream"], results["two_launch"],
+                                      strict=False):
+                    assert_bitwise(a, b, f"{what}: {name}, streamed vs two-launch")
     finally:
         softmax_launch._launch_stream = real
     assert all(ran) and (ran or n < 65536), f"the streamed launch fell back or never ran: {ran}"

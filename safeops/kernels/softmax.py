@@ -788,3 +788,94 @@ def softmax_fwd_stream_kernel(
                         out = tl.where(l == 0.0, NEG_INF, (z - m_safe) - _log_sum(l))
                     o_ptrs = _range_base(out_ptr, row, B1, B2, so0, so1, so2, first, son, OA) + o_cols
                     tl.store(o_ptrs, cast(out, out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit(do_not_specialize=ROW_STRIDES)
+def softmax_bwd_stream_kernel(
+    grad_ptr, x_ptr, dx_ptr, mask_ptr, scale_ptr, row_max_ptr, row_sum_ptr, ws_ptr, dscale_ptr, arrive_ptr,
+    n_rows, n_cols, B1, B2,
+    sg0, sg1, sg2, sgn,
+    sx0, sx1, sx2, sxn,
+    sd0, sd1, sd2, sdn,
+    sm0, sm1, sm2, smn,
+    scale_value, n_splits, n_groups,
+    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, NEED_DSCALE: tl.constexpr,
+    WIDE: tl.constexpr,
+    GA: tl.constexpr, XA: tl.constexpr, DA: tl.constexpr, MA: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+):
+    """The backward's streamed form (KIND 0 softmax, 1 log-softmax): epoch e writes each row's range
+    partial of sum(g p) (or sum(g)), epoch e - 1's ranges are written from s = the partials' sum; x and g
+    are read a second time from L2. The partial and finish kernels' arithmetic with one block per program
+    (the scale gradient's terms stored per row and range, as the finish kernel stores them): the same bits.
+    """
+    pid = tl.program_id(0)
+    group = pid // n_splits
+    split = pid % n_splits
+    scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
+    first = split * BLOCK_N
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols - first
+    x_cols = _col_offsets(cols, sxn, WIDE)
+    g_cols = _col_offsets(cols, sgn, WIDE)
+    m_cols = _col_offsets(cols, smn, WIDE)
+    d_cols = _col_offsets(cols, sdn, WIDE)
+    n_epochs = tl.cdiv(tl.cdiv(n_rows, ROWS) - group, n_groups)
+    for e in range(0, n_epochs + 1):
+        if e < n_epochs:
+            epoch = e * n_groups + group
+            for i in range(0, ROWS):
+                row = epoch * ROWS + i
+                if row < n_rows:
+                    m_safe = _safe_max(tl.load(row_max_ptr + row))
+                    inv_l = _inv_sum(tl.load(row_sum_ptr + row))
+                    x, z = _logits(_range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA) + x_cols,
+                                   _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA) + m_cols,
+                                   col_ok, scale, SCALE_MODE, HAS_MASK)
+                    keep = z != NEG_INF
+                    g_ptrs = _range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn, GA) + g_cols
+                    g = to_f32(tl.load(g_ptrs, mask=col_ok, other=0.0))
+                    acc = tl.zeros((BLOCK_N,), tl.float32)
+                    if KIND == 0:
+                        acc += tl.where(keep, g * _probabilities(z, m_safe, inv_l), 0.0)
+                    else:
+                        acc += tl.where(keep, g, 0.0)
+                    tl.store(ws_ptr + row.to(tl.int64) * n_splits + split, tl.sum(acc, 0))
+            tl.debug_barrier()  # every thread's partials stored before the one release increment
+            tl.atomic_add(arrive_ptr + epoch, 1, sem="release")
+        if e > 0:
+            epoch = (e - 1) * n_groups + group
+            while tl.load(arrive_ptr + epoch, volatile=True) < n_splits:
+                pass
+            tl.atomic_add(arrive_ptr + epoch, 0, sem="acquire")
+            tl.debug_barrier()
+            for i in range(0, ROWS):
+                row = epoch * ROWS + i
+                if row < n_rows:
+                    m_safe = _safe_max(tl.load(row_max_ptr + row))
+                    inv_l = _inv_sum(tl.load(row_sum_ptr + row))
+                    idx = tl.arange(0, SPLITS)
+                    s = tl.sum(tl.load(ws_ptr + row.to(tl.int64) * n_splits + idx, mask=idx < n_splits,
+                                       other=0.0, volatile=True), 0)
+                    x, z = _logits(_range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA) + x_cols,
+                                   _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA) + m_cols,
+                                   col_ok, scale, SCALE_MODE, HAS_MASK)
+                    keep = z != NEG_INF
+                    p = _probabilities(z, m_safe, inv_l)
+                    g_ptrs = _range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn, GA) + g_cols
+                    g = to_f32(tl.load(g_ptrs, mask=col_ok, other=0.0))
+                    if KIND == 0:
+                        dz = p * (g - s)
+                    else:
+                        dz = g - p * s
+                    dz = tl.where(keep, dz, 0.0)
+                    if SCALE_MODE != 0:
+                        dx = dz * scale
+                    else:
+                        dx = dz
+                    d_ptrs = _range_base(dx_ptr, row, B1, B2, sd0, sd1, sd2, first, sdn, DA) + d_cols
+                    tl.store(d_ptrs, cast(dx, dx_ptr.dtype.element_ty), mask=col_ok)
+                    if NEED_DSCALE:
+                        terms = tl.zeros((BLOCK_N,), tl.float32)
+                        terms += tl.where(keep, dz * x, 0.0)
+                        tl.store(dscale_ptr + row.to(tl.int64) * n_splits + split, tl.sum(terms, 0))

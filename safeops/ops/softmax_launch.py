@@ -261,11 +261,13 @@ STREAM_L2_SHARE = 0.5
 
 
 def _launch_stream(kernel, args: list, options: dict, sc: SplitConfig, n_rows: int, elem_size: int, *,
-                   device: torch.device) -> bool:
-    """Launches ``softmax_fwd_stream_kernel`` cooperatively: groups of ``sc.n_splits`` programs, as many as
-    fit on the GPU at once and keep two epochs of x within ``STREAM_L2_SHARE`` of the L2 cache. Returns
-    False when not even one group fits (the caller takes the two-launch path). The number of groups decides
-    which program handles which rows, never how a row is computed."""
+                   device: torch.device, arrive_at: int = 8) -> bool:
+    """Launches a streamed long-row kernel (``softmax_fwd_stream_kernel`` / ``softmax_bwd_stream_kernel``)
+    cooperatively: groups of ``sc.n_splits`` programs, as many as fit on the GPU at once and keep two epochs
+    of what they read again (``elem_size`` bytes per column: x, or x and the gradient) within
+    ``STREAM_L2_SHARE`` of the L2 cache. Returns False when not even one group fits (the caller takes the
+    two-launch path). The number of groups decides which program handles which rows, never how a row is
+    computed."""
     props = torch.cuda.get_device_properties(device)
     epoch_bytes = 2 * STREAM_ROWS * sc.block_n * elem_size
     l2_programs = int(getattr(props, "L2_cache_size", 50 * 2**20) * STREAM_L2_SHARE) // epoch_bytes
@@ -273,7 +275,7 @@ def _launch_stream(kernel, args: list, options: dict, sc: SplitConfig, n_rows: i
         (k, v) for k, v in options.items() if not isinstance(v, torch.Tensor))),
         tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
     n_epochs = triton.cdiv(n_rows, STREAM_ROWS)
-    args[8] = torch.zeros((n_epochs,), dtype=torch.int32, device=device)
+    args[arrive_at] = torch.zeros((n_epochs,), dtype=torch.int32, device=device)
     capacity = _resident_cache.get(key)
     if capacity is None:
         capacity = _resident_programs(kernel, args, options, device)
@@ -702,6 +704,17 @@ def _backward_split(k, kind, rows, grad_, x_, dx, mask_arg, has_mask, scale_mode
     sc = split_config(rows.n_cols, x_.element_size())
     common = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=has_mask, NEED_DSCALE=need_dscale,
                   WIDE=_wide(rows), **al, SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n)
+    if kind != 2 and x_.device.type == "cuda" and _config.long_rows_stream:
+        ws = x_.new_empty((rows.n_rows * sc.n_splits,), dtype=torch.float32)
+        dscale_rows = x_.new_empty((rows.n_rows * sc.n_splits if need_dscale else 1,), dtype=torch.float32)
+        args = [grad_, x_, dx, mask_arg, scale_ptr, row_max, row_sum, ws, dscale_rows, None,
+                rows.n_rows, rows.n_cols, B1, B2,
+                *rows.args("grad"), *rows.args("x"), *rows.args("dx"), *rows.args("mask"),
+                scale_value, sc.n_splits, 1]
+        options = {**common, **_launch_options(sc), "ROWS": STREAM_ROWS}
+        if _launch_stream(k.softmax_bwd_stream_kernel, args, options, sc, rows.n_rows, 2 * x_.element_size(),
+                          device=x_.device, arrive_at=9):
+            return dscale_rows
     if kind != 2 and x_.device.type == "cuda" and _config.one_launch_long_rows:
         ws = x_.new_empty((rows.n_rows * sc.n_splits,), dtype=torch.float32)
         args = [grad_, x_, dx, mask_arg, scale_ptr, row_max, row_sum, ws, ws,
