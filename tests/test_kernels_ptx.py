@@ -120,3 +120,59 @@ def test_check_can_fail_with_fp_fusion_on(fma_counts_off):
     assert {n.split("/")[0] for n in counts} == {n.split("/")[0] for n in fma_counts_off}
     blind = [name for name, n in counts.items() if not n]
     assert not blind, f"with enable_fp_fusion=True nothing was contracted in {blind}: the check is blind"
+
+
+# The kernels whose programs wait for each other, compiled with the GPU machine's Triton (3.6, which deletes
+# an acquire add whose result is unused: a plain load with no effect). The Python named by
+# sm90.triton36_python() has no torch, so the kernel file is loaded with stand-in packages for its
+# `safeops.kernels` imports.
+_ACQUIRE_SCRIPT = textwrap.dedent(
+    r"""
+    import json, os, re, sys, types
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    root = sys.argv[1]
+    for name, path in (("safeops", ["safeops"]), ("safeops.kernels", ["safeops", "kernels"])):
+        package = types.ModuleType(name)
+        package.__path__ = [os.path.join(root, *path)]
+        sys.modules[name] = package
+    import safeops.kernels.softmax as k
+
+    constexprs = {"KIND": 0, "SCALE_MODE": 1, "HAS_MASK": True, "WIDE": False, "SPLITS": 256, "BLOCK_N": 4096,
+                  "NEED_DSCALE": True, "ROWS": 2, "XA": 8, "OA": 8, "MA": 8, "GA": 8, "DA": 8}
+    found = {}
+    for name in ("softmax_fwd_fused_kernel", "softmax_bwd_fused_kernel", "softmax_fwd_stream_kernel",
+                 "softmax_bwd_stream_kernel"):
+        fn = getattr(k, name)
+        const = {n: v for n, v in constexprs.items() if n in fn.arg_names}
+        sig = {}
+        for arg in fn.arg_names:
+            if arg in const:
+                sig[arg] = "constexpr"
+            elif arg.endswith("_ptr"):
+                sig[arg] = {"mask_ptr": "*u8", "arrive_ptr": "*i32"}.get(arg, "*bf16" if arg in (
+                    "x_ptr", "out_ptr", "grad_ptr", "dx_ptr") else "*fp32")
+            else:
+                sig[arg] = "fp32" if arg == "scale_value" else "i32"
+        ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+                             target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 4, "enable_fp_fusion": False}).asm["ptx"]
+        found[name] = len(re.findall(r"\batom\.[a-z0-9.:]*acquire", ptx))
+    print(json.dumps({"triton": triton.__version__, "acquire": found}))
+    """
+)
+
+
+def test_waiting_kernels_keep_their_acquire():
+    """The long-row kernels whose programs wait for each other (a grid barrier, per-epoch counters) order
+    the partials they read after the wait with an acquire atomic, which must survive into the PTX of the
+    GPU machine's Triton."""
+    python = sm90.triton36_python()
+    if python is None:
+        pytest.skip("no Python with Triton 3.6 (SAFEOPS_COMPILE_PYTHON or /tmp/t36): see tests/sm90.py")
+    out = sm90.run_script(_ACQUIRE_SCRIPT, sm90.ROOT, what="the waiting kernels", python=python)
+    assert out["triton"].startswith("3.6"), out
+    missing = [name for name, n in out["acquire"].items() if n < 1]
+    assert not missing, f"no acquire atomic in the PTX of {missing} (Triton {out['triton']})"

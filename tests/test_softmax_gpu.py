@@ -923,21 +923,22 @@ def test_one_launch_matches_two_launch_bitwise(op, dtype, n, rng):
 def test_streamed_long_rows_match_two_launch_bitwise(op, dtype, n, rng):
     """``_config.long_rows_stream``: the streamed forward and backward (one cooperative launch each,
     partials exchanged through per-epoch counters, x (and the gradient) read again from L2) give the
-    two-launch path's bits, output, d/dx and the scale tensor's gradient, with a mask, for row counts around
-    the epoch size; where rows take the split path they really ran."""
+    two-launch path's bits, output, d/dx and the scale tensor's gradient, with a mask; 257 rows give groups
+    several epochs (the case where a program counts itself in on one epoch while its partners finish the
+    last). Each direction that takes the split path really ran streamed."""
     ran = []
     real = softmax_launch._launch_stream
 
-    def recording(*args, **kwargs):
-        ran.append(real(*args, **kwargs))
-        return ran[-1]
+    def recording(kernel, *args, **kwargs):
+        ran.append((kernel.fn.__name__, real(kernel, *args, **kwargs)))
+        return ran[-1][1]
 
     softmax_launch._launch_stream = recording
     try:
-        for rows in (1, 3, 37):
+        for rows in (1, 3, 37, 257):
             x = rng.randn((rows, n), dtype, std=3.0)
             g = rng.randn((rows, n), dtype)
-            mask = torch.rand((1, n), device="cuda") < 0.8
+            mask = rng.rand((1, n)) < 0.8
             for with_scale in (False, True):
                 results = {}
                 for mode in ("stream", "two_launch"):
@@ -954,7 +955,12 @@ def test_streamed_long_rows_match_two_launch_bitwise(op, dtype, n, rng):
                     assert_bitwise(a, b, f"{what}: {name}, streamed vs two-launch")
     finally:
         softmax_launch._launch_stream = real
-    assert all(ran) and (ran or n < 65536), f"the streamed launch fell back or never ran: {ran}"
+    elem = torch.empty((), dtype=dtype).element_size()
+    resident = {"softmax_fwd_stream_kernel": softmax_launch.rows_config(n, elem),
+                "softmax_bwd_stream_kernel": softmax_launch.rows_config(n, elem, backward=True)}
+    expected = {name for name, cfg in resident.items() if cfg is None}  # the directions on the split path
+    assert {name for name, _ in ran} == expected and all(ok for _, ok in ran), (
+        f"streamed launches {ran}, expected {sorted(expected)} (a False: it fell back)")
 
 
 @pytest.mark.parametrize("variant", ["scale_float", "scale_tensor_mask"])

@@ -196,10 +196,12 @@ def _grid_barrier(arrive_ptr, target):
     tl.debug_barrier()
     tl.atomic_add(arrive_ptr, 1, sem="release")
     # Spin on plain volatile reads: read-modify-writes from every waiting program would queue up on
-    # one address. One acquire operation after the wait orders the reads that follow.
+    # one address. One acquire operation after the wait orders the reads that follow: an atomic or of 0,
+    # since Triton 3.6 turns an acquire add whose result is unused into a plain load and deletes it
+    # (tests/test_kernels_ptx.py checks the acquire is in the PTX).
     while tl.load(arrive_ptr, volatile=True) < target:
         pass
-    tl.atomic_add(arrive_ptr, 0, sem="acquire")
+    tl.atomic_or(arrive_ptr, 0, sem="acquire")
     tl.debug_barrier()
 
 
@@ -768,7 +770,7 @@ def softmax_fwd_stream_kernel(
             epoch = (e - 1) * n_groups + group
             while tl.load(arrive_ptr + epoch, volatile=True) < n_splits:
                 pass
-            tl.atomic_add(arrive_ptr + epoch, 0, sem="acquire")
+            tl.atomic_or(arrive_ptr + epoch, 0, sem="acquire")
             tl.debug_barrier()
             for i in range(0, ROWS):
                 row = epoch * ROWS + i
@@ -847,7 +849,7 @@ def softmax_bwd_stream_kernel(
             epoch = (e - 1) * n_groups + group
             while tl.load(arrive_ptr + epoch, volatile=True) < n_splits:
                 pass
-            tl.atomic_add(arrive_ptr + epoch, 0, sem="acquire")
+            tl.atomic_or(arrive_ptr + epoch, 0, sem="acquire")
             tl.debug_barrier()
             for i in range(0, ROWS):
                 row = epoch * ROWS + i
