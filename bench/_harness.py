@@ -18,6 +18,7 @@ snippet for ``bench/RESULTS.md`` whose header line names the date, GPU, torch, t
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import gc
@@ -74,6 +75,20 @@ def size_label(n: int) -> str:
 # The registry
 # --------------------------------------------------------------------------------------------------
 
+
+
+@contextlib.contextmanager
+def config_set(name: str, value):
+    """``safeops._config.<name> = value`` for the block (the benchmarks' variants: fp_fusion,
+    long_rows_stream, ...)."""
+    from safeops import _config
+
+    saved = getattr(_config, name)
+    setattr(_config, name, value)
+    try:
+        yield
+    finally:
+        setattr(_config, name, saved)
 
 @dataclass(frozen=True)
 class Case:

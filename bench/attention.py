@@ -121,16 +121,8 @@ def check(case: H.Case, out, ref: torch.Tensor) -> str | None:
     return None if err <= tol else f"max error {err:.3g} > {tol:.3g}"
 
 
-@contextlib.contextmanager
 def fp_fusion(on: bool):
-    from safeops import _config
-
-    saved = _config.fp_fusion
-    _config.fp_fusion = on
-    try:
-        yield
-    finally:
-        _config.fp_fusion = saved
+    return H.config_set("fp_fusion", on)
 
 
 @contextlib.contextmanager

@@ -33,7 +33,6 @@ Needs a CUDA GPU; without one it exits with a message.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import sys
 import time
@@ -118,41 +117,17 @@ def check(case: H.Case, out, ref: torch.Tensor) -> str | None:
 # --------------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def fp_fusion(on: bool):
-    from safeops import _config
-
-    old = _config.fp_fusion
-    _config.fp_fusion = on
-    try:
-        yield
-    finally:
-        _config.fp_fusion = old
-
-
 def _softmax_kind() -> int:
     from safeops import reference as ref
 
     return getattr(ref, "SOFTMAX", 0)
 
 
-@contextlib.contextmanager
-def long_rows_stream(on: bool):
-    from safeops import _config
-
-    old = _config.long_rows_stream
-    _config.long_rows_stream = on
-    try:
-        yield
-    finally:
-        _config.long_rows_stream = old
-
-
 def build_stream(case: H.Case, t: dict):
     call = build_safeops(case, t)
 
     def streamed():
-        with long_rows_stream(True):
+        with H.config_set("long_rows_stream", True):
             return call()
 
     return streamed
@@ -180,7 +155,7 @@ def build_safeops(case: H.Case, t: dict, fusion: bool = False):
         return call
 
     def fused():
-        with fp_fusion(True):
+        with H.config_set("fp_fusion", True):
             return call()
 
     return fused

@@ -187,22 +187,34 @@ def _online_step(m, l, z, LSE: tl.constexpr = False):
 
 
 @triton.jit
-def _grid_barrier(arrive_ptr, target):
-    """Waits until `target` arrivals are counted at `arrive_ptr` (all programs must be co-resident).
-
-    Writes made by any thread of this program before the call are visible to every program that passes
-    the same barrier: a CTA barrier, then one release increment, an acquire spin, and a CTA barrier.
-    """
+def _count_in(arrive_ptr):
+    """Adds this program to the count at `arrive_ptr` once every thread's earlier writes are made: a CTA
+    barrier, then one release increment."""
     tl.debug_barrier()
     tl.atomic_add(arrive_ptr, 1, sem="release")
-    # Spin on plain volatile reads: read-modify-writes from every waiting program would queue up on
-    # one address. One acquire operation after the wait orders the reads that follow: an atomic or of 0,
-    # since Triton 3.6 turns an acquire add whose result is unused into a plain load and deletes it
-    # (tests/test_kernels_ptx.py checks the acquire is in the PTX).
+
+
+@triton.jit
+def _wait_count(arrive_ptr, target):
+    """Waits until the count at `arrive_ptr` reaches `target`; the writes the counted programs made before
+    counting themselves in are then visible to every thread of this one (all programs must be co-resident).
+
+    Spin on plain volatile reads: read-modify-writes from every waiting program would queue up on one
+    address. One acquire operation after the wait orders the reads that follow: an atomic or of 0, since
+    Triton 3.6 turns an acquire add whose result is unused into a plain load and deletes it
+    (tests/test_kernels_ptx.py checks the acquire is in the PTX). A CTA barrier ends it."""
     while tl.load(arrive_ptr, volatile=True) < target:
         pass
     tl.atomic_or(arrive_ptr, 0, sem="acquire")
     tl.debug_barrier()
+
+
+@triton.jit
+def _grid_barrier(arrive_ptr, target):
+    """Waits until `target` arrivals are counted at `arrive_ptr`, this program's included: writes made by
+    any thread of this program before the call are visible to every program that passes the barrier."""
+    _count_in(arrive_ptr)
+    _wait_count(arrive_ptr, target)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -764,14 +776,10 @@ def softmax_fwd_stream_kernel(
                     ws = row.to(tl.int64) * n_splits + split
                     tl.store(ws_max_ptr + ws, m_part)
                     tl.store(ws_sum_ptr + ws, l_part)
-            tl.debug_barrier()  # every thread's partials stored before the one release increment
-            tl.atomic_add(arrive_ptr + epoch, 1, sem="release")
+            _count_in(arrive_ptr + epoch)
         if e > 0:
             epoch = (e - 1) * n_groups + group
-            while tl.load(arrive_ptr + epoch, volatile=True) < n_splits:
-                pass
-            tl.atomic_or(arrive_ptr + epoch, 0, sem="acquire")
-            tl.debug_barrier()
+            _wait_count(arrive_ptr + epoch, n_splits)
             for i in range(0, ROWS):
                 row = epoch * ROWS + i
                 if row < n_rows:
@@ -843,14 +851,10 @@ def softmax_bwd_stream_kernel(
                     else:
                         acc += tl.where(keep, g, 0.0)
                     tl.store(ws_ptr + row.to(tl.int64) * n_splits + split, tl.sum(acc, 0))
-            tl.debug_barrier()  # every thread's partials stored before the one release increment
-            tl.atomic_add(arrive_ptr + epoch, 1, sem="release")
+            _count_in(arrive_ptr + epoch)
         if e > 0:
             epoch = (e - 1) * n_groups + group
-            while tl.load(arrive_ptr + epoch, volatile=True) < n_splits:
-                pass
-            tl.atomic_or(arrive_ptr + epoch, 0, sem="acquire")
-            tl.debug_barrier()
+            _wait_count(arrive_ptr + epoch, n_splits)
             for i in range(0, ROWS):
                 row = epoch * ROWS + i
                 if row < n_rows:

@@ -222,12 +222,15 @@ def _max_programs(device: torch.device) -> int:
 
 
 def _launch_one_pass(kernel, args: list, options: dict, n_splits: int, n_rows: int, *, groups_at: int,
-                     arrive_at: int, device: torch.device) -> bool:
-    """Launches a grid-barrier kernel cooperatively if a row's programs fit on the GPU at once.
+                     arrive_at: int, device: torch.device, max_programs: int | None = None,
+                     counters: int | None = None) -> bool:
+    """Launches a kernel whose programs wait for each other cooperatively, in groups of ``n_splits``
+    programs (at most ``n_rows`` groups, and ``max_programs`` programs), if one group fits on the GPU at once.
 
-    Returns False when they cannot (the caller then takes the two-launch path). The number of groups
-    only decides which program handles which row, never how a row is computed, so shrinking it after a
-    refused launch changes no result.
+    ``args[arrive_at]`` gets zeroed int32 counters: one per group, or ``counters`` of them. Returns False
+    when not even one group fits (the caller then takes the two-launch path). The number of groups only
+    decides which program handles which row, never how a row is computed, so shrinking it after a refused
+    launch changes no result.
     """
     key = (kernel.fn.__name__, device.index, tuple(sorted(
         (k, v) for k, v in options.items() if not isinstance(v, torch.Tensor))),
@@ -235,10 +238,11 @@ def _launch_one_pass(kernel, args: list, options: dict, n_splits: int, n_rows: i
     capacity = _resident_cache.get(key)
     if capacity is None:
         capacity = _resident_programs(kernel, args, options, device)
-    while n_splits <= capacity:
-        n_groups = min(capacity // n_splits, n_rows)
+    limit = capacity if max_programs is None else min(capacity, max_programs)
+    while n_splits <= limit:
+        n_groups = min(limit // n_splits, n_rows)
         args[groups_at] = n_groups
-        args[arrive_at] = torch.zeros((n_groups,), dtype=torch.int32, device=device)
+        args[arrive_at] = torch.zeros((counters or n_groups,), dtype=torch.int32, device=device)
         try:
             kernel[(n_groups * n_splits,)](*args, **options, launch_cooperative_grid=True)
         except RuntimeError as exc:
@@ -247,6 +251,7 @@ def _launch_one_pass(kernel, args: list, options: dict, n_splits: int, n_rows: i
             # The occupancy estimate was too optimistic for this kernel: remember a smaller one.
             capacity = n_groups * n_splits - max(1, n_splits // 2) if n_groups > 1 else n_splits - 1
             _resident_cache[key] = capacity
+            limit = capacity if max_programs is None else min(capacity, max_programs)
             continue
         _resident_cache[key] = capacity
         return True
@@ -254,8 +259,8 @@ def _launch_one_pass(kernel, args: list, options: dict, n_splits: int, n_rows: i
     return False
 
 
-# The streamed long-row forward: rows per epoch, and the share of the L2 cache that two epochs of every
-# program may fill (its second read of x must find the range there).
+# The streamed long-row kernels: rows per epoch, and the share of the L2 cache that two epochs of every
+# program may fill (their second read must find the range there).
 STREAM_ROWS = 2
 STREAM_L2_SHARE = 0.5
 
@@ -263,37 +268,16 @@ STREAM_L2_SHARE = 0.5
 def _launch_stream(kernel, args: list, options: dict, sc: SplitConfig, n_rows: int, elem_size: int, *,
                    device: torch.device, arrive_at: int = 8) -> bool:
     """Launches a streamed long-row kernel (``softmax_fwd_stream_kernel`` / ``softmax_bwd_stream_kernel``)
-    cooperatively: groups of ``sc.n_splits`` programs, as many as fit on the GPU at once and keep two epochs
-    of what they read again (``elem_size`` bytes per column: x, or x and the gradient) within
-    ``STREAM_L2_SHARE`` of the L2 cache. Returns False when not even one group fits (the caller takes the
-    two-launch path). The number of groups decides which program handles which rows, never how a row is
-    computed."""
+    through :func:`_launch_one_pass`: one counter per epoch of ``STREAM_ROWS`` rows, a group per epoch at
+    most, and no more programs than keep two epochs of what they read again (``elem_size`` bytes per
+    column: x, or x and the gradient) within ``STREAM_L2_SHARE`` of the L2 cache."""
     props = torch.cuda.get_device_properties(device)
     epoch_bytes = 2 * STREAM_ROWS * sc.block_n * elem_size
     l2_programs = int(getattr(props, "L2_cache_size", 50 * 2**20) * STREAM_L2_SHARE) // epoch_bytes
-    key = (kernel.fn.__name__, device.index, tuple(sorted(
-        (k, v) for k, v in options.items() if not isinstance(v, torch.Tensor))),
-        tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
     n_epochs = triton.cdiv(n_rows, STREAM_ROWS)
-    args[arrive_at] = torch.zeros((n_epochs,), dtype=torch.int32, device=device)
-    capacity = _resident_cache.get(key)
-    if capacity is None:
-        capacity = _resident_programs(kernel, args, options, device)
-    while sc.n_splits <= min(capacity, l2_programs):
-        n_groups = min(min(capacity, l2_programs) // sc.n_splits, n_epochs)
-        args[-1] = n_groups
-        try:
-            kernel[(n_groups * sc.n_splits,)](*args, **options, launch_cooperative_grid=True)
-        except RuntimeError as exc:
-            if "cooperative" not in str(exc):
-                raise
-            capacity = n_groups * sc.n_splits - max(1, sc.n_splits // 2) if n_groups > 1 else sc.n_splits - 1
-            _resident_cache[key] = capacity
-            continue
-        _resident_cache[key] = capacity
-        return True
-    _resident_cache[key] = capacity
-    return False
+    args[arrive_at] = torch.empty((1,), dtype=torch.int32, device=device)  # (the occupancy probe's stand-in)
+    return _launch_one_pass(kernel, args, options, sc.n_splits, n_epochs, groups_at=-1, arrive_at=arrive_at,
+                            device=device, max_programs=l2_programs, counters=n_epochs)
 
 
 def _wide(rows: Rows) -> bool:
