@@ -78,17 +78,21 @@ def size_label(n: int) -> str:
 
 
 @contextlib.contextmanager
-def config_set(name: str, value):
-    """``safeops._config.<name> = value`` for the block (the benchmarks' variants: fp_fusion,
-    long_rows_stream, ...)."""
-    from safeops import _config
-
-    saved = getattr(_config, name)
-    setattr(_config, name, value)
+def attr_set(obj, name: str, value):
+    """``obj.<name> = value`` for the block (the benchmarks' variants)."""
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
     try:
         yield
     finally:
-        setattr(_config, name, saved)
+        setattr(obj, name, saved)
+
+
+def config_set(name: str, value):
+    """``safeops._config.<name> = value`` for the block (fp_fusion, ...)."""
+    from safeops import _config
+
+    return attr_set(_config, name, value)
 
 @dataclass(frozen=True)
 class Case:

@@ -8,8 +8,8 @@ backward reads two tensors and writes dx (3 * numel * bytes). What each backward
   row max and row sum (it recomputes p from x; reads x and dy, writes dx: the same 3 tensors as the peers);
 - safeops, fp fusion on: the same kernels compiled with fp contraction on (``safeops._config.fp_fusion``),
   to show that the safe setting costs nothing; it is our variant, not a peer;
-- safeops stream: long rows through the streamed kernels (``safeops._config.long_rows_stream``: one
-  cooperative launch, the inputs read a second time from L2), the same bits; our variant;
+- safeops two-launch: the backward of long rows through the two-launch path where the loop kernel takes
+  it (``softmax_launch.LOOP_MAX_COLS_BWD`` emptied); our variant, to show what the loop kernel buys;
 - torch eager: ``torch._softmax_backward_data(dy, y, dim, dtype)``, the kernel autograd runs for softmax;
 - torch.compile: ``torch.compile`` of that same call, compiled per shape (dynamic=False): the backward
   kernel Inductor generates for ``torch.compile(torch.softmax)`` (its decomposition of this aten op);
@@ -123,14 +123,16 @@ def _softmax_kind() -> int:
     return getattr(ref, "SOFTMAX", 0)
 
 
-def build_stream(case: H.Case, t: dict):
+def build_two_launch(case: H.Case, t: dict):
+    from safeops.ops import softmax_launch as L
+
     call = build_safeops(case, t)
 
-    def streamed():
-        with H.config_set("long_rows_stream", True):
+    def two_launch():
+        with H.attr_set(L, "LOOP_MAX_COLS_BWD", {}):
             return call()
 
-    return streamed
+    return two_launch
 
 
 def build_safeops(case: H.Case, t: dict, fusion: bool = False):
@@ -243,7 +245,7 @@ def build_benchmark(cases: list[H.Case], only: set[str] | None = None) -> H.Benc
                         make_inputs=make_inputs, reference=reference, check=check)
     bench.add("safeops", build_safeops, role="ours")
     bench.add("safeops fp-fusion on", lambda c, t: build_safeops(c, t, fusion=True), role="variant", tag="")
-    bench.add("safeops stream", build_stream, role="variant", tag="")
+    bench.add("safeops two-launch", build_two_launch, role="variant", tag="")
     bench.add("torch eager", build_eager, tag="e")
     bench.add("torch.compile", build_compiled, tag="c")
     _, why = _liger_module()

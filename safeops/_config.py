@@ -33,10 +33,6 @@ fp_fusion: bool = False
 # read once). Off by default: on the H200 it measured slower than the two-launch path (bench/RESULTS.md).
 # Tests turn it on to check it bit for bit against the two-launch path that CI's interpreter runs.
 one_launch_long_rows: bool = False
-# Long rows on a GPU can use the streamed forward (softmax_fwd_stream_kernel: the two-launch path's work in
-# one cooperative launch, the second read of x from L2). Off until measured; the same bits as the
-# two-launch path. Takes precedence over one_launch_long_rows for the softmax / log-softmax forward.
-long_rows_stream: bool = False
 
 
 def _environ_entry(name: str):

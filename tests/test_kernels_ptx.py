@@ -86,11 +86,8 @@ _SCRIPT = textwrap.dedent(
                     k.softmax_fwd_fused_kernel, {**base, **splits}, split)
                 results[f"bwd_fused/{kind}/{scale_mode}"] = count(
                     k.softmax_bwd_fused_kernel, {**base, **splits, "NEED_DSCALE": True}, split)
-                results[f"fwd_stream/{kind}/{scale_mode}"] = count(
-                    k.softmax_fwd_stream_kernel, {**base, **splits, "ROWS": L.STREAM_ROWS}, split)
-                results[f"bwd_stream/{kind}/{scale_mode}"] = count(
-                    k.softmax_bwd_stream_kernel,
-                    {**base, **splits, "NEED_DSCALE": True, "ROWS": L.STREAM_ROWS}, split)
+                results[f"bwd_loop/{kind}/{scale_mode}"] = count(
+                    k.softmax_bwd_loop_kernel, {**base, **splits, "NEED_DSCALE": True}, split)
         results[f"fwd_partial/{kind}"] = count(
             k.softmax_fwd_partial_kernel,
             {"SCALE_MODE": 1, "HAS_MASK": True, "WIDE": False, "BLOCK_N": split.block_n, "LSE": kind == 2},
@@ -141,10 +138,9 @@ _ACQUIRE_SCRIPT = textwrap.dedent(
     import safeops.kernels.softmax as k
 
     constexprs = {"KIND": 0, "SCALE_MODE": 1, "HAS_MASK": True, "WIDE": False, "SPLITS": 256, "BLOCK_N": 4096,
-                  "NEED_DSCALE": True, "ROWS": 2, "XA": 8, "OA": 8, "MA": 8, "GA": 8, "DA": 8}
+                  "NEED_DSCALE": True, "XA": 8, "OA": 8, "MA": 8, "GA": 8, "DA": 8}
     found = {}
-    for name in ("softmax_fwd_fused_kernel", "softmax_bwd_fused_kernel", "softmax_fwd_stream_kernel",
-                 "softmax_bwd_stream_kernel"):
+    for name in ("softmax_fwd_fused_kernel", "softmax_bwd_fused_kernel"):
         fn = getattr(k, name)
         const = {n: v for n, v in constexprs.items() if n in fn.arg_names}
         sig = {}

@@ -153,19 +153,19 @@ def _compiled_kernels_on_cuda(monkeypatch):
 
 @contextlib.contextmanager
 def long_rows(mode: str):
-    """'default', or force the one-launch / streamed / two-launch long-row path where safeops has them."""
+    """'default', or force the one-launch or the two-launch long-row path (neither takes the loop kernels)."""
     if mode == "default":
         yield
         return
     if not hasattr(_config, "one_launch_long_rows"):
         pytest.skip("safeops._config has no one_launch_long_rows switch")
-    old = _config.one_launch_long_rows, getattr(_config, "long_rows_stream", False)
+    old = _config.one_launch_long_rows, getattr(softmax_launch, "LOOP_MAX_COLS_BWD", None)
     _config.one_launch_long_rows = mode == "one_launch"
-    _config.long_rows_stream = mode == "stream"
+    softmax_launch.LOOP_MAX_COLS_BWD = {}
     try:
         yield
     finally:
-        _config.one_launch_long_rows, _config.long_rows_stream = old
+        _config.one_launch_long_rows, softmax_launch.LOOP_MAX_COLS_BWD = old
 
 
 def call(op: str, x: torch.Tensor, dim: int = -1, **kwargs) -> torch.Tensor:
@@ -916,51 +916,59 @@ def test_one_launch_matches_two_launch_bitwise(op, dtype, n, rng):
     assert_bitwise(results["one_launch"][1], results["two_launch"][1], f"{what}: backward one- vs two-launch")
 
 
-@pytest.mark.parametrize("n", SPLIT_N)
+@pytest.mark.parametrize("n", (16385, 20000, 32768, 40000))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
 @pytest.mark.parametrize("op", ("softmax", "log_softmax"))
 @given(rng=rngs())
-def test_streamed_long_rows_match_two_launch_bitwise(op, dtype, n, rng):
-    """``_config.long_rows_stream``: the streamed forward and backward (one cooperative launch each,
-    partials exchanged through per-epoch counters, x (and the gradient) read again from L2) give the
-    two-launch path's bits, output, d/dx and the scale tensor's gradient, with a mask; 257 rows give groups
-    several epochs (the case where a program counts itself in on one epoch while its partners finish the
-    last). Each direction that takes the split path really ran streamed."""
-    ran = []
-    real = softmax_launch._launch_stream
+def test_loop_backward_matches_two_launch_bitwise(op, dtype, n, rng, monkeypatch):
+    """The loop backward (one program walks a row twice, softmax_launch.LOOP_MAX_COLS_BWD) gives the
+    two-launch path's bits at the same number of warps: d/dx and the scale tensor's gradient, with a mask;
+    1 to 600 rows, so the persistent grid's programs take one row or several. It really ran where the table
+    sends the backward, and nowhere else."""
+    launches = []
+    real = softmax_launch._loop_grid
 
-    def recording(kernel, *args, **kwargs):
-        ran.append((kernel.fn.__name__, real(kernel, *args, **kwargs)))
-        return ran[-1][1]
+    def recording(n_rows, device):
+        launches.append(n_rows)
+        return real(n_rows, device)
 
-    softmax_launch._launch_stream = recording
-    try:
-        for rows in (1, 3, 37, 257):
-            x = rng.randn((rows, n), dtype, std=3.0)
-            g = rng.randn((rows, n), dtype)
-            mask = rng.rand((1, n)) < 0.8
-            for with_scale in (False, True):
-                results = {}
-                for mode in ("stream", "two_launch"):
-                    xs = x.clone().requires_grad_()
-                    scale = torch.tensor(0.7, device="cuda", requires_grad=True)
-                    kw = {"scale": scale, "mask": mask} if with_scale else {}
-                    with long_rows(mode):
-                        out = call(op, xs, **kw)
-                        grads = torch.autograd.grad(out, [xs, scale] if with_scale else [xs], g)
-                    results[mode] = (out.detach(), *grads)
-                what = f"{op} {dtype} {rows}x{n} scale/mask {with_scale} {rng}"
-                for name, a, b in zip(("out", "d/dx", "d/dscale"), results["stream"], results["two_launch"],
-                                      strict=False):
-                    assert_bitwise(a, b, f"{what}: {name}, streamed vs two-launch")
-    finally:
-        softmax_launch._launch_stream = real
+    monkeypatch.setattr(softmax_launch, "_loop_grid", recording)
     elem = torch.empty((), dtype=dtype).element_size()
-    resident = {"softmax_fwd_stream_kernel": softmax_launch.rows_config(n, elem),
-                "softmax_bwd_stream_kernel": softmax_launch.rows_config(n, elem, backward=True)}
-    expected = {name for name, cfg in resident.items() if cfg is None}  # the directions on the split path
-    assert {name for name, _ in ran} == expected and all(ok for _, ok in ran), (
-        f"streamed launches {ran}, expected {sorted(expected)} (a False: it fell back)")
+    expected = int(softmax_launch.rows_config(n, elem, backward=True) is None
+                   and n <= softmax_launch.LOOP_MAX_COLS_BWD.get(elem, 0))
+    for rows in (1, 3, 600):
+        x = rng.randn((rows, n), dtype, std=3.0)
+        g = rng.randn((rows, n), dtype)
+        mask = rng.rand((1, n)) < 0.8
+        for with_scale in (False, True):
+            results = {}
+            for mode in ("default", "two_launch"):
+                xs = x.clone().requires_grad_()
+                scale = torch.tensor(0.7, device="cuda", requires_grad=True)
+                kw = {"scale": scale, "mask": mask} if with_scale else {}
+                warps = {e: softmax_launch.LOOP_NUM_WARPS for e in (1, 2, 4)}
+                with long_rows(mode), _attr(softmax_launch, "SPLIT_NUM_WARPS", warps):
+                    out = call(op, xs, **kw)
+                    launches.clear()
+                    grads = torch.autograd.grad(out, [xs, scale] if with_scale else [xs], g)
+                    looped = len(launches)
+                results[mode] = grads
+                want = expected if mode == "default" else 0
+                assert looped == want, f"{looped} loop launches ({mode}), expected {want}"
+            what = f"{op} {dtype} {rows}x{n} scale/mask {with_scale} {rng}"
+            for name, a, b in zip(("d/dx", "d/dscale"), results["default"], results["two_launch"],
+                                  strict=False):
+                assert_bitwise(a, b, f"{what}: {name}, loop vs two-launch")
+
+
+@contextlib.contextmanager
+def _attr(obj, name, value):
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
 
 
 @pytest.mark.parametrize("variant", ["scale_float", "scale_tensor_mask"])

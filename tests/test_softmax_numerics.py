@@ -138,9 +138,10 @@ def test_drawn_calls_match_oracle(backend, op, case):
 
 
 SPLIT_CASES = {
-    # Rows too long for one program take the split path (several programs per row; on CPU tensors always
-    # the two-launch kernels: the one-launch kernel is for CUDA only). Up to 32K columns the forward keeps
-    # a row in one program and only the backward splits it (the 20000 cases); beyond, both split.
+    # Rows too long for one program take the split path (several programs per row; on CPU tensors the
+    # two-launch kernels: the one-launch kernel is for CUDA only). Up to 32K columns the forward keeps a
+    # row in one program and the backward takes the loop kernel (the 20000 cases: one program walks the
+    # row twice, over the row's blocks); beyond, both take the two-launch kernels.
     "fp32_20000": (torch.float32, (2, 20000), -1),
     "fp32_40000": (torch.float32, (2, 40000), -1),
     "fp16_40000": (torch.float16, (2, 40000), -1),

@@ -36,6 +36,8 @@ from safeops.kernels.convert import cast, to_f32
 
 NEG_INF = tl.constexpr(float("-inf"))
 POS_INF = tl.constexpr(float("inf"))
+# A load's default L2 eviction policy, as a default argument (a plain str one fails to compile on Triton 3.6).
+NO_HINT = tl.constexpr("")
 # Nothing that changes with the number of rows is specialised by value (the row count, batch sizes, batch
 # strides; their alignment is stated by the launcher instead): a row alone and the same row in a batch then
 # run the same compiled kernel, hence the same reduction order (contract section 6).
@@ -113,12 +115,13 @@ def _materialize(x, keep, scale, SCALE_MODE: tl.constexpr):
 
 
 @triton.jit
-def _logits(x_ptrs, mask_ptrs, valid, scale, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr):
-    """Loads x and returns (fp32 x, z)."""
-    x = to_f32(tl.load(x_ptrs, mask=valid, other=0.0))
+def _logits(x_ptrs, mask_ptrs, valid, scale, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr,
+            EVICT: tl.constexpr = NO_HINT):
+    """Loads x and returns (fp32 x, z). EVICT: the loads' L2 eviction policy (a hint; no result changes)."""
+    x = to_f32(tl.load(x_ptrs, mask=valid, other=0.0, eviction_policy=EVICT))
     keep = valid
     if HAS_MASK:
-        keep = keep & (tl.load(mask_ptrs, mask=valid, other=0) != 0)
+        keep = keep & (tl.load(mask_ptrs, mask=valid, other=0, eviction_policy=EVICT) != 0)
     return x, _materialize(x, keep, scale, SCALE_MODE)
 
 
@@ -379,6 +382,104 @@ def _range_base(ptr, row, B1, B2, s0, s1, s2, first_col, sn, ALIGN: tl.constexpr
     return ptr + _row_offsets(row, B1, B2, s0, s1, s2, ALIGN) + first_col.to(tl.int64) * sn
 
 
+@triton.jit
+def _fwd_range_stats(x_base, m_base, limit, cols_per_split, scale, sxn, smn,
+                     SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, LSE: tl.constexpr, EVICT: tl.constexpr = NO_HINT):
+    """(max, sum) of one column range (``limit`` columns valid), blocks of BLOCK_N folded in order."""
+    lanes = tl.arange(0, BLOCK_N)
+    m = tl.full((), NEG_INF, tl.float32)
+    l = tl.zeros((), tl.float32)
+    for c in range(0, cols_per_split, BLOCK_N):
+        cols = c + lanes
+        x, z = _logits(x_base + _col_offsets(cols, sxn, WIDE), m_base + _col_offsets(cols, smn, WIDE),
+                       cols < limit, scale, SCALE_MODE, HAS_MASK, EVICT)
+        m, l = _online_step(m, l, z, LSE)
+    return m, l
+
+
+@triton.jit
+def _fwd_range_write(x_base, m_base, o_base, limit, cols_per_split, scale, m, l, sxn, smn, son,
+                     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, EVICT: tl.constexpr = NO_HINT):
+    """Writes one column range of a softmax / log-softmax row from the row's (max, sum)."""
+    m_safe = _safe_max(m)
+    log_l = _log_sum(l)
+    inv_l = _inv_sum(l)
+    lanes = tl.arange(0, BLOCK_N)
+    for c in range(0, cols_per_split, BLOCK_N):
+        cols = c + lanes
+        valid = cols < limit
+        x, z = _logits(x_base + _col_offsets(cols, sxn, WIDE), m_base + _col_offsets(cols, smn, WIDE),
+                       valid, scale, SCALE_MODE, HAS_MASK, EVICT)
+        if KIND == 0:
+            out = _probabilities(z, m_safe, inv_l)
+        else:
+            out = tl.where(l == 0.0, NEG_INF, (z - m_safe) - log_l)
+        tl.store(o_base + _col_offsets(cols, son, WIDE), cast(out, o_base.dtype.element_ty), mask=valid,
+                 eviction_policy=EVICT)
+
+
+@triton.jit
+def _bwd_range_sum(g_base, x_base, m_base, limit, cols_per_split, scale, m_safe, inv_l, sgn, sxn, smn,
+                   KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, EVICT: tl.constexpr = NO_HINT):
+    """One column range's part of the backward's row sum: sum(g * p) (softmax) or sum(g) (log-softmax)."""
+    lanes = tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for c in range(0, cols_per_split, BLOCK_N):
+        cols = c + lanes
+        valid = cols < limit
+        x, z = _logits(x_base + _col_offsets(cols, sxn, WIDE), m_base + _col_offsets(cols, smn, WIDE),
+                       valid, scale, SCALE_MODE, HAS_MASK, EVICT)
+        keep = z != NEG_INF
+        g = to_f32(tl.load(g_base + _col_offsets(cols, sgn, WIDE), mask=valid, other=0.0,
+                           eviction_policy=EVICT))
+        if KIND == 0:
+            acc += tl.where(keep, g * _probabilities(z, m_safe, inv_l), 0.0)
+        else:
+            acc += tl.where(keep, g, 0.0)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
+def _bwd_range_write(g_base, x_base, d_base, m_base, limit, cols_per_split, scale, m_safe, inv_l, s,
+                     g_row_value, sgn, sxn, sdn, smn,
+                     KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr,
+                     NEED_DSCALE: tl.constexpr, WIDE: tl.constexpr, BLOCK_N: tl.constexpr,
+                     EVICT: tl.constexpr = NO_HINT):
+    """Writes one column range of dx from the row sum ``s`` (``g_row_value``: logsumexp's incoming gradient);
+    returns the range's part of the scale gradient (0 without NEED_DSCALE)."""
+    lanes = tl.arange(0, BLOCK_N)
+    dscale_acc = tl.zeros((BLOCK_N,), tl.float32)
+    for c in range(0, cols_per_split, BLOCK_N):
+        cols = c + lanes
+        valid = cols < limit
+        x, z = _logits(x_base + _col_offsets(cols, sxn, WIDE), m_base + _col_offsets(cols, smn, WIDE),
+                       valid, scale, SCALE_MODE, HAS_MASK, EVICT)
+        keep = z != NEG_INF
+        p = _probabilities(z, m_safe, inv_l)
+        if KIND == 2:
+            dz = g_row_value * p
+        else:
+            g = to_f32(tl.load(g_base + _col_offsets(cols, sgn, WIDE), mask=valid, other=0.0,
+                           eviction_policy=EVICT))
+            if KIND == 0:
+                dz = p * (g - s)
+            else:
+                dz = g - p * s
+        dz = tl.where(keep, dz, 0.0)
+        if SCALE_MODE != 0:
+            dx = dz * scale
+        else:
+            dx = dz
+        tl.store(d_base + _col_offsets(cols, sdn, WIDE), cast(dx, d_base.dtype.element_ty), mask=valid,
+                 eviction_policy=EVICT)
+        if NEED_DSCALE:
+            dscale_acc += tl.where(keep, dz * x, 0.0)
+    return tl.sum(dscale_acc, 0)
+
+
 @triton.jit(do_not_specialize=ROW_STRIDES)
 def softmax_fwd_partial_kernel(
     x_ptr, mask_ptr, scale_ptr, ws_max_ptr, ws_sum_ptr,
@@ -396,18 +497,10 @@ def softmax_fwd_partial_kernel(
     split = pid % n_splits
     scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
     first = split * cols_per_split
-    limit = tl.minimum(n_cols - first, cols_per_split)
-    x_base = _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA)
-    m_base = _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA)
-    lanes = tl.arange(0, BLOCK_N)
-
-    m = tl.full((), NEG_INF, tl.float32)
-    l = tl.zeros((), tl.float32)
-    for c in range(0, cols_per_split, BLOCK_N):
-        cols = c + lanes
-        x, z = _logits(x_base + _col_offsets(cols, sxn, WIDE), m_base + _col_offsets(cols, smn, WIDE),
-                       cols < limit, scale, SCALE_MODE, HAS_MASK)
-        m, l = _online_step(m, l, z, LSE)
+    m, l = _fwd_range_stats(_range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA),
+                            _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA),
+                            tl.minimum(n_cols - first, cols_per_split), cols_per_split, scale, sxn, smn,
+                            SCALE_MODE, HAS_MASK, WIDE, BLOCK_N, LSE)
     tl.store(ws_max_ptr + pid, m)
     tl.store(ws_sum_ptr + pid, l)
 
@@ -435,26 +528,13 @@ def softmax_fwd_finish_kernel(
         if KIND == 2:
             tl.store(out_ptr + row, cast(m + _log_sum(l), out_ptr.dtype.element_ty))
     if KIND != 2:
-        scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
-        m_safe = _safe_max(m)
-        log_l = _log_sum(l)
-        inv_l = _inv_sum(l)
         first = split * cols_per_split
-        limit = tl.minimum(n_cols - first, cols_per_split)
-        x_base = _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA)
-        m_base = _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA)
-        o_base = _range_base(out_ptr, row, B1, B2, so0, so1, so2, first, son, OA)
-        lanes = tl.arange(0, BLOCK_N)
-        for c in range(0, cols_per_split, BLOCK_N):
-            cols = c + lanes
-            valid = cols < limit
-            x, z = _logits(x_base + _col_offsets(cols, sxn, WIDE), m_base + _col_offsets(cols, smn, WIDE),
-                           valid, scale, SCALE_MODE, HAS_MASK)
-            if KIND == 0:
-                out = _probabilities(z, m_safe, inv_l)
-            else:
-                out = tl.where(l == 0.0, NEG_INF, (z - m_safe) - log_l)
-            tl.store(o_base + _col_offsets(cols, son, WIDE), cast(out, out_ptr.dtype.element_ty), mask=valid)
+        _fwd_range_write(_range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA),
+                         _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA),
+                         _range_base(out_ptr, row, B1, B2, so0, so1, so2, first, son, OA),
+                         tl.minimum(n_cols - first, cols_per_split), cols_per_split,
+                         _scale_of(scale_ptr, scale_value, SCALE_MODE), m, l, sxn, smn, son,
+                         KIND, SCALE_MODE, HAS_MASK, WIDE, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=ROW_STRIDES)
@@ -472,28 +552,15 @@ def softmax_bwd_partial_kernel(
     pid = tl.program_id(0)
     row = pid // n_splits
     split = pid % n_splits
-    scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
-    m_safe = _safe_max(tl.load(row_max_ptr + row))
-    inv_l = _inv_sum(tl.load(row_sum_ptr + row))
     first = split * cols_per_split
-    limit = tl.minimum(n_cols - first, cols_per_split)
-    g_base = _range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn, GA)
-    x_base = _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA)
-    m_base = _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA)
-    lanes = tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_N,), tl.float32)
-    for c in range(0, cols_per_split, BLOCK_N):
-        cols = c + lanes
-        valid = cols < limit
-        x, z = _logits(x_base + _col_offsets(cols, sxn, WIDE), m_base + _col_offsets(cols, smn, WIDE),
-                       valid, scale, SCALE_MODE, HAS_MASK)
-        keep = z != NEG_INF
-        g = to_f32(tl.load(g_base + _col_offsets(cols, sgn, WIDE), mask=valid, other=0.0))
-        if KIND == 0:
-            acc += tl.where(keep, g * _probabilities(z, m_safe, inv_l), 0.0)
-        else:
-            acc += tl.where(keep, g, 0.0)
-    tl.store(ws_ptr + pid, tl.sum(acc, 0))
+    part = _bwd_range_sum(_range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn, GA),
+                          _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA),
+                          _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA),
+                          tl.minimum(n_cols - first, cols_per_split), cols_per_split,
+                          _scale_of(scale_ptr, scale_value, SCALE_MODE),
+                          _safe_max(tl.load(row_max_ptr + row)), _inv_sum(tl.load(row_sum_ptr + row)),
+                          sgn, sxn, smn, KIND, SCALE_MODE, HAS_MASK, WIDE, BLOCK_N)
+    tl.store(ws_ptr + pid, part)
 
 
 @triton.jit(do_not_specialize=ROW_STRIDES)
@@ -513,48 +580,81 @@ def softmax_bwd_finish_kernel(
     pid = tl.program_id(0)
     row = pid // n_splits
     split = pid % n_splits
-    scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
-    m_safe = _safe_max(tl.load(row_max_ptr + row))
-    inv_l = _inv_sum(tl.load(row_sum_ptr + row))
     if KIND == 2:
         g_row_value = to_f32(tl.load(grad_ptr + row))
         s = 0.0
     else:
+        g_row_value = 0.0
         idx = tl.arange(0, SPLITS)
         s = tl.sum(tl.load(ws_ptr + row.to(tl.int64) * n_splits + idx, mask=idx < n_splits, other=0.0), 0)
     first = split * cols_per_split
-    limit = tl.minimum(n_cols - first, cols_per_split)
-    g_base = _range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn, GA)
-    x_base = _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA)
-    d_base = _range_base(dx_ptr, row, B1, B2, sd0, sd1, sd2, first, sdn, DA)
-    m_base = _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA)
-    lanes = tl.arange(0, BLOCK_N)
-    dscale_acc = tl.zeros((BLOCK_N,), tl.float32)
-    for c in range(0, cols_per_split, BLOCK_N):
-        cols = c + lanes
-        valid = cols < limit
-        x, z = _logits(x_base + _col_offsets(cols, sxn, WIDE), m_base + _col_offsets(cols, smn, WIDE),
-                       valid, scale, SCALE_MODE, HAS_MASK)
-        keep = z != NEG_INF
-        p = _probabilities(z, m_safe, inv_l)
-        if KIND == 2:
-            dz = g_row_value * p
-        else:
-            g = to_f32(tl.load(g_base + _col_offsets(cols, sgn, WIDE), mask=valid, other=0.0))
-            if KIND == 0:
-                dz = p * (g - s)
-            else:
-                dz = g - p * s
-        dz = tl.where(keep, dz, 0.0)
-        if SCALE_MODE != 0:
-            dx = dz * scale
-        else:
-            dx = dz
-        tl.store(d_base + _col_offsets(cols, sdn, WIDE), cast(dx, dx_ptr.dtype.element_ty), mask=valid)
-        if NEED_DSCALE:
-            dscale_acc += tl.where(keep, dz * x, 0.0)
+    part = _bwd_range_write(_range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn, GA),
+                            _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA),
+                            _range_base(dx_ptr, row, B1, B2, sd0, sd1, sd2, first, sdn, DA),
+                            _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA),
+                            tl.minimum(n_cols - first, cols_per_split), cols_per_split,
+                            _scale_of(scale_ptr, scale_value, SCALE_MODE),
+                            _safe_max(tl.load(row_max_ptr + row)), _inv_sum(tl.load(row_sum_ptr + row)),
+                            s, g_row_value, sgn, sxn, sdn, smn,
+                            KIND, SCALE_MODE, HAS_MASK, NEED_DSCALE, WIDE, BLOCK_N)
     if NEED_DSCALE:
-        tl.store(dscale_ptr + pid, tl.sum(dscale_acc, 0))
+        tl.store(dscale_ptr + pid, part)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Long rows, looped (backward): one program walks a whole row twice, a block of BLOCK_N columns at a time.
+# The first walk reads x and the gradient with an evict-last hint and keeps each block's partial of the row
+# sum in a register vector, exactly as the partial kernel writes it with one block per range; the second
+# walk reads them again, from L2 (the launcher's grid is small enough to keep every program's row there),
+# and writes dx. A persistent grid (programs take rows pid, pid + nprog, ...); a row is computed the same way
+# whichever program takes it. The arithmetic is the two-launch path's with cols_per_split == BLOCK_N at
+# the same number of warps, with no workspace and no second launch.
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=ROW_STRIDES)
+def softmax_bwd_loop_kernel(
+    grad_ptr, x_ptr, dx_ptr, mask_ptr, scale_ptr, row_max_ptr, row_sum_ptr, dscale_ptr,
+    n_rows, n_cols, B1, B2,
+    sg0, sg1, sg2, sgn,
+    sx0, sx1, sx2, sxn,
+    sd0, sd1, sd2, sdn,
+    sm0, sm1, sm2, smn,
+    scale_value, n_splits,
+    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, NEED_DSCALE: tl.constexpr,
+    WIDE: tl.constexpr,
+    GA: tl.constexpr, XA: tl.constexpr, DA: tl.constexpr, MA: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """KIND 0 softmax, 1 log-softmax. ``dscale_ptr`` gets one scale-gradient part per (row, block), where the
+    finish kernel writes them."""
+    scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
+    idx = tl.arange(0, SPLITS)
+    row = tl.program_id(0)
+    while row < n_rows:  # a loop variable that stays a tensor under the interpreter too
+        m_safe = _safe_max(tl.load(row_max_ptr + row))
+        inv_l = _inv_sum(tl.load(row_sum_ptr + row))
+        parts = tl.zeros((SPLITS,), tl.float32)
+        for split in range(0, n_splits):
+            first = split * BLOCK_N
+            part = _bwd_range_sum(_range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn, GA),
+                                  _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA),
+                                  _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA),
+                                  n_cols - first, BLOCK_N, scale, m_safe, inv_l, sgn, sxn, smn,
+                                  KIND, SCALE_MODE, HAS_MASK, WIDE, BLOCK_N, "evict_last")
+            parts = tl.where(idx == split, part, parts)
+        s = tl.sum(parts, 0)
+        for split in range(0, n_splits):
+            first = split * BLOCK_N
+            part = _bwd_range_write(_range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn, GA),
+                                    _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA),
+                                    _range_base(dx_ptr, row, B1, B2, sd0, sd1, sd2, first, sdn, DA),
+                                    _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA),
+                                    n_cols - first, BLOCK_N, scale, m_safe, inv_l, s, 0.0, sgn, sxn, sdn, smn,
+                                    KIND, SCALE_MODE, HAS_MASK, NEED_DSCALE, WIDE, BLOCK_N, "evict_first")
+            if NEED_DSCALE:
+                tl.store(dscale_ptr + row.to(tl.int64) * n_splits + split, part)
+        row += tl.num_programs(0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -722,166 +822,3 @@ def softmax_bwd_fused_kernel(
         valid = next_valid
     if NEED_DSCALE:
         tl.store(dscale_ptr + pid, tl.sum(dscale_acc, 0))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Long rows, streamed (off by default: `_config.long_rows_stream`). The two-launch path's work in one
-# cooperative launch: the `n_splits` programs of a group take their group's rows `ROWS` at a time (an
-# epoch). In epoch e a program writes the (max, sum) partial of its column range of each row and counts
-# itself in on the epoch's counter (release); then it waits for epoch e - 1's counter (acquire), which
-# its group's other programs usually filled while it worked, and writes epoch e - 1's ranges, reading x a
-# second time while it is still in L2 (the launcher keeps two epochs of every program within it). Every
-# program counts itself in on epoch e before it waits on e - 1, so no wait can close a cycle. One block
-# per range and the partials combined in split order, as `softmax_fwd_partial_kernel` /
-# `softmax_fwd_finish_kernel` do with one block per program: the same bits.
-# ---------------------------------------------------------------------------------------------------
-
-
-@triton.jit(do_not_specialize=ROW_STRIDES)
-def softmax_fwd_stream_kernel(
-    x_ptr, out_ptr, mask_ptr, scale_ptr, ws_max_ptr, ws_sum_ptr, row_max_ptr, row_sum_ptr, arrive_ptr,
-    n_rows, n_cols, B1, B2,
-    sx0, sx1, sx2, sxn,
-    so0, so1, so2, son,
-    sm0, sm1, sm2, smn,
-    scale_value, n_splits, n_groups,
-    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
-    XA: tl.constexpr, OA: tl.constexpr, MA: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-):
-    """KIND 0 softmax, 1 log-softmax (logsumexp reads x once on the two-launch path already).
-    ``arrive_ptr``: one zeroed int32 counter per epoch of ``ROWS`` rows (cdiv(n_rows, ROWS))."""
-    pid = tl.program_id(0)
-    group = pid // n_splits
-    split = pid % n_splits
-    scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
-    first = split * BLOCK_N
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < n_cols - first
-    x_cols = _col_offsets(cols, sxn, WIDE)
-    m_cols = _col_offsets(cols, smn, WIDE)
-    o_cols = _col_offsets(cols, son, WIDE)
-    n_epochs = tl.cdiv(tl.cdiv(n_rows, ROWS) - group, n_groups)
-    for e in range(0, n_epochs + 1):
-        if e < n_epochs:
-            epoch = e * n_groups + group
-            for i in range(0, ROWS):
-                row = epoch * ROWS + i
-                if row < n_rows:
-                    x, z = _logits(_range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA) + x_cols,
-                                   _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA) + m_cols,
-                                   col_ok, scale, SCALE_MODE, HAS_MASK)
-                    m_part, l_part = _online_step(tl.full((), NEG_INF, tl.float32), tl.zeros((), tl.float32),
-                                                  z)
-                    ws = row.to(tl.int64) * n_splits + split
-                    tl.store(ws_max_ptr + ws, m_part)
-                    tl.store(ws_sum_ptr + ws, l_part)
-            _count_in(arrive_ptr + epoch)
-        if e > 0:
-            epoch = (e - 1) * n_groups + group
-            _wait_count(arrive_ptr + epoch, n_splits)
-            for i in range(0, ROWS):
-                row = epoch * ROWS + i
-                if row < n_rows:
-                    m, l = _combine_partials(ws_max_ptr, ws_sum_ptr, row.to(tl.int64) * n_splits, n_splits,
-                                             SPLITS, True)
-                    if split == 0:
-                        tl.store(row_max_ptr + row, m)
-                        tl.store(row_sum_ptr + row, l)
-                    x, z = _logits(_range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA) + x_cols,
-                                   _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA) + m_cols,
-                                   col_ok, scale, SCALE_MODE, HAS_MASK)
-                    m_safe = _safe_max(m)
-                    if KIND == 0:
-                        out = _probabilities(z, m_safe, _inv_sum(l))
-                    else:
-                        out = tl.where(l == 0.0, NEG_INF, (z - m_safe) - _log_sum(l))
-                    o_ptrs = _range_base(out_ptr, row, B1, B2, so0, so1, so2, first, son, OA) + o_cols
-                    tl.store(o_ptrs, cast(out, out_ptr.dtype.element_ty), mask=col_ok)
-
-
-@triton.jit(do_not_specialize=ROW_STRIDES)
-def softmax_bwd_stream_kernel(
-    grad_ptr, x_ptr, dx_ptr, mask_ptr, scale_ptr, row_max_ptr, row_sum_ptr, ws_ptr, dscale_ptr, arrive_ptr,
-    n_rows, n_cols, B1, B2,
-    sg0, sg1, sg2, sgn,
-    sx0, sx1, sx2, sxn,
-    sd0, sd1, sd2, sdn,
-    sm0, sm1, sm2, smn,
-    scale_value, n_splits, n_groups,
-    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, NEED_DSCALE: tl.constexpr,
-    WIDE: tl.constexpr,
-    GA: tl.constexpr, XA: tl.constexpr, DA: tl.constexpr, MA: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-):
-    """The backward's streamed form (KIND 0 softmax, 1 log-softmax): epoch e writes each row's range
-    partial of sum(g p) (or sum(g)), epoch e - 1's ranges are written from s = the partials' sum; x and g
-    are read a second time from L2. The partial and finish kernels' arithmetic with one block per program
-    (the scale gradient's terms stored per row and range, as the finish kernel stores them): the same bits.
-    """
-    pid = tl.program_id(0)
-    group = pid // n_splits
-    split = pid % n_splits
-    scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
-    first = split * BLOCK_N
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < n_cols - first
-    x_cols = _col_offsets(cols, sxn, WIDE)
-    g_cols = _col_offsets(cols, sgn, WIDE)
-    m_cols = _col_offsets(cols, smn, WIDE)
-    d_cols = _col_offsets(cols, sdn, WIDE)
-    n_epochs = tl.cdiv(tl.cdiv(n_rows, ROWS) - group, n_groups)
-    for e in range(0, n_epochs + 1):
-        if e < n_epochs:
-            epoch = e * n_groups + group
-            for i in range(0, ROWS):
-                row = epoch * ROWS + i
-                if row < n_rows:
-                    m_safe = _safe_max(tl.load(row_max_ptr + row))
-                    inv_l = _inv_sum(tl.load(row_sum_ptr + row))
-                    x, z = _logits(_range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA) + x_cols,
-                                   _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA) + m_cols,
-                                   col_ok, scale, SCALE_MODE, HAS_MASK)
-                    keep = z != NEG_INF
-                    g_ptrs = _range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn, GA) + g_cols
-                    g = to_f32(tl.load(g_ptrs, mask=col_ok, other=0.0))
-                    acc = tl.zeros((BLOCK_N,), tl.float32)
-                    if KIND == 0:
-                        acc += tl.where(keep, g * _probabilities(z, m_safe, inv_l), 0.0)
-                    else:
-                        acc += tl.where(keep, g, 0.0)
-                    tl.store(ws_ptr + row.to(tl.int64) * n_splits + split, tl.sum(acc, 0))
-            _count_in(arrive_ptr + epoch)
-        if e > 0:
-            epoch = (e - 1) * n_groups + group
-            _wait_count(arrive_ptr + epoch, n_splits)
-            for i in range(0, ROWS):
-                row = epoch * ROWS + i
-                if row < n_rows:
-                    m_safe = _safe_max(tl.load(row_max_ptr + row))
-                    inv_l = _inv_sum(tl.load(row_sum_ptr + row))
-                    idx = tl.arange(0, SPLITS)
-                    s = tl.sum(tl.load(ws_ptr + row.to(tl.int64) * n_splits + idx, mask=idx < n_splits,
-                                       other=0.0, volatile=True), 0)
-                    x, z = _logits(_range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA) + x_cols,
-                                   _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA) + m_cols,
-                                   col_ok, scale, SCALE_MODE, HAS_MASK)
-                    keep = z != NEG_INF
-                    p = _probabilities(z, m_safe, inv_l)
-                    g_ptrs = _range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn, GA) + g_cols
-                    g = to_f32(tl.load(g_ptrs, mask=col_ok, other=0.0))
-                    if KIND == 0:
-                        dz = p * (g - s)
-                    else:
-                        dz = g - p * s
-                    dz = tl.where(keep, dz, 0.0)
-                    if SCALE_MODE != 0:
-                        dx = dz * scale
-                    else:
-                        dx = dz
-                    d_ptrs = _range_base(dx_ptr, row, B1, B2, sd0, sd1, sd2, first, sdn, DA) + d_cols
-                    tl.store(d_ptrs, cast(dx, dx_ptr.dtype.element_ty), mask=col_ok)
-                    if NEED_DSCALE:
-                        terms = tl.zeros((BLOCK_N,), tl.float32)
-                        terms += tl.where(keep, dz * x, 0.0)
-                        tl.store(dscale_ptr + row.to(tl.int64) * n_splits + split, tl.sum(terms, 0))

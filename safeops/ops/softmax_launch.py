@@ -60,6 +60,13 @@ SPLIT_MAXNREG: dict[int, int | None] = {1: None, 2: None, 4: None}
 # When the one-launch kernel cannot hold a row's programs at once, the two-launch path caps the programs
 # per row at this and loops over blocks.
 SPLIT_MAX_PROGRAMS_PER_ROW = 256
+# Backward rows up to these lengths (by element size), longer than one program holds, run the loop kernel:
+# one program walks a row twice, the second time from L2, in one launch. LOOP_PROGRAMS_PER_SM programs of
+# LOOP_NUM_WARPS warps per SM: few enough that every program's row stays in L2 between its two walks.
+# Longer rows, and the forward, measured no faster than the two-launch path (bench/RESULTS.md, softmax).
+LOOP_MAX_COLS_BWD = {1: 32768, 2: 32768, 4: 32768}
+LOOP_PROGRAMS_PER_SM = 2
+LOOP_NUM_WARPS = 16
 
 
 @dataclass(frozen=True)
@@ -259,25 +266,9 @@ def _launch_one_pass(kernel, args: list, options: dict, n_splits: int, n_rows: i
     return False
 
 
-# The streamed long-row kernels: rows per epoch, and the share of the L2 cache that two epochs of every
-# program may fill (their second read must find the range there).
-STREAM_ROWS = 2
-STREAM_L2_SHARE = 0.5
-
-
-def _launch_stream(kernel, args: list, options: dict, sc: SplitConfig, n_rows: int, elem_size: int, *,
-                   device: torch.device, arrive_at: int = 8) -> bool:
-    """Launches a streamed long-row kernel (``softmax_fwd_stream_kernel`` / ``softmax_bwd_stream_kernel``)
-    through :func:`_launch_one_pass`: one counter per epoch of ``STREAM_ROWS`` rows, a group per epoch at
-    most, and no more programs than keep two epochs of what they read again (``elem_size`` bytes per
-    column: x, or x and the gradient) within ``STREAM_L2_SHARE`` of the L2 cache."""
-    props = torch.cuda.get_device_properties(device)
-    epoch_bytes = 2 * STREAM_ROWS * sc.block_n * elem_size
-    l2_programs = int(getattr(props, "L2_cache_size", 50 * 2**20) * STREAM_L2_SHARE) // epoch_bytes
-    n_epochs = triton.cdiv(n_rows, STREAM_ROWS)
-    args[arrive_at] = torch.empty((1,), dtype=torch.int32, device=device)  # (the occupancy probe's stand-in)
-    return _launch_one_pass(kernel, args, options, sc.n_splits, n_epochs, groups_at=-1, arrive_at=arrive_at,
-                            device=device, max_programs=l2_programs, counters=n_epochs)
+def _loop_grid(n_rows: int, device: torch.device) -> tuple[int]:
+    """The loop kernels' persistent grid (which program takes a row changes no result)."""
+    return (max(1, min(n_rows, LOOP_PROGRAMS_PER_SM * _multiprocessors(device))),)
 
 
 def _wide(rows: Rows) -> bool:
@@ -533,15 +524,6 @@ def _forward_general(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_
     ws_sum = torch.empty_like(ws_max)
     common = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, WIDE=_wide(rows), **al,
                   SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n)
-    if kind != 2 and x.device.type == "cuda" and _config.long_rows_stream:
-        args = [x_, out_, mask_arg, scale_ptr, ws_max, ws_sum, row_max, row_sum, None,
-                rows.n_rows, rows.n_cols, B1, B2,
-                *rows.args("x"), *rows.args("out"), *rows.args("mask"),
-                scale_value, sc.n_splits, 1]
-        options = {**common, **_launch_options(sc), "ROWS": STREAM_ROWS}
-        if _launch_stream(k.softmax_fwd_stream_kernel, args, options, sc, rows.n_rows, elem, device=x.device):
-            _write_back(out, out_)
-            return out, row_max, row_sum
     if kind != 2 and x.device.type == "cuda" and _config.one_launch_long_rows:
         arrive = torch.zeros((1,), dtype=torch.int32, device=x.device)
         args = [x_, out_, mask_arg, scale_ptr, ws_max, ws_sum, row_max, row_sum, arrive,
@@ -688,17 +670,16 @@ def _backward_split(k, kind, rows, grad_, x_, dx, mask_arg, has_mask, scale_mode
     sc = split_config(rows.n_cols, x_.element_size())
     common = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=has_mask, NEED_DSCALE=need_dscale,
                   WIDE=_wide(rows), **al, SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n)
-    if kind != 2 and x_.device.type == "cuda" and _config.long_rows_stream:
-        ws = x_.new_empty((rows.n_rows * sc.n_splits,), dtype=torch.float32)
+    if kind != 2 and rows.n_cols <= LOOP_MAX_COLS_BWD.get(x_.element_size(), 0):
         dscale_rows = x_.new_empty((rows.n_rows * sc.n_splits if need_dscale else 1,), dtype=torch.float32)
-        args = [grad_, x_, dx, mask_arg, scale_ptr, row_max, row_sum, ws, dscale_rows, None,
-                rows.n_rows, rows.n_cols, B1, B2,
-                *rows.args("grad"), *rows.args("x"), *rows.args("dx"), *rows.args("mask"),
-                scale_value, sc.n_splits, 1]
-        options = {**common, **_launch_options(sc), "ROWS": STREAM_ROWS}
-        if _launch_stream(k.softmax_bwd_stream_kernel, args, options, sc, rows.n_rows, 2 * x_.element_size(),
-                          device=x_.device, arrive_at=9):
-            return dscale_rows
+        k.softmax_bwd_loop_kernel[_loop_grid(rows.n_rows, x_.device)](
+            grad_, x_, dx, mask_arg, scale_ptr, row_max, row_sum, dscale_rows,
+            rows.n_rows, rows.n_cols, B1, B2,
+            *rows.args("grad"), *rows.args("x"), *rows.args("dx"), *rows.args("mask"),
+            scale_value, sc.n_splits,
+            **common, num_warps=LOOP_NUM_WARPS, enable_fp_fusion=_config.fp_fusion,
+        )
+        return dscale_rows
     if kind != 2 and x_.device.type == "cuda" and _config.one_launch_long_rows:
         ws = x_.new_empty((rows.n_rows * sc.n_splits,), dtype=torch.float32)
         args = [grad_, x_, dx, mask_arg, scale_ptr, row_max, row_sum, ws, ws,
