@@ -519,3 +519,31 @@ def test_seq_deterministic_and_sinks(rng, gluon_bwd_seq):
     q = rng.randn(1, 4, 300, 128, dtype=BF16)
     k, v = (rng.randn(1, 2, 300, 128, dtype=BF16) for _ in range(2))
     check_sinks_oracle(q, k, v, rng.randn(4, std=2.0), rng, is_causal=True, window=(90, None))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("options", SEQ_OPTIONS.values(), ids=SEQ_OPTIONS.keys())
+def test_early_st_same_bits(d, options, rng, monkeypatch, gluon_bwd_seq):
+    """GluonBwdConfig.early_st (each next S^T issued behind the current step's dV / dK, the last step
+    peeled) gives the unpipelined loop's bits: dense GQA with partial blocks and Sq != Sk, one or two query
+    heads per kv head, and packed sequences (an empty one, one row, GQA) with and without a window."""
+    import dataclasses
+
+    KB = G.bwd_kernels()
+    q, g = (rng.randn(2, 8, 700, d, dtype=BF16) for _ in range(2))
+    k, v = (rng.randn(2, 2, 555, d, dtype=BF16) for _ in range(2))
+    lengths = [300, 1, 0, 1029, 64, 129]
+    seqs = [[rng.randn(1, h, n, d, dtype=BF16) for h in (4, 2, 2)] for n in lengths]
+    gs = [rng.randn(1, 4, n, d, dtype=BF16) for n in lengths]
+    _gluon_ran(monkeypatch, q, k, v, **options)
+    results = []
+    for over in ({"early_st": False, "pipeline": False}, {"early_st": True, "pipeline": False}):
+        monkeypatch.setitem(KB.BWD_CONFIGS, d, dataclasses.replace(KB.BWD_CONFIGS[d], **over))
+        L.clear_plans()
+        dense = _grads(q, k, v, g, **options)
+        packed, _ = _packed_grads(seqs, gs, **options)
+        results.append((*dense, *packed))
+    plans = [p for p in L._gluon_bwd_plans.values() if p.__class__ is G.BwdPlan]
+    assert plans and all(p.launch.kwargs["EARLY_ST"] for p in plans)
+    for name, a, b in zip(("dq", "dk", "dv", "packed dq", "packed dk", "packed dv"), *results, strict=True):
+        assert torch.equal(a, b), f"{name} differs with early S^T issue (D={d}, {options})"
