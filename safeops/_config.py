@@ -29,10 +29,6 @@ BACKENDS = ("auto", "triton", "reference")
 # Launch kernels with fp contraction disabled (contract section 1). Only the benchmarks and the GPU test
 # that proves the hazard is real turn this on; it is not part of the public API.
 fp_fusion: bool = False
-# Long rows on a GPU can use the one-launch kernel (a row's programs meet at a grid barrier and the input is
-# read once). Off by default: on the H200 it measured slower than the two-launch path (bench/RESULTS.md).
-# Tests turn it on to check it bit for bit against the two-launch path that CI's interpreter runs.
-one_launch_long_rows: bool = False
 
 
 def _environ_entry(name: str):

@@ -144,28 +144,23 @@ def _compiled_kernels_on_cuda(monkeypatch):
                     "was imported), so the GPU tests would not run the compiled kernels; run them in a "
                     "process without TRITON_INTERPRET")
     assert _config.fp_fusion is False, "safeops._config.fp_fusion must be False (the shipped setting)"
-    one_launch = getattr(_config, "one_launch_long_rows", None)
     yield
     _config.fp_fusion = False
-    if one_launch is not None:
-        _config.one_launch_long_rows = one_launch
 
 
 @contextlib.contextmanager
 def long_rows(mode: str):
-    """'default', or force the one-launch or the two-launch long-row path (neither takes the loop kernels)."""
+    """'default', or 'two_launch': the two-launch long-row path where the loop backward would run."""
     if mode == "default":
         yield
         return
-    if not hasattr(_config, "one_launch_long_rows"):
-        pytest.skip("safeops._config has no one_launch_long_rows switch")
-    old = _config.one_launch_long_rows, getattr(softmax_launch, "LOOP_MAX_COLS_BWD", None)
-    _config.one_launch_long_rows = mode == "one_launch"
+    assert mode == "two_launch", mode
+    old = softmax_launch.LOOP_MAX_COLS_BWD
     softmax_launch.LOOP_MAX_COLS_BWD = {}
     try:
         yield
     finally:
-        _config.one_launch_long_rows, softmax_launch.LOOP_MAX_COLS_BWD = old
+        softmax_launch.LOOP_MAX_COLS_BWD = old
 
 
 def call(op: str, x: torch.Tensor, dim: int = -1, **kwargs) -> torch.Tensor:
@@ -607,7 +602,6 @@ def test_fma_hazard_is_real_on_this_stack():
 FUSION_PARAMS = [
     pytest.param(4096, "default", id="single_block-4096"),
     pytest.param(65536, "default", id="split-65536"),
-    pytest.param(65536, "two_launch", id="split_two_launch-65536"),
 ]
 
 
@@ -647,18 +641,15 @@ from safeops.ops import softmax_launch
 
 assert _config.fp_fusion is False
 torch.manual_seed(0)
-for n in (1000, 65536):
-    for modes in ((True, False) if hasattr(_config, "one_launch_long_rows") else (None,)):
-        if modes is not None:
-            _config.one_launch_long_rows = modes
-        for dtype in (torch.bfloat16, torch.float32):
-            x = torch.randn((4, n), device="cuda", dtype=dtype, requires_grad=True)
-            s = torch.tensor(0.125, device="cuda", requires_grad=True)
-            mask = torch.rand((1, n), device="cuda") < 0.9
-            for op in (safeops.softmax, safeops.log_softmax, safeops.logsumexp):
-                for kw in ({"scale": 0.3}, {"scale": s, "mask": mask}):
-                    out = op(x, -1, **kw)
-                    torch.autograd.grad(out.float().sum(), [x] + ([s] if kw.get("scale") is s else []))
+for n in (1000, 20000, 65536):  # rows kernels, the loop backward, the two-launch kernels
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn((4, n), device="cuda", dtype=dtype, requires_grad=True)
+        s = torch.tensor(0.125, device="cuda", requires_grad=True)
+        mask = torch.rand((1, n), device="cuda") < 0.9
+        for op in (safeops.softmax, safeops.log_softmax, safeops.logsumexp):
+            for kw in ({"scale": 0.3}, {"scale": s, "mask": mask}):
+                out = op(x, -1, **kw)
+                torch.autograd.grad(out.float().sum(), [x] + ([s] if kw.get("scale") is s else []))
 torch.cuda.synchronize()
 found = []
 for name, fn in vars(softmax_launch.kernels()).items():
@@ -893,27 +884,6 @@ def test_deterministic_and_batch_invariant(op, dtype, n, rng):
     for k, i in enumerate(trio.tolist()):
         assert_bitwise(o3[k], out[i], f"{what}: row {i} at position {k} of a batch of 3, forward")
         assert_bitwise(d3[k], dx[i], f"{what}: row {i} at position {k} of a batch of 3, backward")
-
-
-@pytest.mark.parametrize("n", SPLIT_N)
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
-@pytest.mark.parametrize("op", ("softmax", "log_softmax"))
-@given(rng=rngs())
-def test_one_launch_matches_two_launch_bitwise(op, dtype, n, rng):
-    if not hasattr(_config, "one_launch_long_rows"):
-        pytest.skip("safeops._config has no one_launch_long_rows switch")
-    x = rng.randn((5, n), dtype)
-    g = rng.randn((5, n), dtype, std=1.0)
-    results = {}
-    for mode in ("one_launch", "two_launch"):
-        with long_rows(mode):
-            xs = x.clone().requires_grad_()
-            out = call(op, xs, scale=SCALE)
-            (dx,) = torch.autograd.grad(out, xs, g)
-        results[mode] = (out.detach(), dx)
-    what = f"{op} {dtype} N={n} {rng}"
-    assert_bitwise(results["one_launch"][0], results["two_launch"][0], f"{what}: forward one- vs two-launch")
-    assert_bitwise(results["one_launch"][1], results["two_launch"][1], f"{what}: backward one- vs two-launch")
 
 
 @pytest.mark.parametrize("n", (16385, 20000, 32768, 40000))

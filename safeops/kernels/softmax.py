@@ -162,16 +162,13 @@ def _probabilities(z, m_safe, inv_l):
 
 @triton.jit
 def _combine_partials(ws_max_ptr, ws_sum_ptr, base, n_splits, SPLITS: tl.constexpr,
-                      VOLATILE: tl.constexpr = False, LSE: tl.constexpr = False):
-    """Row max and sum from per-split partials, in a fixed order (deterministic, batch-invariant).
-
-    VOLATILE reads around L1, for partials other programs of the same launch have just written. LSE: see
-    `_exp_shifted` (a split whose max is +inf keeps its sum).
-    """
+                      LSE: tl.constexpr = False):
+    """Row max and sum from per-split partials, in a fixed order (deterministic, batch-invariant). LSE: see
+    `_exp_shifted` (a split whose max is +inf keeps its sum)."""
     idx = tl.arange(0, SPLITS)
     ok = idx < n_splits
-    pm = tl.load(ws_max_ptr + base + idx, mask=ok, other=NEG_INF, volatile=VOLATILE)
-    ps = tl.load(ws_sum_ptr + base + idx, mask=ok, other=0.0, volatile=VOLATILE)
+    pm = tl.load(ws_max_ptr + base + idx, mask=ok, other=NEG_INF)
+    ps = tl.load(ws_sum_ptr + base + idx, mask=ok, other=0.0)
     m = tl.max(pm, 0)
     l = tl.sum(tl.where(ok, ps * _exp_shifted(pm, _safe_max(m), LSE), 0.0), 0)
     return m, l
@@ -187,37 +184,6 @@ def _online_step(m, l, z, LSE: tl.constexpr = False):
     # exp(-inf - 0) = 0, never exp(-inf - -inf) = NaN.
     l = l * _exp_shifted(m, m_new_safe, LSE) + tl.sum(_exp_shifted(z, m_new_safe, LSE), 0)
     return m_new, l
-
-
-@triton.jit
-def _count_in(arrive_ptr):
-    """Adds this program to the count at `arrive_ptr` once every thread's earlier writes are made: a CTA
-    barrier, then one release increment."""
-    tl.debug_barrier()
-    tl.atomic_add(arrive_ptr, 1, sem="release")
-
-
-@triton.jit
-def _wait_count(arrive_ptr, target):
-    """Waits until the count at `arrive_ptr` reaches `target`; the writes the counted programs made before
-    counting themselves in are then visible to every thread of this one (all programs must be co-resident).
-
-    Spin on plain volatile reads: read-modify-writes from every waiting program would queue up on one
-    address. One acquire operation after the wait orders the reads that follow: an atomic or of 0, since
-    Triton 3.6 turns an acquire add whose result is unused into a plain load and deletes it
-    (tests/test_kernels_ptx.py checks the acquire is in the PTX). A CTA barrier ends it."""
-    while tl.load(arrive_ptr, volatile=True) < target:
-        pass
-    tl.atomic_or(arrive_ptr, 0, sem="acquire")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _grid_barrier(arrive_ptr, target):
-    """Waits until `target` arrivals are counted at `arrive_ptr`, this program's included: writes made by
-    any thread of this program before the call are visible to every program that passes the barrier."""
-    _count_in(arrive_ptr)
-    _wait_count(arrive_ptr, target)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -520,8 +486,7 @@ def softmax_fwd_finish_kernel(
     pid = tl.program_id(0)
     row = pid // n_splits
     split = pid % n_splits
-    m, l = _combine_partials(ws_max_ptr, ws_sum_ptr, row.to(tl.int64) * n_splits, n_splits, SPLITS,
-                             False, KIND == 2)
+    m, l = _combine_partials(ws_max_ptr, ws_sum_ptr, row.to(tl.int64) * n_splits, n_splits, SPLITS, KIND == 2)
     if split == 0:
         tl.store(row_max_ptr + row, m)
         tl.store(row_sum_ptr + row, l)
@@ -655,170 +620,3 @@ def softmax_bwd_loop_kernel(
             if NEED_DSCALE:
                 tl.store(dscale_ptr + row.to(tl.int64) * n_splits + split, part)
         row += tl.num_programs(0)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Long rows, one launch: the programs of a row keep their column range in registers, publish partials,
-# meet at a grid barrier, and write from registers, so the input is read once. Programs form
-# `n_groups` groups of `n_splits`; group g handles rows g, g + n_groups, ... and prefetches its next row
-# before waiting at the barrier. Launched cooperatively (all programs co-resident). The arithmetic is
-# the two-launch path's with one block per range (cols_per_split == BLOCK_N): the same bits.
-# ---------------------------------------------------------------------------------------------------
-
-
-@triton.jit(do_not_specialize=ROW_STRIDES)
-def softmax_fwd_fused_kernel(
-    x_ptr, out_ptr, mask_ptr, scale_ptr, ws_max_ptr, ws_sum_ptr, row_max_ptr, row_sum_ptr, arrive_ptr,
-    n_rows, n_cols, B1, B2,
-    sx0, sx1, sx2, sxn,
-    so0, so1, so2, son,
-    sm0, sm1, sm2, smn,
-    scale_value, n_splits, n_groups,
-    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, WIDE: tl.constexpr,
-    XA: tl.constexpr, OA: tl.constexpr, MA: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    group = pid // n_splits
-    split = pid % n_splits
-    scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
-    first = split * BLOCK_N
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < n_cols - first
-    x_cols = _col_offsets(cols, sxn, WIDE)
-    m_cols = _col_offsets(cols, smn, WIDE)
-    n_iters = tl.cdiv(n_rows - group, n_groups)
-
-    row = group
-    valid = col_ok & (row < n_rows)
-    x_raw = tl.load(_range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA) + x_cols,
-                    mask=valid, other=0.0)
-    if HAS_MASK:
-        keep_raw = tl.load(_range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA) + m_cols,
-                           mask=valid, other=0)
-    for it in range(0, n_iters):
-        if HAS_MASK:
-            keep = valid & (keep_raw != 0)
-        else:
-            keep = valid
-        x = to_f32(x_raw)
-        z = _materialize(x, keep, scale, SCALE_MODE)
-        m_part, l_part = _online_step(tl.full((), NEG_INF, tl.float32), tl.zeros((), tl.float32), z)
-        ws = row.to(tl.int64) * n_splits
-        tl.store(ws_max_ptr + ws + split, m_part)
-        tl.store(ws_sum_ptr + ws + split, l_part)
-
-        # Prefetch the group's next row so its loads are in flight while this row waits.
-        next_row = row + n_groups
-        next_valid = col_ok & (next_row < n_rows)
-        x_raw = tl.load(_range_base(x_ptr, next_row, B1, B2, sx0, sx1, sx2, first, sxn, XA) + x_cols,
-                        mask=next_valid, other=0.0)
-        if HAS_MASK:
-            next_m_base = _range_base(mask_ptr, next_row, B1, B2, sm0, sm1, sm2, first, smn, MA)
-            keep_raw = tl.load(next_m_base + m_cols,
-                               mask=next_valid, other=0)
-
-        _grid_barrier(arrive_ptr + group, (it + 1) * n_splits)
-        m, l = _combine_partials(ws_max_ptr, ws_sum_ptr, ws, n_splits, SPLITS, True)
-        if split == 0:
-            tl.store(row_max_ptr + row, m)
-            tl.store(row_sum_ptr + row, l)
-        if KIND == 0:
-            out = _probabilities(z, _safe_max(m), _inv_sum(l))
-        else:
-            out = tl.where(l == 0.0, NEG_INF, (z - _safe_max(m)) - _log_sum(l))
-        o_ptrs = _range_base(out_ptr, row, B1, B2, so0, so1, so2, first, son, OA)
-        o_ptrs += _col_offsets(cols, son, WIDE)
-        tl.store(o_ptrs, cast(out, out_ptr.dtype.element_ty), mask=valid)
-        row = next_row
-        valid = next_valid
-
-
-@triton.jit(do_not_specialize=ROW_STRIDES)
-def softmax_bwd_fused_kernel(
-    grad_ptr, x_ptr, dx_ptr, mask_ptr, scale_ptr, row_max_ptr, row_sum_ptr, ws_ptr, dscale_ptr, arrive_ptr,
-    n_rows, n_cols, B1, B2,
-    sg0, sg1, sg2, sgn,
-    sx0, sx1, sx2, sxn,
-    sd0, sd1, sd2, sdn,
-    sm0, sm1, sm2, smn,
-    scale_value, n_splits, n_groups,
-    KIND: tl.constexpr, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr, NEED_DSCALE: tl.constexpr,
-    WIDE: tl.constexpr,
-    GA: tl.constexpr, XA: tl.constexpr, DA: tl.constexpr, MA: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    group = pid // n_splits
-    split = pid % n_splits
-    scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
-    first = split * BLOCK_N
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < n_cols - first
-    x_cols = _col_offsets(cols, sxn, WIDE)
-    g_cols = _col_offsets(cols, sgn, WIDE)
-    m_cols = _col_offsets(cols, smn, WIDE)
-    n_iters = tl.cdiv(n_rows - group, n_groups)
-    dscale_acc = tl.zeros((BLOCK_N,), tl.float32)
-
-    row = group
-    valid = col_ok & (row < n_rows)
-    x_raw = tl.load(_range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA) + x_cols,
-                    mask=valid, other=0.0)
-    g_raw = tl.load(_range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn, GA) + g_cols, mask=valid,
-                    other=0.0)
-    if HAS_MASK:
-        keep_raw = tl.load(_range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA) + m_cols,
-                           mask=valid, other=0)
-    for it in range(0, n_iters):
-        if HAS_MASK:
-            keep = valid & (keep_raw != 0)
-        else:
-            keep = valid
-        x = to_f32(x_raw)
-        z = _materialize(x, keep, scale, SCALE_MODE)
-        keep = z != NEG_INF
-        g = to_f32(g_raw)
-        m_safe = _safe_max(tl.load(row_max_ptr + row))
-        inv_l = _inv_sum(tl.load(row_sum_ptr + row))
-        p = _probabilities(z, m_safe, inv_l)
-        acc = tl.zeros((BLOCK_N,), tl.float32)
-        if KIND == 0:
-            acc += tl.where(keep, g * p, 0.0)
-        else:
-            acc += tl.where(keep, g, 0.0)
-        ws = row.to(tl.int64) * n_splits
-        tl.store(ws_ptr + ws + split, tl.sum(acc, 0))
-
-        next_row = row + n_groups
-        next_valid = col_ok & (next_row < n_rows)
-        x_raw = tl.load(_range_base(x_ptr, next_row, B1, B2, sx0, sx1, sx2, first, sxn, XA) + x_cols,
-                        mask=next_valid, other=0.0)
-        g_raw = tl.load(_range_base(grad_ptr, next_row, B1, B2, sg0, sg1, sg2, first, sgn, GA) + g_cols,
-                        mask=next_valid, other=0.0)
-        if HAS_MASK:
-            next_m_base = _range_base(mask_ptr, next_row, B1, B2, sm0, sm1, sm2, first, smn, MA)
-            keep_raw = tl.load(next_m_base + m_cols,
-                               mask=next_valid, other=0)
-
-        _grid_barrier(arrive_ptr + group, (it + 1) * n_splits)
-        idx = tl.arange(0, SPLITS)
-        s = tl.sum(tl.load(ws_ptr + ws + idx, mask=idx < n_splits, other=0.0, volatile=True), 0)
-        if KIND == 0:
-            dz = p * (g - s)
-        else:
-            dz = g - p * s
-        dz = tl.where(keep, dz, 0.0)
-        if SCALE_MODE != 0:
-            dx = dz * scale
-        else:
-            dx = dz
-        d_ptrs = _range_base(dx_ptr, row, B1, B2, sd0, sd1, sd2, first, sdn, DA)
-        d_ptrs += _col_offsets(cols, sdn, WIDE)
-        tl.store(d_ptrs, cast(dx, dx_ptr.dtype.element_ty), mask=valid)
-        if NEED_DSCALE:
-            dscale_acc += tl.where(keep, dz * x, 0.0)
-        row = next_row
-        valid = next_valid
-    if NEED_DSCALE:
-        tl.store(dscale_ptr + pid, tl.sum(dscale_acc, 0))

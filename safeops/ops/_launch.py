@@ -208,6 +208,22 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     plan(*args)
 
 
+def resident_programs(kernel, args, kwargs, device: torch.device) -> int:
+    """How many programs of this compiled kernel fit on the GPU at once (all SMs, full occupancy)."""
+    compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+    compiled._init_handles()
+    props = torch.cuda.get_device_properties(device)
+    threads = 32 * compiled.metadata.num_warps
+    regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256
+    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    by_regs = (regs_per_sm // regs_per_warp) // compiled.metadata.num_warps
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
+    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    by_smem = smem // (compiled.metadata.shared + 1024) if compiled.metadata.shared else 32
+    per_sm = max(0, min(by_regs, by_threads, by_smem, 32))
+    return per_sm * props.multi_processor_count
+
+
 def check_triton_device(t: torch.Tensor, arg: str, kernel) -> None:
     """The launchers' device check for a non-CUDA tensor ``t`` (argument ``arg``): a CPU tensor needs
     Triton's interpreter (``kernel``, any of the launcher's kernels, is interpreted); anything else raises."""

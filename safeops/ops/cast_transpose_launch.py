@@ -15,7 +15,7 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from .. import _config, reference
-from ._launch import KernelLaunch, check_triton_device
+from ._launch import KernelLaunch, check_triton_device, resident_programs
 
 _kernels = None
 
@@ -411,7 +411,5 @@ def _programs(kernel, args: list, options: dict, config: TileConfig, device: tor
         (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (a % 16 == 0, a == 1)
         for a in args))
     if key not in _capacity:
-        from .softmax_launch import _resident_programs
-
-        _capacity[key] = max(_sm_count(device), _resident_programs(kernel, args, options, device))
+        _capacity[key] = max(_sm_count(device), resident_programs(kernel, args, options, device))
     return _capacity[key]

@@ -53,13 +53,10 @@ ROWS_BWD = {1: (1024, 16), 2: (1024, 16), 4: (1024, 8)}
 ROWS_BWD_PERSIST: dict[int, tuple[int, ...]] = {1: (16384,), 2: (16384,)}
 ROWS_BWD_STAGES = 3
 ROWS_BWD_PERSIST_PER_SM = 1
-# Long rows: columns each program of a split row owns (held in registers by the one-launch kernel).
+# Long rows: columns each program of a split row owns (the loop kernel's block).
 SPLIT_BLOCK_N = {1: 4096, 2: 4096, 4: 2048}
 SPLIT_NUM_WARPS = {1: 4, 2: 4, 4: 4}
 SPLIT_MAXNREG: dict[int, int | None] = {1: None, 2: None, 4: None}
-# When the one-launch kernel cannot hold a row's programs at once, the two-launch path caps the programs
-# per row at this and loops over blocks.
-SPLIT_MAX_PROGRAMS_PER_ROW = 256
 # Backward rows up to these lengths (by element size), longer than one program holds, run the loop kernel:
 # one program walks a row twice, the second time from L2, in one launch. LOOP_PROGRAMS_PER_SM programs of
 # LOOP_NUM_WARPS warps per SM: few enough that every program's row stays in L2 between its two walks.
@@ -120,36 +117,13 @@ def rows_config(n_cols: int, elem_size: int, backward: bool = False) -> RowsConf
     return RowsConfig(block_m=block_m, block_n=block_n, num_warps=num_warps)
 
 
-def split_config(n_cols: int, elem_size: int, max_splits: int | None = None) -> SplitConfig:
-    """One block of columns per program, unless that needs more than ``max_splits`` programs per row."""
+def split_config(n_cols: int, elem_size: int) -> SplitConfig:
+    """One block of columns per program."""
     block_n = min(SPLIT_BLOCK_N.get(elem_size, 4096), triton.next_power_of_2(max(n_cols, 1)))
     n_splits = triton.cdiv(n_cols, block_n)
     cols_per_split = block_n
-    if max_splits is not None and n_splits > max_splits:
-        blocks = triton.cdiv(n_cols, block_n)
-        cols_per_split = triton.cdiv(blocks, max_splits) * block_n
-        n_splits = triton.cdiv(n_cols, cols_per_split)
     return SplitConfig(block_n=block_n, cols_per_split=cols_per_split, n_splits=n_splits,
                        num_warps=SPLIT_NUM_WARPS.get(elem_size, 8), maxnreg=SPLIT_MAXNREG.get(elem_size))
-
-
-_resident_cache: dict = {}
-
-
-def _resident_programs(kernel, args, kwargs, device: torch.device) -> int:
-    """How many programs of this compiled kernel fit on the GPU at once (all SMs, full occupancy)."""
-    compiled = kernel.warmup(*args, grid=(1,), **kwargs)
-    compiled._init_handles()
-    props = torch.cuda.get_device_properties(device)
-    threads = 32 * compiled.metadata.num_warps
-    regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256
-    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
-    by_regs = (regs_per_sm // regs_per_warp) // compiled.metadata.num_warps
-    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
-    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
-    by_smem = smem // (compiled.metadata.shared + 1024) if compiled.metadata.shared else 32
-    per_sm = max(0, min(by_regs, by_threads, by_smem, 32))
-    return per_sm * props.multi_processor_count
 
 
 def _scale_args(scale: float | None, scale_tensor: torch.Tensor | None, like: torch.Tensor):
@@ -221,49 +195,6 @@ def _rows_major_shape(t: torch.Tensor, dim: int) -> torch.Tensor:
 def _write_back(result: torch.Tensor, written: torch.Tensor | None) -> None:
     if written is not None and written is not result:
         result.copy_(written)
-
-
-def _max_programs(device: torch.device) -> int:
-    """An upper bound on co-resident programs of any kernel here (32 per SM)."""
-    return 32 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _launch_one_pass(kernel, args: list, options: dict, n_splits: int, n_rows: int, *, groups_at: int,
-                     arrive_at: int, device: torch.device, max_programs: int | None = None,
-                     counters: int | None = None) -> bool:
-    """Launches a kernel whose programs wait for each other cooperatively, in groups of ``n_splits``
-    programs (at most ``n_rows`` groups, and ``max_programs`` programs), if one group fits on the GPU at once.
-
-    ``args[arrive_at]`` gets zeroed int32 counters: one per group, or ``counters`` of them. Returns False
-    when not even one group fits (the caller then takes the two-launch path). The number of groups only
-    decides which program handles which row, never how a row is computed, so shrinking it after a refused
-    launch changes no result.
-    """
-    key = (kernel.fn.__name__, device.index, tuple(sorted(
-        (k, v) for k, v in options.items() if not isinstance(v, torch.Tensor))),
-        tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
-    capacity = _resident_cache.get(key)
-    if capacity is None:
-        capacity = _resident_programs(kernel, args, options, device)
-    limit = capacity if max_programs is None else min(capacity, max_programs)
-    while n_splits <= limit:
-        n_groups = min(limit // n_splits, n_rows)
-        args[groups_at] = n_groups
-        args[arrive_at] = torch.zeros((counters or n_groups,), dtype=torch.int32, device=device)
-        try:
-            kernel[(n_groups * n_splits,)](*args, **options, launch_cooperative_grid=True)
-        except RuntimeError as exc:
-            if "cooperative" not in str(exc):
-                raise
-            # The occupancy estimate was too optimistic for this kernel: remember a smaller one.
-            capacity = n_groups * n_splits - max(1, n_splits // 2) if n_groups > 1 else n_splits - 1
-            _resident_cache[key] = capacity
-            limit = capacity if max_programs is None else min(capacity, max_programs)
-            continue
-        _resident_cache[key] = capacity
-        return True
-    _resident_cache[key] = capacity
-    return False
 
 
 def _loop_grid(n_rows: int, device: torch.device) -> tuple[int]:
@@ -524,21 +455,6 @@ def _forward_general(kind, x, dim, scale, scale_tensor, mask, out, row_max, row_
     ws_sum = torch.empty_like(ws_max)
     common = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=mask_ is not None, WIDE=_wide(rows), **al,
                   SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n)
-    if kind != 2 and x.device.type == "cuda" and _config.one_launch_long_rows:
-        arrive = torch.zeros((1,), dtype=torch.int32, device=x.device)
-        args = [x_, out_, mask_arg, scale_ptr, ws_max, ws_sum, row_max, row_sum, arrive,
-                rows.n_rows, rows.n_cols, B1, B2,
-                *rows.args("x"), *rows.args("out"), *rows.args("mask"),
-                scale_value, sc.n_splits, 1]
-        options = {**common, **_launch_options(sc)}
-        if _launch_one_pass(k.softmax_fwd_fused_kernel, args, options, sc.n_splits, rows.n_rows,
-                            groups_at=-1, arrive_at=8, device=x.device):
-            _write_back(out, out_)
-            return out, row_max, row_sum
-        sc = split_config(rows.n_cols, elem, max_splits=SPLIT_MAX_PROGRAMS_PER_ROW)
-        ws_max = x.new_empty((rows.n_rows * sc.n_splits,), dtype=torch.float32)
-        ws_sum = torch.empty_like(ws_max)
-        common.update(SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n)
     grid = (rows.n_rows * sc.n_splits,)
     k.softmax_fwd_partial_kernel[grid](
         x_, mask_arg, scale_ptr, ws_max, ws_sum,
@@ -680,22 +596,6 @@ def _backward_split(k, kind, rows, grad_, x_, dx, mask_arg, has_mask, scale_mode
             **common, num_warps=LOOP_NUM_WARPS, enable_fp_fusion=_config.fp_fusion,
         )
         return dscale_rows
-    if kind != 2 and x_.device.type == "cuda" and _config.one_launch_long_rows:
-        ws = x_.new_empty((rows.n_rows * sc.n_splits,), dtype=torch.float32)
-        args = [grad_, x_, dx, mask_arg, scale_ptr, row_max, row_sum, ws, ws,
-                torch.zeros((1,), dtype=torch.int32, device=x_.device),
-                rows.n_rows, rows.n_cols, B1, B2,
-                *rows.args("grad"), *rows.args("x"), *rows.args("dx"), *rows.args("mask"),
-                scale_value, sc.n_splits, 1]
-        options = {**common, **_launch_options(sc)}
-        # Programs that get no row write no partial: start from zeros.
-        dscale_rows = x_.new_zeros((_max_programs(x_.device) if need_dscale else 1,), dtype=torch.float32)
-        args[8] = dscale_rows
-        if _launch_one_pass(k.softmax_bwd_fused_kernel, args, options, sc.n_splits, rows.n_rows,
-                            groups_at=-1, arrive_at=9, device=x_.device):
-            return dscale_rows
-        sc = split_config(rows.n_cols, x_.element_size(), max_splits=SPLIT_MAX_PROGRAMS_PER_ROW)
-        common.update(SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n)
     grid = (rows.n_rows * sc.n_splits,)
     ws = x_.new_empty((rows.n_rows * sc.n_splits,), dtype=torch.float32)
     dscale_rows = x_.new_empty((rows.n_rows * sc.n_splits if need_dscale else 1,), dtype=torch.float32)
