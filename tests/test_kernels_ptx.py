@@ -18,7 +18,7 @@ import sm90
 
 _SCRIPT = textwrap.dedent(
     r"""
-    import json, re, sys
+    import dataclasses, json, re, sys
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -28,7 +28,7 @@ _SCRIPT = textwrap.dedent(
     fusion = sys.argv[1] == "on"
     target = GPUTarget("cuda", 90, 32)
     pointer_types = {"x_ptr": "*bf16", "out_ptr": "*bf16", "grad_ptr": "*bf16", "dx_ptr": "*bf16",
-                     "mask_ptr": "*u8", "arrive_ptr": "*i32"}
+                     "mask_ptr": "*u8"}
 
     def signature(fn, constexprs):
         sig = {}
@@ -58,6 +58,9 @@ _SCRIPT = textwrap.dedent(
 
     rows = L.rows_config(4096, 2)
     split = L.split_config(1 << 20, 2)
+    # The loop backward: the longest row it takes, at its own warp count.
+    loop = dataclasses.replace(L.split_config(max(L.LOOP_MAX_COLS_BWD.values()), 2),
+                               num_warps=L.LOOP_NUM_WARPS)
     results = {}
     # With fusion off every variant the launcher can compile; the fusion-on control compiles one variant of
     # each kernel (softmax with a scale tensor, one batch dim), enough to show the check sees contraction.
@@ -82,8 +85,9 @@ _SCRIPT = textwrap.dedent(
             results[f"bwd_finish/{kind}/{scale_mode}"] = count(
                 k.softmax_bwd_finish_kernel, {**base, **splits, "NEED_DSCALE": True}, split)
             if kind != 2:
+                loop_splits = {"SPLITS": triton.next_power_of_2(loop.n_splits), "BLOCK_N": loop.block_n}
                 results[f"bwd_loop/{kind}/{scale_mode}"] = count(
-                    k.softmax_bwd_loop_kernel, {**base, **splits, "NEED_DSCALE": True}, split)
+                    k.softmax_bwd_loop_kernel, {**base, **loop_splits, "NEED_DSCALE": True}, loop)
         results[f"fwd_partial/{kind}"] = count(
             k.softmax_fwd_partial_kernel,
             {"SCALE_MODE": 1, "HAS_MASK": True, "WIDE": False, "BLOCK_N": split.block_n, "LSE": kind == 2},

@@ -370,7 +370,7 @@ def test_matches_oracle(op, dtype, n, rng):
 @pytest.mark.parametrize("op", OPS)
 @given(rng=rngs())
 def test_matches_oracle_two_launch_long_rows(op, dtype, n, rng):
-    """The two-launch long-row path (what the interpreter and the fallback run) on the GPU."""
+    """The two-launch long-row path on the GPU, where the loop backward would take the 16K-32K rows."""
     x = rng.randn((3, n), dtype).requires_grad_()
     g = rng.randn((3, n) if op != "logsumexp" else (3,), dtype, std=1.0)
     with long_rows("two_launch"):
