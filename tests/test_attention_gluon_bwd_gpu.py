@@ -521,12 +521,17 @@ def test_seq_deterministic_and_sinks(rng, gluon_bwd_seq):
     check_sinks_oracle(q, k, v, rng.randn(4, std=2.0), rng, is_causal=True, window=(90, None))
 
 
+STEP_ORDERS = {"early_st": {"early_st": True}, "thread_arrive": {"thread_arrive": True},
+               "both": {"early_st": True, "thread_arrive": True}}
+
+
+@pytest.mark.parametrize("order", STEP_ORDERS.values(), ids=STEP_ORDERS.keys())
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("options", SEQ_OPTIONS.values(), ids=SEQ_OPTIONS.keys())
-def test_early_st_same_bits(d, options, rng, monkeypatch, gluon_bwd_seq):
-    """GluonBwdConfig.early_st (each next S^T issued behind the current step's dV / dK, the last step
-    peeled) gives the unpipelined loop's bits: dense GQA with partial blocks and Sq != Sk, one or two query
-    heads per kv head, and packed sequences (an empty one, one row, GQA) with and without a window."""
+def test_step_orders_same_bits(d, options, order, rng, monkeypatch, gluon_bwd_seq):
+    """GluonBwdConfig.early_st (each next S^T issued behind the current step's dV / dK) and thread_arrive
+    (Q / dO slots released by per-thread arrives) give the unpipelined loop's bits: dense GQA with partial
+    blocks and Sq != Sk, and packed sequences (an empty one, one row, GQA) with and without a window."""
     import dataclasses
 
     KB = G.bwd_kernels()
@@ -537,13 +542,14 @@ def test_early_st_same_bits(d, options, rng, monkeypatch, gluon_bwd_seq):
     gs = [rng.randn(1, 4, n, d, dtype=BF16) for n in lengths]
     _gluon_ran(monkeypatch, q, k, v, **options)
     results = []
-    for over in ({"early_st": False, "pipeline": False}, {"early_st": True, "pipeline": False}):
-        monkeypatch.setitem(KB.BWD_CONFIGS, d, dataclasses.replace(KB.BWD_CONFIGS[d], **over))
+    for over in ({"early_st": False, "thread_arrive": False}, order):
+        monkeypatch.setitem(KB.BWD_CONFIGS, d, dataclasses.replace(KB.BWD_CONFIGS[d], pipeline=False, **over))
         L.clear_plans()
         dense = _grads(q, k, v, g, **options)
         packed, _ = _packed_grads(seqs, gs, **options)
         results.append((*dense, *packed))
     plans = [p for p in L._gluon_bwd_plans.values() if p.__class__ is G.BwdPlan]
-    assert plans and all(p.launch.kwargs["EARLY_ST"] for p in plans)
+    flags = [(p.launch.kwargs["EARLY_ST"], p.launch.kwargs["THREAD_ARRIVE"]) for p in plans]
+    assert flags and set(flags) == {(order.get("early_st", False), order.get("thread_arrive", False))}, flags
     for name, a, b in zip(("dq", "dk", "dv", "packed dq", "packed dk", "packed dv"), *results, strict=True):
-        assert torch.equal(a, b), f"{name} differs with early S^T issue (D={d}, {options})"
+        assert torch.equal(a, b), f"{name} differs with {order} (D={d}, {options})"

@@ -51,7 +51,7 @@ SMEM_LIMIT = 232448  # bytes: H100/H200 (sm_90) maximum dynamic shared memory pe
 # forward (off) spills 0-368 bytes at D=128 (non-causal: 4 stores and 4 loads in one consumer's step loop of
 # 1,680 instructions, offline 2026-12-06).
 SPILL_CAP = {"fwd": 0, "fwd+window": 0, "fwd+softcap": 400, "bwd": 256, "dq": 0, "fused": 1100,
-             "fused+tma": 300, "fused+tma+shift": 300, "fused+tma+lpt": 300, "bwd+es": 256,
+             "fused+tma": 300, "fused+tma+shift": 300, "fused+tma+lpt": 300, "bwd+es+ta": 256,
              "fused+tma+dqe": 300, "fused+tma+rs": 300}
 SPILL_CAP_FWD_D64 = 256
 
@@ -110,6 +110,9 @@ _SCRIPT = textwrap.dedent(
             if "+es" in kind:  # each step's S^T issued behind the previous step's dV / dK (off)
                 import dataclasses
                 cfg = dataclasses.replace(cfg, early_st=True)
+            if "+ta" in kind:  # slots released by per-thread arrives (off)
+                import dataclasses
+                cfg = dataclasses.replace(cfg, thread_arrive=True)
             fn = KB.attn_bwd_dkdv_gluon_kernel
             constexprs = KB.constexprs(cfg, causal)
             sig = KB.signature(cfg, d, dtype)
@@ -217,7 +220,7 @@ CONFIGS = [(kind, dtype, d, causal, varlen) for kind in FWD_KINDS for dtype in _
     ("fused+tma+lpt", dtype, d, True, False) for dtype in _dtypes("fused+tma+lpt")
     for d in _dims("fused+tma+lpt")] + [
     # Configurations no launcher chooses yet (off by default, to be measured): bf16 at D=128.
-    (kind, "bfloat16", 128, causal, False) for kind in ("bwd+es", "fused+tma+dqe", "fused+tma+rs")
+    (kind, "bfloat16", 128, causal, False) for kind in ("bwd+es+ta", "fused+tma+dqe", "fused+tma+rs")
     for causal in (False, True)]
 # The contraction check's controls: one configuration of each kernel compiled with fp fusion on must show
 # f32 fma. The backward's at D=64: at D=128 a uniform branch (the window's selects) sits between the score's

@@ -36,6 +36,7 @@ from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin as _builtin
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -77,6 +78,11 @@ class GluonBwdConfig:
     # them, so the next step's S^T runs on the tensor cores while dV / dK finish (one S^T tile more live, not
     # two steps' P^T / dS^T as with ``pipeline``). Off until measured.
     early_st: bool = False
+    # Consumers release a Q / dO slot by a per-thread arrive (cp.async.mbarrier.arrive.noinc, the barrier
+    # counting 128 arrivals per warpgroup) instead of one elected thread's: Triton 3.6's shared-memory
+    # barrier analysis treats the elected arrive as touching all shared memory and brackets it with
+    # warpgroup bar.syncs, the per-thread one it does not. Off until measured.
+    thread_arrive: bool = False
 
     @property
     def block_n(self) -> int:
@@ -120,7 +126,8 @@ def block_shapes(cfg: GluonBwdConfig, head_dim: int) -> dict[str, list[int]]:
 
 def constexprs(cfg: GluonBwdConfig, causal: bool) -> dict:
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
-                PIPELINE=cfg.pipeline, PRE_STATS=cfg.row_stats, EARLY_ST=cfg.early_st)
+                PIPELINE=cfg.pipeline, PRE_STATS=cfg.row_stats, EARLY_ST=cfg.early_st,
+                THREAD_ARRIVE=cfg.thread_arrive)
 
 
 LAUNCH_OPTIONS = {"num_warps": 4}
@@ -315,6 +322,17 @@ def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_W
 
 
 @gluon.jit
+def _release(q_empty, slot, THREAD_ARRIVE: gl.constexpr):
+    """Frees ring slot ``slot`` for the producer once this warpgroup's products reading it have retired:
+    one elected arrive (the barrier counts warpgroups), or with ``THREAD_ARRIVE`` one per thread (it counts
+    threads) that Triton 3.6 does not bracket with warpgroup barriers."""
+    if THREAD_ARRIVE:
+        async_copy.mbarrier_arrive(q_empty.index(slot), increment_count=False)
+    else:
+        mbarrier.arrive(q_empty.index(slot), count=1)
+
+
+@gluon.jit
 def _issue_t(w_s, x_s, ready, slot, phase, s_layout: gl.constexpr):
     """Issues W X^T (async) once ring slot ``slot`` of ``ready`` has landed: S^T = K Q^T (``w_s`` this
     warpgroup's K, ``x_s`` the slot's Q) or dP^T = V dO^T."""
@@ -396,7 +414,7 @@ def _operands_t(bufs, pt, dpt, slot, a_layout: gl.constexpr):
 @gluon.jit
 def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, bounds, tail, s_layout: gl.constexpr,
           a_layout: gl.constexpr, MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PRE_STATS: gl.constexpr,
-          CAUSAL: gl.constexpr):
+          CAUSAL: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
     """One query block of a consumer warpgroup: S^T and dP^T, P^T and dS^T, dV += P^T dO, dK += dS^T Q.
     ``c``: the block's ring position; ``MASKED`` / ``tail``: apply the selects of :func:`_probs_t`
     (``bounds`` = its (q_end, window_left)), where ``q_minus_k`` = (the block's first query) - (the
@@ -418,14 +436,14 @@ def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, bounds, tail, s_layout: gl.c
     dv = warpgroup_mma(p16, do_s, dv, is_async=True)
     dk = warpgroup_mma(ds16, q_s, dk, is_async=True)
     dk, dv, p16, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p16, ds16))
-    mbarrier.arrive(q_empty.index(slot), count=1)
+    _release(q_empty, slot, THREAD_ARRIVE)
     return dk, dv
 
 
 @gluon.jit
 def _pstep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, q_minus_k, bounds, s_layout: gl.constexpr,
            a_layout: gl.constexpr, MASKED: gl.constexpr, FIRST: gl.constexpr, NUM_STAGES: gl.constexpr,
-           PRE_STATS: gl.constexpr, CAUSAL: gl.constexpr):
+           PRE_STATS: gl.constexpr, CAUSAL: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
     """Step ``c`` of the pipelined loop: issues S^T_c and dP^T_c, then (unless ``FIRST``) the previous
     step's dV += P^T dO and dK += dS^T Q from ``p_prev`` / ``ds_prev``; computes P^T_c and dS^T_c (as
     :func:`_step` does) while those run; waits for them and releases the previous step's Q / dO slot.
@@ -455,14 +473,14 @@ def _pstep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, q_minus_k, bounds, s_
     if not FIRST:
         # P^T / dS^T of the previous step are those products' register operands: alive until they retire.
         dk, dv, p_prev, ds_prev = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p_prev, ds_prev))
-        mbarrier.arrive(q_empty.index((c - 1) % NUM_STAGES), count=1)
+        _release(q_empty, (c - 1) % NUM_STAGES, THREAD_ARRIVE)
     return dk, dv, p16, ds16
 
 
 @gluon.jit
 def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, umid, hi, bounds, group, s_layout: gl.constexpr,
                      a_layout: gl.constexpr, NUM_STAGES: gl.constexpr, PRE_STATS: gl.constexpr,
-                     CAUSAL: gl.constexpr):
+                     CAUSAL: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
     """The consumer's steps (query heads of the group, then query blocks lo .. hi - 1; those before ``mid``
     and from ``umid`` on take the selects), software-pipelined (:func:`_pstep`): the same products in the
     same order as the unpipelined loop, so the same bits."""
@@ -478,31 +496,33 @@ def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, umid, hi, bounds, 
         no_prev = gl.zeros([BLOCK_N_WG, BLOCK_M], dtype, a_layout)
         if lo < mid or lo >= umid:
             dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, no_prev, no_prev, 0, lo * BLOCK_M - k0,
-                                       bounds, s_layout, a_layout, True, True, NUM_STAGES, PRE_STATS, CAUSAL)
+                                       bounds, s_layout, a_layout, True, True, NUM_STAGES, PRE_STATS, CAUSAL,
+                                       THREAD_ARRIVE)
         else:
             dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, no_prev, no_prev, 0, 0, bounds, s_layout,
-                                       a_layout, False, True, NUM_STAGES, PRE_STATS, CAUSAL)
+                                       a_layout, False, True, NUM_STAGES, PRE_STATS, CAUSAL, THREAD_ARRIVE)
         for c in range(1, total):
             mb = lo + c % n_mb
             if mb < mid or mb >= umid:
                 dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, p16, ds16, c, mb * BLOCK_M - k0,
                                            bounds, s_layout, a_layout, True, False, NUM_STAGES, PRE_STATS,
-                                           CAUSAL)
+                                           CAUSAL, THREAD_ARRIVE)
             else:
                 dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, p16, ds16, c, 0, bounds, s_layout,
-                                           a_layout, False, False, NUM_STAGES, PRE_STATS, CAUSAL)
+                                           a_layout, False, False, NUM_STAGES, PRE_STATS, CAUSAL,
+                                           THREAD_ARRIVE)
         last = (total - 1) % NUM_STAGES
         dv = warpgroup_mma(p16, do_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
         dk = warpgroup_mma(ds16, q_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
         dk, dv, p16, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p16, ds16))
-        mbarrier.arrive(q_empty.index(last), count=1)
+        _release(q_empty, last, THREAD_ARRIVE)
     return dk, dv
 
 
 @gluon.jit
 def _estep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, mb, k0, masked, bounds, s_layout: gl.constexpr,
            a_layout: gl.constexpr, FIRST: gl.constexpr, NUM_STAGES: gl.constexpr, PRE_STATS: gl.constexpr,
-           CAUSAL: gl.constexpr):
+           CAUSAL: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
     """Step ``c`` (query block ``mb``) of :func:`_early_steps`: (unless ``FIRST``) issues the previous step's
     dV += P^T dO and dK += dS^T Q from ``p_prev`` / ``ds_prev`` and S^T_c right behind them, waits for dV /
     dK only and releases the previous slot; then issues dP^T_c, computes P^T_c (``masked``: a uniform branch
@@ -524,7 +544,7 @@ def _estep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, mb, k0, masked, bound
         dk = warpgroup_mma(ds_prev, q_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
         st = _issue_t(k_w, q_s, q_ready, slot, phase, s_layout)
         dk, dv, p_prev, ds_prev = warpgroup_mma_wait(num_outstanding=1, deps=(dk, dv, p_prev, ds_prev))
-        mbarrier.arrive(q_empty.index(prev), count=1)
+        _release(q_empty, prev, THREAD_ARRIVE)
     dpt = _issue_t(v_w, do_s, do_ready, slot, phase, s_layout)
     st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
     if masked:
@@ -540,7 +560,7 @@ def _estep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, mb, k0, masked, bound
 @gluon.jit
 def _early_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, umid, hi, bounds, group, s_layout: gl.constexpr,
                  a_layout: gl.constexpr, NUM_STAGES: gl.constexpr, PRE_STATS: gl.constexpr,
-                 CAUSAL: gl.constexpr):
+                 CAUSAL: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
     """The consumer's steps (as :func:`_pipelined_steps` orders them) with each step's S^T issued right
     behind the previous step's dV / dK (:func:`_estep`), so it runs while they finish; unlike
     :func:`_pipelined_steps`, P^T_c is computed after they retire (one S^T tile more live than the plain
@@ -558,17 +578,18 @@ def _early_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, umid, hi, bounds, grou
         no_prev = gl.zeros([BLOCK_N_WG, BLOCK_M], dtype, a_layout)
         dk, dv, p16, ds16 = _estep(bufs, C1, k_w, v_w, dk, dv, no_prev, no_prev, 0, lo, k0,
                                    lo < mid or lo >= umid, bounds, s_layout, a_layout, True, NUM_STAGES,
-                                   PRE_STATS, CAUSAL)
+                                   PRE_STATS, CAUSAL, THREAD_ARRIVE)
         for c in range(1, total):
             mb = lo + c % n_mb
             masked = mb < mid or mb >= umid
             dk, dv, p16, ds16 = _estep(bufs, C1, k_w, v_w, dk, dv, p16, ds16, c, mb, k0, masked, bounds,
-                                       s_layout, a_layout, False, NUM_STAGES, PRE_STATS, CAUSAL)
+                                       s_layout, a_layout, False, NUM_STAGES, PRE_STATS, CAUSAL,
+                                       THREAD_ARRIVE)
         last = (total - 1) % NUM_STAGES
         dv = warpgroup_mma(p16, do_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
         dk = warpgroup_mma(ds16, q_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
         dk, dv, p16, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p16, ds16))
-        mbarrier.arrive(q_empty.index(last), count=1)
+        _release(q_empty, last, THREAD_ARRIVE)
     return dk, dv
 
 
@@ -589,7 +610,8 @@ def _store_rows(ptr, x, row0, n_rows, head, stride_row, stride_head):
 
 @gluon.jit
 def _consumer(w: gl.constexpr, bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_WG: gl.constexpr, PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, EARLY_ST: gl.constexpr):
+              NUM_WG: gl.constexpr, PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, EARLY_ST: gl.constexpr,
+              THREAD_ARRIVE: gl.constexpr):
     """Consumer warpgroup ``w``: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
@@ -628,20 +650,20 @@ def _consumer(w: gl.constexpr, bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGE
     bounds = (rows_q - k0, window_left)  # (the selects' query limit and window, relative to key k0)
     if PIPELINE:
         dk, dv = _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, umid, hi, bounds, group, s_layout,
-                                  a_layout, NUM_STAGES, PRE_STATS, CAUSAL)
+                                  a_layout, NUM_STAGES, PRE_STATS, CAUSAL, THREAD_ARRIVE)
     elif EARLY_ST:
         dk, dv = _early_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, umid, hi, bounds, group, s_layout,
-                              a_layout, NUM_STAGES, PRE_STATS, CAUSAL)
+                              a_layout, NUM_STAGES, PRE_STATS, CAUSAL, THREAD_ARRIVE)
     else:
         c = 0
         for _g in range(group):
             for mb in range(lo, mid):
                 dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, bounds, False, s_layout,
-                               a_layout, True, NUM_STAGES, PRE_STATS, CAUSAL)
+                               a_layout, True, NUM_STAGES, PRE_STATS, CAUSAL, THREAD_ARRIVE)
                 c += 1
             for mb in range(mid, hi):
                 dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, bounds, mb >= umid, s_layout,
-                               a_layout, False, NUM_STAGES, PRE_STATS, CAUSAL)
+                               a_layout, False, NUM_STAGES, PRE_STATS, CAUSAL, THREAD_ARRIVE)
                 c += 1
     dk = dk * scale_ds
     # The tile's sequence again (two loads): not kept in registers across the steps.
@@ -665,14 +687,16 @@ def _consumer(w: gl.constexpr, bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGE
 
 @gluon.jit
 def _consumer0(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, EARLY_ST: gl.constexpr):
-    _consumer(0, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, EARLY_ST)
+               PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, EARLY_ST: gl.constexpr,
+               THREAD_ARRIVE: gl.constexpr):
+    _consumer(0, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, EARLY_ST, THREAD_ARRIVE)
 
 
 @gluon.jit
 def _consumer1(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, EARLY_ST: gl.constexpr):
-    _consumer(1, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, EARLY_ST)
+               PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, EARLY_ST: gl.constexpr,
+               THREAD_ARRIVE: gl.constexpr):
+    _consumer(1, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, EARLY_ST, THREAD_ARRIVE)
 
 
 @gluon.jit(do_not_specialize=SIZE_ARGS + SEQ_ARGS)
@@ -682,7 +706,8 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
                                out0_stride_row, out0_stride_head, out1_stride_row, out1_stride_head,
                                CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                                NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PIPELINE: gl.constexpr,
-                               PRE_STATS: gl.constexpr, EARLY_ST: gl.constexpr = False):
+                               PRE_STATS: gl.constexpr, EARLY_ST: gl.constexpr = False,
+                               THREAD_ARRIVE: gl.constexpr = False):
     """dk, dv of key block / kv head ``program_id(0)`` of ``n_tiles`` = n_n_blocks x batch x kv heads.
     Descriptors over (B, H, S, D): q / do (B, Hq, Sq, D), k / v / dk / dv (B, Hkv, Sk, D); m, l, delta
     (B, Hq, Sq) contiguous fp32; kv head = q head // group. ``varlen`` != 0: packed sequences, the
@@ -711,7 +736,8 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=NUM_WG)  # free once every consumer has read Q and dO
+        # Free once every consumer has read Q and dO: one arrive per warpgroup, or per thread (THREAD_ARRIVE).
+        mbarrier.init(q_empty.index(i), count=NUM_WG * 128 if THREAD_ARRIVE else NUM_WG)
     fence_async_shared()  # the inits visible to the async proxy (TMA) before it signals the barriers
     bufs = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
             q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem)
@@ -719,9 +745,9 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     seq = (cu_q_ptr, cu_k_ptr, out0_ptr, out1_ptr, varlen, window_left, out0_stride_row, out0_stride_head,
            out1_stride_row, out1_stride_head)
     gl.warp_specialize([(_consumer0, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                      EARLY_ST)),
+                                      EARLY_ST, THREAD_ARRIVE)),
                         (_consumer1, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                      EARLY_ST)),
+                                      EARLY_ST, THREAD_ARRIVE)),
                         (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, False, False, seq, True))],
                        [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
