@@ -903,6 +903,9 @@ def test_loop_backward_matches_two_launch_bitwise(op, dtype, n, rng, monkeypatch
         return real(n_rows, device)
 
     monkeypatch.setattr(softmax_launch, "_loop_grid", recording)
+    # The two-launch kernels at the loop kernel's warps (the forward's too, the same in both modes).
+    warps = softmax_launch.LOOP_NUM_WARPS
+    monkeypatch.setattr(softmax_launch, "SPLIT_NUM_WARPS", {1: warps, 2: warps, 4: warps})
     elem = torch.empty((), dtype=dtype).element_size()
     expected = int(softmax_launch.rows_config(n, elem, backward=True) is None
                    and n <= softmax_launch.LOOP_MAX_COLS_BWD.get(elem, 0))
@@ -916,8 +919,7 @@ def test_loop_backward_matches_two_launch_bitwise(op, dtype, n, rng, monkeypatch
                 xs = x.clone().requires_grad_()
                 scale = torch.tensor(0.7, device="cuda", requires_grad=True)
                 kw = {"scale": scale, "mask": mask} if with_scale else {}
-                warps = {e: softmax_launch.LOOP_NUM_WARPS for e in (1, 2, 4)}
-                with long_rows(mode), _attr(softmax_launch, "SPLIT_NUM_WARPS", warps):
+                with long_rows(mode):
                     out = call(op, xs, **kw)
                     launches.clear()
                     grads = torch.autograd.grad(out, [xs, scale] if with_scale else [xs], g)
@@ -929,16 +931,6 @@ def test_loop_backward_matches_two_launch_bitwise(op, dtype, n, rng, monkeypatch
             for name, a, b in zip(("d/dx", "d/dscale"), results["default"], results["two_launch"],
                                   strict=False):
                 assert_bitwise(a, b, f"{what}: {name}, loop vs two-launch")
-
-
-@contextlib.contextmanager
-def _attr(obj, name, value):
-    saved = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, saved)
 
 
 @pytest.mark.parametrize("variant", ["scale_float", "scale_tensor_mask"])
