@@ -81,7 +81,8 @@ class GluonBwdConfig:
     # Consumers release a Q / dO slot by a per-thread arrive (cp.async.mbarrier.arrive.noinc, the barrier
     # counting 128 arrivals per warpgroup) instead of one elected thread's: Triton 3.6's shared-memory
     # barrier analysis treats the elected arrive as touching all shared memory and brackets it with
-    # warpgroup bar.syncs, the per-thread one it does not. Off until measured.
+    # warpgroup bar.syncs, the per-thread one it does not. On at D=64 (9% faster without causal, the same
+    # bits); 2-4% slower at D=128.
     thread_arrive: bool = False
 
     @property
@@ -91,9 +92,10 @@ class GluonBwdConfig:
 
 # head dim -> configuration (bf16 and fp16, causal or not). D=64: 64-query steps (128 spilled and measured
 # slower), pipelined; D=128: a 3-deep Q / dO ring (166 KB of shared memory) measured 1-3% faster than 2, and
-# the row statistics precomputed, 8-10% faster with the same bits (RESULTS.md).
+# the row statistics precomputed, 8-10% faster with the same bits; D=64 releases its slots per thread
+# (RESULTS.md).
 BWD_CONFIGS: dict[int, GluonBwdConfig] = {
-    64: GluonBwdConfig(block_m=64, num_stages=3, pipeline=True),
+    64: GluonBwdConfig(block_m=64, num_stages=3, pipeline=True, thread_arrive=True),
     128: GluonBwdConfig(block_m=64, num_stages=3, row_stats=True),
 }
 # Head dims whose backward takes this kernel (and the Gluon dQ kernel) by default (SAFEOPS_GLUON_BWD=auto):

@@ -33,9 +33,11 @@ def kernels():
 # By device type: the widest column block (lanes per row), the elements of one program's tile for short rows,
 # elements per thread, and the rows-per-program cap. Under the interpreter (CPU) small blocks make the test
 # rows cross several column blocks and programs several rows.
-MAX_BLOCK_N = {"cuda": 4096, "cpu": 32}
-TILE = {"cuda": 4096, "cpu": 64}
-PER_THREAD = {"cuda": 16, "cpu": 16}
+# On the GPU: 2048 lanes, 32 elements per thread (2 warps per long row), the fastest of 2048-8192 lanes at
+# 8-32 elements per thread at V = 32K and 128K (bench/RESULTS.md, cross-entropy, 2026-12-06).
+MAX_BLOCK_N = {"cuda": 2048, "cpu": 32}
+TILE = {"cuda": 2048, "cpu": 64}
+PER_THREAD = {"cuda": 32, "cpu": 16}
 MAX_BLOCK_M = 64
 # The sum/mean over rows: one program, this many lanes.
 REDUCE_BLOCK = {"cuda": 1024, "cpu": 16}
