@@ -230,10 +230,10 @@ def host_us(fn, calls: int = 200) -> float:
 
 
 def host_report(cases: list[H.Case], results: list | None = None, log=print) -> None:
-    """Per case: CPU time per back-to-back call of the public function, of the registered op (how compiled
-    graphs call it) and of the launcher alone, next to the kernel time the main table measured (do_bench;
-    when the host time is above it, back-to-back calls are host-bound and the table's GB/s understates the
-    kernel)."""
+    """Per case: CPU time per back-to-back call of the public function, of the registered op, of the launcher
+    alone and of the compiled expression (under safeops.register() and stock), next to the kernel time the
+    main table measured (do_bench; when the host time is above it, back-to-back calls are host-bound and
+    the table's GB/s understates the kernel)."""
     from safeops.ops import cast_transpose_launch as launch
 
     kernel_us = {str(r.case): r.ms * 1e3 for r in results or [] if r.impl == "safeops" and r.status == "ok"}
@@ -245,10 +245,13 @@ def host_report(cases: list[H.Case], results: list | None = None, log=print) -> 
         public = min(host_us(build_safeops(case, t)) for _ in range(3))
         via_op = min(host_us(lambda a=(x, s, FP8, rowwise): op(*a)) for _ in range(3))
         launcher = min(host_us(lambda a=(x, s, FP8, rowwise): launch.cast_transpose(*a)) for _ in range(3))
+        registered = min(host_us(build_compiled(case, t, registered=True)) for _ in range(3))
+        stock = min(host_us(build_compiled(case, t)) for _ in range(3))
         k = kernel_us.get(str(case), math.nan)
         verdict = "" if math.isnan(k) else ("  host-bound" if public > k else "  GPU-bound")
         log(f"  {str(case):32s} safeops.cast_transpose {public:6.1f}  op {via_op:6.1f}  launcher "
-            f"{launcher:6.1f}  kernel {k:6.1f}{verdict}")
+            f"{launcher:6.1f}  compiled: registered {registered:6.1f} stock {stock:6.1f}  kernel {k:6.1f}"
+            f"{verdict}")
         del t
         H._free()
 

@@ -192,3 +192,80 @@ def test_bf16_kernel_matches_eager_on_every_bf16_pattern(fp8):
     assert torch.equal(y.view(torch.uint8), ref.view(torch.uint8)), "ragged"
     assert torch.equal(y_t.view(torch.uint8), ref.view(torch.uint8)), "ragged"
     assert torch.equal(amax, xr.abs().max().float()), "ragged"
+
+
+# Under torch.compile the fp8 op is a triton_op (safeops.ops.cast_transpose.compiled_op): Inductor compiles
+# the kernel itself, with the tensors' own dtypes and its own options, fp contraction on and no maxnreg.
+# That gives eager's bits only because neither kernel has a multiply feeding an add: compiled the way
+# Inductor compiles them, their PTX must hold no fma (the pattern test_kernels_ptx.py checks for with
+# contraction on finds it in every other safeops kernel).
+INDUCTOR_SCRIPT = r'''
+import importlib.util, json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+spec = json.loads(sys.stdin.read())
+mod = importlib.util.spec_from_file_location("ct_kernels", spec["kernel_file"])
+k = importlib.util.module_from_spec(mod)
+mod.loader.exec_module(k)
+out = {}
+for case in spec["cases"]:
+    fn = getattr(k, case["kernel"])
+    const = dict(case["constexprs"], sxk=1)
+    sig = {a: "constexpr" if a in const else case["types"].get(a, "i32") for a in fn.arg_names}
+    aligned = ("x_ptr", "scale_ptr", "y_ptr", "yt_ptr", "ws_ptr", "amax_ptr")
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": case["num_warps"], "enable_fp_fusion": True})
+    ptx = c.asm["ptx"]
+    out[case["name"]] = {"fma": len(re.findall(r"\b(?:fma|mad)\.[\w.]*f(?:16|32|64)", ptx)),
+                         "mul": len(re.findall(r"\bmul\.[\w.]*f32", ptx))}
+print(json.dumps(out))
+'''
+
+_PTX_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+              torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e5m2: "*fp8e5"}
+
+
+def inductor_cases() -> list[dict]:
+    """The kernels and constexprs safeops.ops.cast_transpose_launch.traced_launch gives Inductor: the bf16
+    kernel and the general one (fp32 and fp16 x, packed and byte y_t), both fp8 formats, both scalings."""
+    cases = []
+    for x_dtype, m in ((torch.bfloat16, 4096), (torch.float32, 4096), (torch.float16, 4098)):
+        for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+            for rowwise in (False, True):
+                x = torch.empty(m, 4096, dtype=x_dtype, device="meta")
+                scale = torch.empty(m, 1, device="meta") if rowwise else torch.empty(1, device="meta")
+                bf16 = x_dtype == torch.bfloat16
+                config, hw, pack = launch._choice(x, None, None, bf16) if bf16 else (
+                    launch.tile_config(m, 4096, x.element_size()), True, m % 4 == 0)
+                opts, _ = launch._options_and_scalars(x, scale, fp8, rowwise, config, hw, pack, bf16)
+                opts.pop("enable_fp_fusion")
+                opts.pop("maxnreg", None)
+                num_warps = opts.pop("num_warps")
+                types = {"x_ptr": _PTX_TYPES[x_dtype], "scale_ptr": "*fp32", "y_ptr": _PTX_TYPES[fp8],
+                         "yt_ptr": _PTX_TYPES[fp8], "ws_ptr": "*i32", "amax_ptr": "*fp32"}
+                cases.append(dict(name=f"{x_dtype}->{fp8} rowwise={rowwise} pack={pack}",
+                                  kernel="cast_transpose_bf16_kernel" if bf16 else "cast_transpose_kernel",
+                                  constexprs=opts, num_warps=num_warps, types=types))
+    return cases
+
+
+def test_kernels_inductor_compiles_have_nothing_to_contract():
+    python = sm90.triton36_python()
+    if python is None:
+        pytest.skip("no Triton 3.6 Python for offline sm_90 compiles (set SAFEOPS_COMPILE_PYTHON)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
+    cases = inductor_cases()
+    spec = {"kernel_file": os.path.join(ROOT, "safeops", "kernels", "cast_transpose.py"), "cases": cases}
+    proc = subprocess.run([python, "-c", INDUCTOR_SCRIPT], input=json.dumps(spec), capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out) == len(cases) == 12
+    for name, counts in out.items():
+        assert counts["fma"] == 0, f"{name}: {counts['fma']} fma in the PTX compiled with contraction on"
+        assert counts["mul"] > 0, f"{name}: no f32 multiply found: the check looks at the wrong code"

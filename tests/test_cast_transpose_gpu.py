@@ -257,19 +257,29 @@ def test_two_streams_at_once():
         assert_matches_eager(x, scale, torch.float8_e4m3fn, out, "two streams")
 
 
-def test_torch_compile_rewrite_on_gpu():
+@pytest.mark.parametrize(("x_dtype", "m", "rowwise", "fp8"), [
+    (torch.bfloat16, 4096, False, torch.float8_e4m3fn),  # the bf16 kernel
+    (torch.bfloat16, 1024, True, torch.float8_e5m2),
+    (torch.float32, 2048, True, torch.float8_e4m3fn),  # the general kernel, y_t as packed words
+    (torch.float16, 1022, False, torch.float8_e5m2),  # the general kernel, y_t as bytes (M % 4 != 0)
+])
+def test_torch_compile_rewrite_on_gpu(x_dtype, m, rowwise, fp8):
+    """Under safeops.register() the compiled graph launches the safeops kernel from Inductor's own code
+    (the triton_op: no opaque op, no Inductor kernel touching fp8) and gives the eager expression's bits."""
+    import re
+
     from torch._inductor.utils import run_and_get_code
 
     import safeops.compile as safeops_compile
 
-    m4 = torch.finfo(torch.float8_e4m3fn).max
+    big = torch.finfo(fp8).max
 
     def fn(x, s):
-        y = (x.float() * s).clamp(-m4, m4).to(torch.float8_e4m3fn)
+        y = (x.float() * s).clamp(-big, big).to(fp8)
         return y, y.t().contiguous().t(), x.abs().max()
 
-    x = random_input(4096, 4096, torch.bfloat16)
-    s = torch.tensor(0.6, device=DEV)
+    x = random_input(m, 768, x_dtype)  # NaN and infinities included
+    s = (torch.rand(m, 1, device=DEV) + 0.1) if rowwise else torch.tensor(0.6, device=DEV)
     torch._dynamo.reset()
     safeops_compile.stats.clear()
     with safeops.registered():
@@ -277,9 +287,22 @@ def test_torch_compile_rewrite_on_gpu():
     torch._dynamo.reset()
     code = "\n".join(codes)
     assert safeops_compile.stats["cast_transpose_pattern"] == 1
-    assert code.count("torch.ops.safeops.cast_transpose.default(") == 1
-    assert "float8" not in code.replace("torch.float8_e4m3fn", ""), "an Inductor kernel still casts to fp8"
+    assert "torch.ops.safeops.cast_transpose" not in code, "the opaque op is still in the graph"
+    kernel = "cast_transpose_bf16_kernel" if x_dtype == torch.bfloat16 else "cast_transpose_kernel"
+    assert kernel in code, f"Inductor does not launch {kernel}"
+    # Inductor's own kernels: the workspace's zero fill and, for a 16-bit x, amax's cast to x's dtype (what
+    # x.abs().max() returns); none casts to fp8.
+    own = [src for src in code.split("async_compile.triton(")[1:] if re.search(r"def triton_\w+\(", src)]
+    assert not any("float8" in src.split("\'\'\'")[1] for src in own), "an Inductor kernel still casts to fp8"
+    assert len(own) <= (1 if x_dtype == torch.float32 else 2), code
+    # Inductor read the kernel as writing its outputs and workspace only: no copy of x or the scale (what it
+    # adds for inputs a user kernel may write).
+    assert ".copy_(" not in code, code
     ref = fn(x, s)
     assert torch.equal(u8(out[0]), u8(ref[0])) and torch.equal(u8(out[1]), u8(ref[1]))
     assert out[1].stride() == ref[1].stride()
     assert torch.equal(out[2].isnan(), ref[2].isnan())
+    eager = safeops.cast_transpose(x, s, fp8, rowwise=rowwise)  # the opaque op's launcher: the same bits
+    assert torch.equal(u8(out[0]), u8(eager[0])) and torch.equal(u8(out[1]), u8(eager[1]))
+    # The graph's amax is x.abs().max()'s, in x's dtype: the op's fp32 amax cast by Inductor.
+    torch.testing.assert_close(out[2], eager[2].to(out[2].dtype), rtol=0, atol=0, equal_nan=True)

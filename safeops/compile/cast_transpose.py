@@ -10,10 +10,11 @@ It runs on the torch-level FX graph that Dynamo hands to Inductor (inside the sa
     y_t = y.t().contiguous().t()     or    y.t().contiguous()       (t / transpose(0, 1) / permute(1, 0))
 
 and, when present after it, ``x.abs().max()`` / ``torch.max(torch.abs(x))`` / ``amax`` of the same ``x``
-(or of ``xf``). One ``torch.ops.safeops.cast_transpose(x, scale, fp8, rowwise)`` replaces the cast and every
-transposed clone (``y_t`` is its second output; a ``.t().contiguous()`` becomes ``y_t.t()``, a view), and
-its ``amax`` replaces the reduction, so ``x`` is read once. The op computes the same bits as the eager
-expression (contract section 6).
+(or of ``xf``). One ``torch.ops.safeops.cast_transpose_compiled(x, scale, fp8, rowwise)`` replaces the cast
+and every transposed clone (``y_t`` is its second output; a ``.t().contiguous()`` becomes ``y_t.t()``, a
+view), and its ``amax`` replaces the reduction, so ``x`` is read once. That op is a ``triton_op``: on a GPU
+Inductor launches the safeops kernel from its generated code; elsewhere it is ``safeops::cast_transpose``
+(safeops.ops.cast_transpose). Either computes the same bits as the eager expression (contract section 6).
 
 It is left alone, so the graph stays stock, when:
 
@@ -36,6 +37,7 @@ import torch
 import torch.fx as fx
 
 from .. import reference
+from ..ops.cast_transpose import compiled_op
 from .rewrite import _no_mutation_between, _position, _value, stats
 
 _CAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -252,7 +254,7 @@ def _fake_outputs(match: _Match, dtype: torch.dtype):
         return None
     try:
         with mode:
-            return torch.ops.safeops.cast_transpose.default(xv, sv, dtype, match.rowwise)
+            return compiled_op()(xv, sv, dtype, match.rowwise)
     except Exception:  # meta is a convenience; AOT autograd retraces the graph either way
         return None
 
@@ -261,7 +263,7 @@ def _apply(graph: fx.Graph, match: _Match) -> None:
     dtype = _fp8_cast(match.cast)
     example = _fake_outputs(match, dtype)
     with graph.inserting_before(match.mul):
-        op = graph.call_function(torch.ops.safeops.cast_transpose.default,
+        op = graph.call_function(compiled_op(),
                                  (match.x, match.scale, dtype, match.rowwise))
         outs = [graph.call_function(operator.getitem, (op, i)) for i in range(3)]
     if example is not None:

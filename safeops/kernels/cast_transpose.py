@@ -118,6 +118,13 @@ def _tile_codes(x_ptr, scale_ptr, M, K, sxm, sxk, s_scale, scale, rows, cols, x_
 
 
 @triton.jit
+def _as(ptr, dtype: tl.constexpr):
+    """``ptr`` as a pointer to ``dtype`` (the kernels take the tensors as the launcher passes them: their own
+    dtypes from Inductor's generated code, same-size integer views from the eager launcher)."""
+    return ptr.to(tl.pointer_type(dtype), bitcast=True)
+
+
+@triton.jit
 def cast_transpose_kernel(
     x_ptr, scale_ptr, y_ptr, yt_ptr, ws_ptr, amax_ptr,
     M, K, sxm, sxk, s_scale,
@@ -139,6 +146,11 @@ def cast_transpose_kernel(
     bytes) go through the layout change to y_t's contiguous dimension, and y_t leaves as 16-byte stores of
     words. Without ``PACK`` the byte tile itself is stored with transposed pointers and Triton moves bytes.
     """
+    if X_BF16_BITS:
+        x_ptr = _as(x_ptr, tl.int16)
+    y_ptr = _as(y_ptr, tl.uint8)
+    yt_ptr = _as(yt_ptr, tl.int32 if PACK else tl.uint8)
+    amax_ptr = _as(amax_ptr, tl.int32)
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     SUB_M: tl.constexpr = BLOCK_M // (1 + 3 * PACK)  # rows per block: BLOCK_M // 4 with PACK
@@ -270,12 +282,20 @@ and.b32 t0, t0, 0x80808080;
 or.b32 $0, $0, t0;
 """
 _TAIL = "}"
-CVT_E4M3 = tl.constexpr(_CVT_HEAD + _CVT_E4M3 + _SIGN_OR + _TAIL)
-CVT_E5M2 = tl.constexpr(_CVT_HEAD + _CVT_E5M2 + _NAN_OR + _SIGN_OR + _TAIL)
+
+
+def _one_line(asm: str) -> tl.constexpr:
+    """The PTX on one line (statements end in ';'): Inductor embeds a kernel's source, constants included,
+    in a triple-quoted string, where a '\\n' escape would become a line break inside a string literal."""
+    return tl.constexpr(" ".join(asm.split()))
+
+
+CVT_E4M3 = _one_line(_CVT_HEAD + _CVT_E4M3 + _SIGN_OR + _TAIL)
+CVT_E5M2 = _one_line(_CVT_HEAD + _CVT_E5M2 + _NAN_OR + _SIGN_OR + _TAIL)
 # Running max of bf16 magnitudes over the 4 blocks of a tile, 2 per register: $0 = max($1, |$2|, |$3|, |$4|,
 # |$5|) per 16-bit half. The bf16 bit pattern of a magnitude orders like its value (NaN above inf), as the
 # fp32 pattern does (= bf16 << 16).
-AMAX4_U16X2 = tl.constexpr("""{
+AMAX4_U16X2 = _one_line("""{
 .reg .b32 t0, t1, t2, t3;
 and.b32 t0, $2, 0x7FFF7FFF;
 and.b32 t1, $3, 0x7FFF7FFF;
@@ -288,7 +308,7 @@ max.u16x2 $0, $1, t0;
 }""")
 # 4 x 4 byte transpose: $4..$7 = 4 codes each (blocks j = 0..3, elements e..e+3), $0..$3 = the words of
 # elements e..e+3, byte j from block j (the int32 y_t holds there, little-endian).
-TRANSPOSE_4X4 = tl.constexpr("""{
+TRANSPOSE_4X4 = _one_line("""{
 .reg .b32 t0, t1, t2, t3;
 prmt.b32 t0, $4, $5, 0x5140;
 prmt.b32 t1, $6, $7, 0x5140;
@@ -303,7 +323,7 @@ prmt.b32 $3, t2, t3, 0x7632;
 
 @triton.jit
 def _cvt(asm: tl.constexpr, x, s):
-    return tl.inline_asm_elementwise(asm, "=r,r,r,r,r,r,r", [x, s], dtype=tl.uint8, is_pure=False, pack=4)
+    return tl.inline_asm_elementwise(asm, "=r,r,r,r,r,r,r", [x, s], dtype=tl.uint8, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -402,7 +422,7 @@ def _bf16_tile(x0, x1, x2, x3, y_ptr, yt_ptr, scale_ptr, scale, acc, m0, k0, tm,
     c2 = _bf16_block(x2, y_ptr, s2, m0, k0, 2, M, K, FP8, ROWWISE, WIDE, EVEN, SUB_M, BLOCK_K)
     c3 = _bf16_block(x3, y_ptr, s3, m0, k0, 3, M, K, FP8, ROWWISE, WIDE, EVEN, SUB_M, BLOCK_K)
     word = tl.inline_asm_elementwise(TRANSPOSE_4X4, "=r,=r,=r,=r,r,r,r,r", [c0, c1, c2, c3],
-                                     dtype=tl.int32, is_pure=False, pack=4)
+                                     dtype=tl.int32, is_pure=True, pack=4)
     am = tl.arange(0, SUB_M)
     ak = tl.arange(0, BLOCK_K)
     if WIDE:
@@ -431,6 +451,10 @@ def cast_transpose_bf16_kernel(
     """Same arguments and results as ``cast_transpose_kernel`` with ``PACK`` and ``X_BF16_BITS`` (``x`` the
     int16 view of a bf16 tensor, ``yt_ptr`` = int32 words ``(K, M // 4)``, ``MW`` = M // 4, the same amax
     workspace protocol); the conversion is always the hardware one. GPU only (inline PTX)."""
+    x_ptr = _as(x_ptr, tl.int16)
+    y_ptr = _as(y_ptr, tl.uint8)
+    yt_ptr = _as(yt_ptr, tl.int32)
+    amax_ptr = _as(amax_ptr, tl.int32)
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     SUB_M: tl.constexpr = BLOCK_M // 4

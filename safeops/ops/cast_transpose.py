@@ -10,9 +10,11 @@ Outputs: ``y`` row-major ``(M, K)``; ``y_t`` the same values with strides ``(1, 
 ``y.t().contiguous().t()``); ``amax`` a 0-d fp32 tensor. Bit for bit ``y == (x.float() * scale).clamp(-max,
 max).to(dtype)`` on every backend.
 
-Like the softmax ops, this is an opaque op (not a ``triton_op``) so that compiled code runs exactly the
-eager launcher. It has no derivative: the op is a cast to fp8, which has no useful gradient; the public
-function detaches its inputs, so its outputs never require grad.
+This op is opaque, like the softmax ops: it runs the eager launcher wherever it is called. Graphs compiled
+under ``safeops.register()`` hold ``safeops::cast_transpose_compiled`` instead (end of this file), a
+``triton_op`` whose kernel Inductor launches itself on a GPU. Neither has a derivative: the op is a cast to
+fp8, which has no useful gradient; the public function detaches its inputs, so its outputs never require
+grad.
 """
 
 from __future__ import annotations
@@ -74,3 +76,45 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, row
             x, scale = x.detach(), scale.detach()
         return _impl(x, scale, dtype, rowwise)
     return cast_transpose_op(x.detach(), scale.detach(), dtype, rowwise)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The op compiled graphs hold
+# ---------------------------------------------------------------------------------------------------
+# safeops.register()'s rewrite (safeops.compile.cast_transpose) puts safeops::cast_transpose_compiled in the
+# graphs it compiles. It is a torch.library.triton_op: AOTAutograd replaces it by its body, so Inductor
+# launches the kernel from its own generated code, as it launches its own kernels, instead of calling the
+# opaque op above through the dispatcher and the launcher (50-130 us of host time per call against a 20-30
+# us kernel, bench/RESULTS.md). Inductor compiles a triton_op's kernel with its own options and drops
+# enable_fp_fusion=False; that is safe here and only here: neither fp8 kernel has an fp32 add for a multiply
+# to fuse into (tests/test_cast_transpose_configs.py compiles both with fusion on and finds no fma), so the
+# compiled graph gives eager's bits. Inputs the kernels do not take (other devices, the reference
+# backend, empty or oversized x) call the opaque op, which then stays in the graph. The backend
+# (SAFEOPS_BACKEND) is read when the graph is compiled.
+
+
+def _compiled_body(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                   rowwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    launch = cast_transpose_launch.traced_launch(x, scale, dtype, rowwise)
+    if launch is None:
+        return cast_transpose_op(x, scale, dtype, rowwise)
+    kernel, grid, scalars, constexprs = launch
+    y, y_t, _ = cast_transpose_launch.empty_outputs(x, dtype)
+    # amax as a view of a 1-element buffer: Inductor (2.11-2.13) fills a 0-d torch.empty with a kernel of
+    # its own (its empty-strided lowering makes a no-op kernel only for tensors with a dimension).
+    amax = torch.empty(1, dtype=torch.float32, device=x.device)
+    ws = torch.zeros(2, dtype=torch.int32, device=x.device)  # the amax hand-off (zero on entry)
+    torch.library.wrap_triton(kernel)[grid](x, scale, y, y_t, ws, amax, *scalars, **constexprs)
+    return y, y_t, amax.view(())
+
+
+_compiled: list = []
+
+
+def compiled_op():
+    """``safeops::cast_transpose_compiled.default``, defined on first use (``triton_op`` imports Dynamo,
+    which ``import safeops`` must not)."""
+    if not _compiled:
+        torch.library.triton_op("safeops::cast_transpose_compiled", mutates_args=())(_compiled_body)
+        _compiled.append(torch.ops.safeops.cast_transpose_compiled.default)
+    return _compiled[0]

@@ -396,6 +396,38 @@ def _general(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: 
     return y, y_t, amax
 
 
+# ---------------------------------------------------------------------------------------------------
+# The launch Inductor makes (safeops::cast_transpose_compiled, a triton_op): decided from shapes, strides and
+# dtypes alone (the arguments may be FakeTensors), without the launcher's caches, the workspace cache or a
+# compiled kernel. Inductor compiles the kernel itself with its own options (no ``maxnreg``, no
+# ``enable_fp_fusion``; the kernels have nothing to contract, tests/test_cast_transpose_configs.py), and the
+# persistent grid is sized without an occupancy query: the kernels run 64 registers a thread at 4 warps
+# when ptxas chooses, 8 programs per SM. A different count changes no result (programs take tiles
+# pid, pid + n_programs, ...; the amax hand-off counts whatever programs ran).
+# ---------------------------------------------------------------------------------------------------
+TRACED_PROGRAMS_PER_SM = 8
+
+
+def traced_launch(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool):
+    """``(kernel, grid, scalars, constexprs)`` of the default call on ``x``, or None where the launcher's
+    general path decides (not a CUDA tensor for the compiled kernels, empty or oversized x)."""
+    if x.device.type != "cuda" or not _config.use_triton(x) or _interpreted():
+        return None
+    _check_device(x)
+    m, k = x.shape
+    if x.numel() == 0 or m >= 2**31 or k >= 2**31:
+        return None
+    bf16 = _bf16_kernel_fits(x, dtype)
+    config, hardware_convert, pack = _choice(x, config=None, hardware_convert=None, bf16=bf16)
+    options, scalars = _options_and_scalars(x, scale, dtype, rowwise, config, hardware_convert, pack, bf16)
+    del options["enable_fp_fusion"]  # Inductor compiles with its own options (see above)
+    options.pop("maxnreg", None)
+    per_sm = TRACED_PROGRAMS_PER_SM if config.programs_per_sm is None else config.programs_per_sm
+    n_tiles = scalars[6]
+    programs = n_tiles if per_sm == 0 else min(n_tiles, per_sm * _sm_count(x.device))
+    return _kernel(bf16), (programs,), scalars, options
+
+
 _capacity: dict = {}
 
 
