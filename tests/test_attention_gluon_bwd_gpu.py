@@ -521,16 +521,11 @@ def test_seq_deterministic_and_sinks(rng, gluon_bwd_seq):
     check_sinks_oracle(q, k, v, rng.randn(4, std=2.0), rng, is_causal=True, window=(90, None))
 
 
-STEP_ORDERS = {"early_st": {"early_st": True}, "thread_arrive": {"thread_arrive": True},
-               "both": {"early_st": True, "thread_arrive": True}}
-
-
-@pytest.mark.parametrize("order", STEP_ORDERS.values(), ids=STEP_ORDERS.keys())
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize(("d", "pipeline"), [(64, True), (64, False), (128, False)])
 @pytest.mark.parametrize("options", SEQ_OPTIONS.values(), ids=SEQ_OPTIONS.keys())
-def test_step_orders_same_bits(d, options, order, rng, monkeypatch, gluon_bwd_seq):
-    """GluonBwdConfig.early_st (each next S^T issued behind the current step's dV / dK) and thread_arrive
-    (Q / dO slots released by per-thread arrives) give the unpipelined loop's bits: dense GQA with partial
+def test_thread_arrive_same_bits(d, pipeline, options, rng, monkeypatch, gluon_bwd_seq):
+    """GluonBwdConfig.thread_arrive (Q / dO slots released by per-thread arrives; on at D=64) gives the
+    bits of one elected arrive, in the pipelined loop (D=64's) and the plain one: dense GQA with partial
     blocks and Sq != Sk, and packed sequences (an empty one, one row, GQA) with and without a window."""
     import dataclasses
 
@@ -542,14 +537,15 @@ def test_step_orders_same_bits(d, options, order, rng, monkeypatch, gluon_bwd_se
     gs = [rng.randn(1, 4, n, d, dtype=BF16) for n in lengths]
     _gluon_ran(monkeypatch, q, k, v, **options)
     results = []
-    for over in ({"early_st": False, "thread_arrive": False}, order):
-        monkeypatch.setitem(KB.BWD_CONFIGS, d, dataclasses.replace(KB.BWD_CONFIGS[d], pipeline=False, **over))
+    for flag in (False, True):
+        monkeypatch.setitem(KB.BWD_CONFIGS, d, dataclasses.replace(KB.BWD_CONFIGS[d], pipeline=pipeline,
+                                                                    thread_arrive=flag))
         L.clear_plans()
         dense = _grads(q, k, v, g, **options)
         packed, _ = _packed_grads(seqs, gs, **options)
         results.append((*dense, *packed))
     plans = [p for p in L._gluon_bwd_plans.values() if p.__class__ is G.BwdPlan]
-    flags = [(p.launch.kwargs["EARLY_ST"], p.launch.kwargs["THREAD_ARRIVE"]) for p in plans]
-    assert flags and set(flags) == {(order.get("early_st", False), order.get("thread_arrive", False))}, flags
+    flags = [(p.launch.kwargs["PIPELINE"], p.launch.kwargs["THREAD_ARRIVE"]) for p in plans]
+    assert flags and set(flags) == {(pipeline, True)}, flags
     for name, a, b in zip(("dq", "dk", "dv", "packed dq", "packed dk", "packed dv"), *results, strict=True):
-        assert torch.equal(a, b), f"{name} differs with {order} (D={d}, {options})"
+        assert torch.equal(a, b), f"{name} differs with thread_arrive (D={d}, pipeline {pipeline}, {options})"

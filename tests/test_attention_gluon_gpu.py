@@ -261,39 +261,6 @@ def test_layout_and_schedule_same_bits(d, rng, monkeypatch):
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_thread_arrive_same_bits(d, rng, monkeypatch):
-    """GluonFwdConfig.thread_arrive (the consumers' arrives per thread, the turn barriers separate) gives the
-    default's bits: GQA, partial blocks, Sq != Sk, causal or not, a left window, the persistent grid, and
-    packed sequences (an empty one, one row)."""
-    import dataclasses
-
-    K = G.kernels()
-    q = rng.randn(2, 8, 700, d, dtype=BF16)
-    k, v = (rng.randn(2, 2, 555, d, dtype=BF16) for _ in range(2))
-    lengths = [300, 1, 0, 1029, 129]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
-    packed = [rng.randn(sum(lengths), h, d, dtype=BF16) for h in (8, 2, 2)]
-    results = []
-    for flag in (False, True):
-        monkeypatch.setitem(K.FWD_CONFIGS, d, dataclasses.replace(K.FWD_CONFIGS[d], thread_arrive=flag))
-        L.clear_plans()
-        got = []
-        for causal in (False, True):
-            got += _forward(q, k, v, causal)
-            got += safeops.attention_varlen(*packed, cu, cu, is_causal=causal, return_lse=True)
-        if d != 256:
-            got += safeops.attention(q, k, v, is_causal=True, window=(100, None), return_lse=True)
-        monkeypatch.setattr(G, "PERSISTENT", True)
-        got += _forward(q, k, v, True)
-        monkeypatch.setattr(G, "PERSISTENT", False)
-        results.append(got)
-        plans = [p for p in L._fwd_plans.values() if p.__class__ is G.Plan]
-        assert plans and all(p.launch.kwargs["THREAD_ARRIVE"] is flag for p in plans)
-    for i, (a, b) in enumerate(zip(*results, strict=True)):
-        assert torch.equal(a, b), f"output {i} differs with thread_arrive (D={d}); {rng}"
-
-
-@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
 def test_exact_rows(d, causal, rng):
     b, hq, hkv, sq, sk = 2, 4, 2, 200, 333

@@ -50,8 +50,8 @@ SMEM_LIMIT = 232448  # bytes: H100/H200 (sm_90) maximum dynamic shared memory pe
 # than two warpgroups without spills (bench/RESULTS.md); capped there at what it spills today. The softcapped
 # forward (off) spills 0-368 bytes at D=128 (non-causal: 4 stores and 4 loads in one consumer's step loop of
 # 1,680 instructions, offline 2026-12-06).
-SPILL_CAP = {"fwd": 0, "fwd+window": 0, "fwd+softcap": 400, "fwd+ta": 0, "bwd": 256, "dq": 0, "fused": 1100,
-             "fused+tma": 300, "fused+tma+shift": 300, "fused+tma+lpt": 300, "bwd+es+ta": 256,
+SPILL_CAP = {"fwd": 0, "fwd+window": 0, "fwd+softcap": 400, "bwd": 256, "dq": 0, "fused": 1100,
+             "fused+tma": 300, "fused+tma+shift": 300, "fused+tma+lpt": 300,
              "fused+tma+dqe": 300, "fused+tma+rs": 300}
 SPILL_CAP_FWD_D64 = 256
 
@@ -98,9 +98,6 @@ _SCRIPT = textwrap.dedent(
         kind, dtype, d, causal, varlen, fusion = job
         if kind.startswith("fwd"):  # "fwd", "fwd+window"
             cfg = K.FWD_CONFIGS[d]
-            if "+ta" in kind:  # per-thread arrives (off)
-                import dataclasses
-                cfg = dataclasses.replace(cfg, thread_arrive=True)
             fn = K.attn_fwd_gluon_kernel
             constexprs = K.constexprs(cfg, causal, varlen, "+window" in kind, "+softcap" in kind)
             sig = K.signature(cfg, d, dtype, varlen)
@@ -110,12 +107,6 @@ _SCRIPT = textwrap.dedent(
             loader_regs = K.LOADER_REGS
         elif kind.startswith("bwd"):  # the backward's dK / dV: every tensor argument is a TMA descriptor
             cfg = KB.BWD_CONFIGS[d]
-            if "+es" in kind:  # each step's S^T issued behind the previous step's dV / dK (off)
-                import dataclasses
-                cfg = dataclasses.replace(cfg, early_st=True)
-            if "+ta" in kind:  # slots released by per-thread arrives (off)
-                import dataclasses
-                cfg = dataclasses.replace(cfg, thread_arrive=True)
             fn = KB.attn_bwd_dkdv_gluon_kernel
             constexprs = KB.constexprs(cfg, causal)
             sig = KB.signature(cfg, d, dtype)
@@ -223,8 +214,8 @@ CONFIGS = [(kind, dtype, d, causal, varlen) for kind in FWD_KINDS for dtype in _
     ("fused+tma+lpt", dtype, d, True, False) for dtype in _dtypes("fused+tma+lpt")
     for d in _dims("fused+tma+lpt")] + [
     # Configurations no launcher chooses yet (off by default, to be measured): bf16 at D=128.
-    (kind, "bfloat16", 128, causal, False)
-    for kind in ("fwd+ta", "bwd+es+ta", "fused+tma+dqe", "fused+tma+rs") for causal in (False, True)]
+    (kind, "bfloat16", 128, causal, False) for kind in ("fused+tma+dqe", "fused+tma+rs")
+    for causal in (False, True)]
 # The contraction check's controls: one configuration of each kernel compiled with fp fusion on must show
 # f32 fma. The backward's at D=64: at D=128 a uniform branch (the window's selects) sits between the score's
 # multiply and its subtraction in every step, so even fusion on has nothing to contract there.

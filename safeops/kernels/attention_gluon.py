@@ -46,7 +46,6 @@ from dataclasses import dataclass
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -83,11 +82,6 @@ class GluonFwdConfig:
     # last QK^T (the producer loads the next tile's Q during the last PV and the epilogue) and does not wait
     # for its O store (it overlaps the next tile). For the persistent grid; the same arithmetic, same bits.
     separate_o: bool = False
-    # Consumers arrive on the ring's and the turns' mbarriers one arrive per thread
-    # (cp.async.mbarrier.arrive.noinc; the barriers count 128 per warpgroup, the turn barriers are separate
-    # allocations) instead of one elected thread's: Triton 3.6's shared-memory barrier analysis brackets an
-    # elected arrive with warpgroup bar.syncs, a per-thread one it does not. Off until measured.
-    thread_arrive: bool = False
 
     @property
     def block_m(self) -> int:
@@ -130,7 +124,7 @@ def constexprs(cfg: GluonFwdConfig, causal: bool, varlen: bool = False, window: 
     (the constant C2 a runtime argument)."""
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
                 PINGPONG=cfg.pingpong, VARLEN=varlen, SEPARATE_O=cfg.separate_o, HAS_WL=window,
-                SOFTCAP=softcap, THREAD_ARRIVE=cfg.thread_arrive)
+                SOFTCAP=softcap)
 
 
 LAUNCH_OPTIONS = {"num_warps": 4}  # the default partition is one consumer warpgroup
@@ -303,40 +297,19 @@ def _softmax_block(s, m_i, l_i, n0, offs_n0, limit, start, C1, C2, masked, maske
 
 
 @gluon.jit
-def _arrive(bar, THREAD_ARRIVE: gl.constexpr):
-    """A consumer warpgroup's arrive: one elected thread's (the barrier counts warpgroups), or with
-    ``THREAD_ARRIVE`` every thread's (it counts 128 per warpgroup)."""
-    if THREAD_ARRIVE:
-        async_copy.mbarrier_arrive(bar, increment_count=False)
-    else:
-        mbarrier.arrive(bar, count=1)
-
-
-@gluon.jit
-def _turn_bar(turn, i: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
-    """Warpgroup ``i``'s turn barrier: a slot of one allocation, or with ``THREAD_ARRIVE`` an allocation of
-    its own (Triton 3.6's barrier analysis treats every slot of an allocation as the same memory)."""
-    if THREAD_ARRIVE:
-        return turn[i].index(0)
-    else:
-        return turn.index(i)
-
-
-@gluon.jit
-def _turn_wait(turn, w: gl.constexpr, count, PINGPONG: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
+def _turn_wait(turn, w: gl.constexpr, count, PINGPONG: gl.constexpr):
     """Pingpong: wait until the previous warpgroup has issued its MMAs of this round (warpgroup 0 starts)."""
     if PINGPONG:
         if w == 0:
-            mbarrier.wait(_turn_bar(turn, 0, THREAD_ARRIVE), (count & 1) ^ 1)
+            mbarrier.wait(turn.index(0), (count & 1) ^ 1)
         else:
-            mbarrier.wait(_turn_bar(turn, w, THREAD_ARRIVE), count & 1)
+            mbarrier.wait(turn.index(w), count & 1)
 
 
 @gluon.jit
-def _turn_pass(turn, w: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
-               THREAD_ARRIVE: gl.constexpr):
+def _turn_pass(turn, w: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr):
     if PINGPONG:
-        _arrive(_turn_bar(turn, (w + 1) % NUM_WG, THREAD_ARRIVE), THREAD_ARRIVE)
+        mbarrier.arrive(turn.index((w + 1) % NUM_WG), count=1)
 
 
 @gluon.jit
@@ -383,8 +356,7 @@ def _store_empty_rows(o_ptr, m_ptr, l_ptr, sinks_ptr, has_sinks, row0, n_rows, h
 def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, lo, n_blocks, q_start,
                   rows_q, rows_k, c, t, rounds, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                   NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr,
-                  SEPARATE_O: gl.constexpr, HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr,
-                  THREAD_ARRIVE: gl.constexpr):
+                  SEPARATE_O: gl.constexpr, HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr):
     """Consumer warpgroup ``w``'s rows m0 + 64 w .. m0 + 64 w + 63 of one tile (key blocks lo .. n_blocks - 1,
     at least one): the online softmax, then O, m and l out. Returns (c, t, rounds) after the tile."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
@@ -427,13 +399,13 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, l
     # Block lo: S_lo = Q K_lo^T and its softmax.
     slot = c % NUM_STAGES
     mbarrier.wait(k_ready.index(slot), (c // NUM_STAGES) & 1)
-    _turn_wait(turn, w, rounds, PINGPONG, THREAD_ARRIVE)
+    _turn_wait(turn, w, rounds, PINGPONG)
     s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                       use_acc=False, is_async=True)
-    _turn_pass(turn, w, NUM_WG, PINGPONG, THREAD_ARRIVE)
+    _turn_pass(turn, w, NUM_WG, PINGPONG)
     rounds += 1
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    _arrive(k_empty.index(slot), THREAD_ARRIVE)
+    mbarrier.arrive(k_empty.index(slot), count=1)
     n0 = lo * BLOCK_N
     p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, n0, offs_n0, limit, start, C1, C2,
                                         n0 + BLOCK_N > full_end,
@@ -447,39 +419,39 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, l
         kslot = kc % NUM_STAGES
         vslot = (kc - 1) % NUM_STAGES
         mbarrier.wait(k_ready.index(kslot), (kc // NUM_STAGES) & 1)
-        _turn_wait(turn, w, rounds, PINGPONG, THREAD_ARRIVE)
+        _turn_wait(turn, w, rounds, PINGPONG)
         s = warpgroup_mma(q, k_smem.index(kslot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
         o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
         mbarrier.wait(v_ready.index(vslot), ((kc - 1) // NUM_STAGES) & 1)
         o = warpgroup_mma(p, v_smem.index(vslot).reshape([BLOCK_N, HEAD_DIM]), o, is_async=True)
-        _turn_pass(turn, w, NUM_WG, PINGPONG, THREAD_ARRIVE)
+        _turn_pass(turn, w, NUM_WG, PINGPONG)
         rounds += 1
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-        _arrive(k_empty.index(kslot), THREAD_ARRIVE)
+        mbarrier.arrive(k_empty.index(kslot), count=1)
         n0 = j * BLOCK_N
         p_next, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, n0, offs_n0, limit, start, C1, C2,
                                                  n0 + BLOCK_N > full_end, HAS_WL and n0 < full_start, HAS_WL,
                                                  SOFTCAP)
         # P_{j-1} is a register operand of the PV wgmma: keep it alive until that wgmma has retired.
         o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
-        _arrive(v_empty.index(vslot), THREAD_ARRIVE)
+        mbarrier.arrive(v_empty.index(vslot), count=1)
         p = gl.convert_layout(p_next.to(dtype), p_layout)
 
     if SEPARATE_O:  # every QK^T of the tile has retired: the producer may load the next tile's Q rows
-        _arrive(q_empty.index(w), THREAD_ARRIVE)
+        mbarrier.arrive(q_empty.index(w), count=1)
 
     # The last block's PV.
     vc = c + n_blocks - lo - 1
     vslot = vc % NUM_STAGES
     o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
     mbarrier.wait(v_ready.index(vslot), (vc // NUM_STAGES) & 1)
-    _turn_wait(turn, w, rounds, PINGPONG, THREAD_ARRIVE)
+    _turn_wait(turn, w, rounds, PINGPONG)
     o = warpgroup_mma(p, v_smem.index(vslot).reshape([BLOCK_N, HEAD_DIM]), o, is_async=True)
-    _turn_pass(turn, w, NUM_WG, PINGPONG, THREAD_ARRIVE)
+    _turn_pass(turn, w, NUM_WG, PINGPONG)
     rounds += 1
     o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
-    _arrive(v_empty.index(vslot), THREAD_ARRIVE)
+    mbarrier.arrive(v_empty.index(vslot), count=1)
 
     # Empty rows (l = 0) give 0, not 0/0. O goes out through this warpgroup's O buffer (its Q buffer, Q
     # being dead now, unless SEPARATE_O) and TMA, which drops rows past the tensor; a packed sequence's last
@@ -507,14 +479,14 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, l
     gl.store(l_ptr + st, l_i, mask=row_ok)
     if not SEPARATE_O:
         tma.store_wait(pendings=0)
-        _arrive(q_empty.index(w), THREAD_ARRIVE)  # the producer may load the next tile's Q rows
+        mbarrier.arrive(q_empty.index(w), count=1)  # the producer may load the next tile's Q rows
     return c + n_blocks - lo, t + 1, rounds
 
 
 @gluon.jit
 def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-              HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
+              HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr):
     """Consumer warpgroup ``w``: rows m0 + 64 w .. m0 + 64 w + 63 of each tile of this program."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
      v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr) = bufs
@@ -543,8 +515,7 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
                 if n_blocks > 0:
                     c, t, rounds = _consume_tile(w, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, lo, n_blocks,
                                                  q_start, rows_q, rows_k, c, t, rounds, CAUSAL, NUM_STAGES,
-                                                 NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP,
-                                                 THREAD_ARRIVE)
+                                                 NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP)
                 else:  # a sequence without keys: its rows are empty, and nothing was loaded for them
                     _store_empty_rows(o_ptr, m_ptr, l_ptr, sinks_ptr, has_sinks,
                                       q_start + m0 + w * BLOCK_M_WG, rows_q - m0 - w * BLOCK_M_WG, h,
@@ -553,7 +524,7 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
         else:
             c, t, rounds = _consume_tile(w, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, lo, n_blocks, q_start,
                                          rows_q, rows_k, c, t, rounds, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG,
-                                         VARLEN, SEPARATE_O, HAS_WL, SOFTCAP, THREAD_ARRIVE)
+                                         VARLEN, SEPARATE_O, HAS_WL, SOFTCAP)
     if SEPARATE_O:
         tma.store_wait(pendings=0)  # the last O store has read its buffer before the program ends
 
@@ -561,25 +532,22 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
 @gluon.jit
 def _consumer0(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-               HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
-    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP,
-              THREAD_ARRIVE)
+               HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr):
+    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP)
 
 
 @gluon.jit
 def _consumer1(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-               HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
-    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP,
-              THREAD_ARRIVE)
+               HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr):
+    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP)
 
 
 @gluon.jit
 def _consumer2(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-               HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
-    _consumer(2, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP,
-              THREAD_ARRIVE)
+               HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr):
+    _consumer(2, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP)
 
 
 @gluon.jit(do_not_specialize=SIZE_ARGS, do_not_specialize_on_alignment=UNALIGNED_ARGS)
@@ -589,7 +557,7 @@ def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, c
                           NUM_STAGES: gl.constexpr,
                           NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
                           VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr, HAS_WL: gl.constexpr,
-                          SOFTCAP: gl.constexpr = False, THREAD_ARRIVE: gl.constexpr = False):
+                          SOFTCAP: gl.constexpr = False):
     """o, m, l of the query tiles program_id(0), program_id(0) + num_programs(0), ... of ``n_tiles`` =
     n_m_blocks x batch x heads. kv head = q head // group; ``head_group``: heads per chunk of the causal
     tile order (``_tile_coords``).
@@ -611,31 +579,21 @@ def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, c
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
-    if THREAD_ARRIVE:
-        if NUM_WG == 2:
-            turn = (gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()),
-                    gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()))
-        else:
-            turn = (gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()),
-                    gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()),
-                    gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()))
-    else:
-        turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    ARRIVALS: gl.constexpr = 128 if THREAD_ARRIVE else 1  # arrives per consumer warpgroup
     for i in gl.static_range(NUM_WG):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=ARRIVALS)
-        mbarrier.init(_turn_bar(turn, i, THREAD_ARRIVE), count=ARRIVALS)
+        mbarrier.init(q_empty.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         # A K/V slot is free once every consumer warpgroup has read it.
-        mbarrier.init(k_empty.index(i), count=NUM_WG * ARRIVALS)
-        mbarrier.init(v_empty.index(i), count=NUM_WG * ARRIVALS)
+        mbarrier.init(k_empty.index(i), count=NUM_WG)
+        mbarrier.init(v_empty.index(i), count=NUM_WG)
     fence_async_shared()  # the inits visible to the async proxy (TMA) before it signals the barriers
     if SEPARATE_O:
         o_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_WG] + q_desc.block_type.shape, q_desc.layout)
@@ -648,20 +606,20 @@ def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, c
     # (The argument tuples are written out: a tuple assigned to a name turns its constexprs into tensors.)
     if NUM_WG == 2:
         gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_WL, SOFTCAP, THREAD_ARRIVE)),
+                                          SEPARATE_O, HAS_WL, SOFTCAP)),
                             (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_WL, SOFTCAP, THREAD_ARRIVE)),
+                                          SEPARATE_O, HAS_WL, SOFTCAP)),
                             (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
                                          SEPARATE_O, HAS_WL))],
                            [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.static_assert(NUM_WG == 3)
         gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_WL, SOFTCAP, THREAD_ARRIVE)),
+                                          SEPARATE_O, HAS_WL, SOFTCAP)),
                             (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_WL, SOFTCAP, THREAD_ARRIVE)),
+                                          SEPARATE_O, HAS_WL, SOFTCAP)),
                             (_consumer2, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_WL, SOFTCAP, THREAD_ARRIVE)),
+                                          SEPARATE_O, HAS_WL, SOFTCAP)),
                             (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
                                          SEPARATE_O, HAS_WL))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

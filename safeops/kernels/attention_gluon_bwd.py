@@ -74,10 +74,6 @@ class GluonBwdConfig:
     # same operations, so the same bits) instead of being derived from m and l at every step: 16 selects and
     # 16 reciprocals per thread and step fewer in the exponentials' critical path.
     row_stats: bool = False
-    # Unpipelined steps whose next S^T is issued right behind their dV / dK products, before waiting for
-    # them, so the next step's S^T runs on the tensor cores while dV / dK finish (one S^T tile more live, not
-    # two steps' P^T / dS^T as with ``pipeline``). Off until measured.
-    early_st: bool = False
     # Consumers release a Q / dO slot by a per-thread arrive (cp.async.mbarrier.arrive.noinc, the barrier
     # counting 128 arrivals per warpgroup) instead of one elected thread's: Triton 3.6's shared-memory
     # barrier analysis treats the elected arrive as touching all shared memory and brackets it with
@@ -128,8 +124,7 @@ def block_shapes(cfg: GluonBwdConfig, head_dim: int) -> dict[str, list[int]]:
 
 def constexprs(cfg: GluonBwdConfig, causal: bool) -> dict:
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
-                PIPELINE=cfg.pipeline, PRE_STATS=cfg.row_stats, EARLY_ST=cfg.early_st,
-                THREAD_ARRIVE=cfg.thread_arrive)
+                PIPELINE=cfg.pipeline, PRE_STATS=cfg.row_stats, THREAD_ARRIVE=cfg.thread_arrive)
 
 
 LAUNCH_OPTIONS = {"num_warps": 4}
@@ -532,75 +527,6 @@ def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, umid, hi, bounds, 
 
 
 @gluon.jit
-def _estep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, mb, k0, masked, bounds, s_layout: gl.constexpr,
-           a_layout: gl.constexpr, FIRST: gl.constexpr, NUM_STAGES: gl.constexpr, PRE_STATS: gl.constexpr,
-           CAUSAL: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
-    """Step ``c`` (query block ``mb``) of :func:`_early_steps`: (unless ``FIRST``) issues the previous step's
-    dV += P^T dO and dK += dS^T Q from ``p_prev`` / ``ds_prev`` and S^T_c right behind them, waits for dV /
-    dK only and releases the previous slot; then issues dP^T_c, computes P^T_c (``masked``: a uniform branch
-    to the selects of :func:`_probs_t`) while it runs, and returns (dK, dV, P^T_c, dS^T_c). Nothing is in
-    flight between steps."""
-    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
-     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-    slot = c % NUM_STAGES
-    phase = (c // NUM_STAGES) & 1
-    q_s = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    do_s = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    if FIRST:
-        st = _issue_t(k_w, q_s, q_ready, slot, phase, s_layout)
-    else:
-        prev = (c - 1) % NUM_STAGES
-        dv = warpgroup_mma(p_prev, do_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
-        dk = warpgroup_mma(ds_prev, q_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
-        st = _issue_t(k_w, q_s, q_ready, slot, phase, s_layout)
-        dk, dv, p_prev, ds_prev = warpgroup_mma_wait(num_outstanding=1, deps=(dk, dv, p_prev, ds_prev))
-        _release(q_empty, prev, THREAD_ARRIVE)
-    dpt = _issue_t(v_w, do_s, do_ready, slot, phase, s_layout)
-    st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
-    if masked:
-        pt = _probs_t(bufs, st, C1, slot, mb * BLOCK_M - k0, True, PRE_STATS, CAUSAL, True, bounds[0],
-                      bounds[1])
-    else:
-        pt = _probs_t(bufs, st, C1, slot, 0, False, PRE_STATS, CAUSAL)
-    dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
-    p16, ds16 = _operands_t(bufs, pt, dpt, slot, a_layout)
-    return dk, dv, p16, ds16
-
-
-@gluon.jit
-def _early_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, umid, hi, bounds, group, s_layout: gl.constexpr,
-                 a_layout: gl.constexpr, NUM_STAGES: gl.constexpr, PRE_STATS: gl.constexpr,
-                 CAUSAL: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
-    """The consumer's steps (as :func:`_pipelined_steps` orders them) with each step's S^T issued right
-    behind the previous step's dV / dK (:func:`_estep`), so it runs while they finish; unlike
-    :func:`_pipelined_steps`, P^T_c is computed after they retire (one S^T tile more live than the plain
-    loop, not two steps' P^T / dS^T). The same products in the same order per accumulator as :func:`_step`:
-    the same bits."""
-    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
-     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-    BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
-    dtype: gl.constexpr = q_desc.dtype
-    n_mb = hi - lo
-    total = group * n_mb
-    if total > 0:
-        no_prev = gl.zeros([BLOCK_N_WG, BLOCK_M], dtype, a_layout)
-        dk, dv, p16, ds16 = _estep(bufs, C1, k_w, v_w, dk, dv, no_prev, no_prev, 0, lo, k0,
-                                   lo < mid or lo >= umid, bounds, s_layout, a_layout, True, NUM_STAGES,
-                                   PRE_STATS, CAUSAL, THREAD_ARRIVE)
-        for c in range(1, total):
-            mb = lo + c % n_mb
-            masked = mb < mid or mb >= umid
-            dk, dv, p16, ds16 = _estep(bufs, C1, k_w, v_w, dk, dv, p16, ds16, c, mb, k0, masked, bounds,
-                                       s_layout, a_layout, False, NUM_STAGES, PRE_STATS, CAUSAL,
-                                       THREAD_ARRIVE)
-        dk, dv = _last_products(bufs, dk, dv, p16, ds16, (total - 1) % NUM_STAGES, THREAD_ARRIVE)
-    return dk, dv
-
-
-@gluon.jit
 def _store_rows(ptr, x, row0, n_rows, head, stride_row, stride_head):
     """A masked store of ``x``'s first ``n_rows`` rows (all if more, none if <= 0) to rows row0.. of head
     ``head`` of a packed (T, H, D) tensor: a TMA box store would also write the rows past a sequence's end,
@@ -617,7 +543,7 @@ def _store_rows(ptr, x, row0, n_rows, head, stride_row, stride_head):
 
 @gluon.jit
 def _consumer(w: gl.constexpr, bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_WG: gl.constexpr, PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, EARLY_ST: gl.constexpr,
+              NUM_WG: gl.constexpr, PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr,
               THREAD_ARRIVE: gl.constexpr):
     """Consumer warpgroup ``w``: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
@@ -658,9 +584,6 @@ def _consumer(w: gl.constexpr, bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGE
     if PIPELINE:
         dk, dv = _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, umid, hi, bounds, group, s_layout,
                                   a_layout, NUM_STAGES, PRE_STATS, CAUSAL, THREAD_ARRIVE)
-    elif EARLY_ST:
-        dk, dv = _early_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, umid, hi, bounds, group, s_layout,
-                              a_layout, NUM_STAGES, PRE_STATS, CAUSAL, THREAD_ARRIVE)
     else:
         c = 0
         for _g in range(group):
@@ -694,16 +617,14 @@ def _consumer(w: gl.constexpr, bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGE
 
 @gluon.jit
 def _consumer0(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, EARLY_ST: gl.constexpr,
-               THREAD_ARRIVE: gl.constexpr):
-    _consumer(0, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, EARLY_ST, THREAD_ARRIVE)
+               PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
+    _consumer(0, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, THREAD_ARRIVE)
 
 
 @gluon.jit
 def _consumer1(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, EARLY_ST: gl.constexpr,
-               THREAD_ARRIVE: gl.constexpr):
-    _consumer(1, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, EARLY_ST, THREAD_ARRIVE)
+               PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
+    _consumer(1, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, THREAD_ARRIVE)
 
 
 @gluon.jit(do_not_specialize=SIZE_ARGS + SEQ_ARGS)
@@ -713,8 +634,7 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
                                out0_stride_row, out0_stride_head, out1_stride_row, out1_stride_head,
                                CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                                NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PIPELINE: gl.constexpr,
-                               PRE_STATS: gl.constexpr, EARLY_ST: gl.constexpr = False,
-                               THREAD_ARRIVE: gl.constexpr = False):
+                               PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr = False):
     """dk, dv of key block / kv head ``program_id(0)`` of ``n_tiles`` = n_n_blocks x batch x kv heads.
     Descriptors over (B, H, S, D): q / do (B, Hq, Sq, D), k / v / dk / dv (B, Hkv, Sk, D); m, l, delta
     (B, Hq, Sq) contiguous fp32; kv head = q head // group. ``varlen`` != 0: packed sequences, the
@@ -725,7 +645,6 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     every key)."""
     gl.static_assert(NUM_WG == 2)
     gl.static_assert(NUM_STAGES >= 2 or not PIPELINE)  # a pipelined step holds the previous step's slot
-    gl.static_assert(NUM_STAGES >= 2 or not EARLY_ST)  # a step holds its slot while it issues the next S^T
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape,
                                         do_desc.layout)
@@ -752,9 +671,9 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     seq = (cu_q_ptr, cu_k_ptr, out0_ptr, out1_ptr, varlen, window_left, out0_stride_row, out0_stride_head,
            out1_stride_row, out1_stride_head)
     gl.warp_specialize([(_consumer0, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                      EARLY_ST, THREAD_ARRIVE)),
+                                      THREAD_ARRIVE)),
                         (_consumer1, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                      EARLY_ST, THREAD_ARRIVE)),
+                                      THREAD_ARRIVE)),
                         (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, False, False, seq, True))],
                        [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
