@@ -280,11 +280,14 @@ class _Route:
     """One kernel's launch for one key. ``launch`` is made on the first call (the persistent grid's size
     comes from the compiled kernel's occupancy, which needs the arguments)."""
 
-    __slots__ = ("kernel", "options", "scalars", "x_bits", "pack", "programs", "launch")
+    __slots__ = ("kernel", "options", "scalars", "views", "x_bits", "pack", "programs", "launch")
 
-    def __init__(self, kernel, options: dict, scalars: tuple, x_bits: bool, pack: bool, programs):
+    def __init__(self, kernel, options: dict, scalars: tuple, views: bool, x_bits: bool, pack: bool,
+                 programs):
         self.kernel, self.options, self.scalars = kernel, options, scalars
-        self.x_bits, self.pack = x_bits, pack  # x passed as int16 bits (bf16); y_t as int32 words
+        # The tensors as they are (compiled kernels cast their pointers), or under the interpreter, which
+        # cannot read fp8 tensors, as integer views: x as int16 bits (bf16), y_t as int32 words (pack).
+        self.views, self.x_bits, self.pack = views, x_bits, pack
         self.programs = programs  # (tensors, device) -> number of programs
         self.launch = None
 
@@ -320,7 +323,7 @@ def _new_route(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise
     def programs(tensors, device):
         return _programs(kernel, [*tensors, *scalars], options, config, device)
 
-    return _Route(kernel, options, scalars, x.dtype == torch.bfloat16, pack, programs)
+    return _Route(kernel, options, scalars, _interpreted(), x.dtype == torch.bfloat16, pack, programs)
 
 
 def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool,
@@ -348,9 +351,12 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, row
             amax = torch.empty(size=(), dtype=torch.float32, device=device)
             ws = _workspace(device)
             if not (y.data_ptr() | y_t.data_ptr() | amax.data_ptr() | ws.data_ptr()) & 15:
-                tensors = (x.view(torch.int16) if route.x_bits else x, scale, y.view(torch.uint8),
-                           y_t.t().view(torch.int32 if route.pack else torch.uint8), ws,
-                           amax.view(torch.int32))
+                if route.views:
+                    tensors = (x.view(torch.int16) if route.x_bits else x, scale, y.view(torch.uint8),
+                               y_t.t().view(torch.int32 if route.pack else torch.uint8), ws,
+                               amax.view(torch.int32))
+                else:
+                    tensors = (x, scale, y, y_t, ws, amax)
                 launch = route.launch or route.first_launch(tensors, device)
                 launch(*tensors, *route.scalars)
                 return y, y_t, amax
