@@ -14,6 +14,9 @@ import textwrap
 
 import pytest
 import sm90
+import torch
+
+from safeops.ops import cross_entropy_launch
 
 _SCRIPT = textwrap.dedent(
     r"""
@@ -51,13 +54,14 @@ _SCRIPT = textwrap.dedent(
                 + len(re.findall(r"\b(mul|add|sub)(\.ftz)?\.f32\b", ptx)))
 
     # Every arithmetic branch on (weights, smoothing, z-loss; "none" in the forward, the mean's divisions in
-    # the backward) with the long-row block of 4096 lanes, and the reduction; with fusion on, one compile of
-    # the short-row tile is enough to see contraction appear.
+    # the backward) with the launcher's long-row block (lanes and warps: argv), and the reduction; with
+    # fusion on, one compile of the short-row tile is enough to see contraction appear.
+    LANES, WARPS = int(sys.argv[1]), int(sys.argv[2])
     every = dict(HAS_WEIGHT=True, HAS_NLL=True, HAS_SMOOTHING=True, HAS_Z=True, ROW_DIMS=2, WIDE=False, XA=8)
-    long_rows = dict(every, BLOCK_M=1, BLOCK_N=4096)
+    long_rows = dict(every, BLOCK_M=1, BLOCK_N=LANES)
     configs = {
-        "off": [("fwd/long/none", k.cross_entropy_fwd_kernel, dict(long_rows, REDUCE=0), 8),
-                ("bwd/long/mean", k.cross_entropy_bwd_kernel, dict(long_rows, REDUCE=1, DA=8), 8),
+        "off": [("fwd/long/none", k.cross_entropy_fwd_kernel, dict(long_rows, REDUCE=0), WARPS),
+                ("bwd/long/mean", k.cross_entropy_bwd_kernel, dict(long_rows, REDUCE=1, DA=8), WARPS),
                 ("reduce/mean", k.cross_entropy_reduce_kernel,
                  dict(MEAN=True, HAS_WEIGHT=True, HAS_Z=True, BLOCK=1024), 4)],
         "on": [("bwd/short/mean", k.cross_entropy_bwd_kernel,
@@ -79,8 +83,10 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def counts():
-    """{"off": {kernel: count}, "on": {...}}, from one subprocess (its start-up is most of the cost)."""
-    return sm90.run_script(_SCRIPT, what="the cross-entropy kernels")
+    """{"off": {kernel: count}, "on": {...}}, from one subprocess (its start-up is most of the cost), at the
+    block the launcher takes for long rows on a GPU."""
+    _, lanes, warps = cross_entropy_launch.config(1 << 17, torch.device("cuda"))
+    return sm90.run_script(_SCRIPT, str(lanes), str(warps), what="the cross-entropy kernels")
 
 
 def test_no_fma_in_the_cross_entropy_kernels(counts):
@@ -94,10 +100,13 @@ def test_check_can_fail_with_fp_fusion_on(counts):
 
 
 def test_forward_lane_sums_stay_parallel(counts):
-    """The forward's two fixed-order lane sums (row sum, smoothing sum) over 4096 lanes, 8 warps: 16 lanes
-    per thread. Spread over all threads, as ``row_sum_tree`` folds them now, a thread's f32 adds stay within
-    a small multiple of that (88 on Triton 3.6, loop adds included); the earlier spelling of the folds
-    (permute + split) left them to one thread's serial adds (582 in the PTX, 2,091 FADD in the SASS), the
-    cross-entropy forward's main cost until 2026-12-05 (bench/RESULTS.md)."""
+    """The forward's two fixed-order lane sums (row sum, smoothing sum) over the long-row block (2048 lanes,
+    2 warps: 32 lanes per thread). Spread over all threads, as ``row_sum_tree`` folds them now, a thread's
+    f32 adds stay within a small multiple of that (4096 lanes on 8 warps: 88 on Triton 3.6, loop adds
+    included); the earlier spelling of the folds (permute + split) left them to one thread's serial adds
+    (582 in the PTX at 4096 lanes, 2,091 FADD in the SASS), the cross-entropy forward's main cost until
+    2026-12-05 (bench/RESULTS.md)."""
+    _, lanes, warps = cross_entropy_launch.config(1 << 17, torch.device("cuda"))
+    per_thread = lanes // (32 * warps)
     adds = counts["adds"]["fwd/long/none"]
-    assert adds <= 192, f"{adds} f32 adds per thread in the 4096-lane forward: serial lane sums?"
+    assert adds <= 6 * per_thread, f"{adds} f32 adds per thread, {per_thread} lanes each: serial lane sums?"
