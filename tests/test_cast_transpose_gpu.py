@@ -306,3 +306,33 @@ def test_torch_compile_rewrite_on_gpu(x_dtype, m, rowwise, fp8):
     assert torch.equal(u8(out[0]), u8(eager[0])) and torch.equal(u8(out[1]), u8(eager[1]))
     # The graph's amax is x.abs().max()'s, in x's dtype: the op's fp32 amax cast by Inductor.
     torch.testing.assert_close(out[2], eager[2].to(out[2].dtype), rtol=0, atol=0, equal_nan=True)
+
+
+def test_torch_compile_rewrite_dynamic_shapes_on_gpu():
+    """With dynamic shapes the triton_op's launch is traced from symbolic sizes (its grid and scalars follow
+    them): one compiled function, three shapes (M % 4 == 0 or not, a partial tile), each with the eager
+    expression's bits and the eager op's amax."""
+    import safeops.compile as safeops_compile
+
+    big = torch.finfo(torch.float8_e4m3fn).max
+
+    def fn(x, s):
+        y = (x.float() * s).clamp(-big, big).to(torch.float8_e4m3fn)
+        return y, y.t().contiguous().t(), x.abs().max()
+
+    torch._dynamo.reset()
+    safeops_compile.stats.clear()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    s = torch.tensor(0.6, device=DEV)
+    with safeops.registered():
+        for m, k in ((1024, 768), (2052, 640), (1030, 200)):
+            x = random_input(m, k, torch.bfloat16)
+            out = compiled(x, s)
+            ref = fn(x, s)
+            what = f"{m}x{k}"
+            assert torch.equal(u8(out[0]), u8(ref[0])) and torch.equal(u8(out[1]), u8(ref[1])), what
+            assert out[1].stride() == ref[1].stride(), what
+            eager = safeops.cast_transpose(x, s)
+            torch.testing.assert_close(out[2], eager[2].to(out[2].dtype), rtol=0, atol=0, equal_nan=True)
+    torch._dynamo.reset()
+    assert safeops_compile.stats["cast_transpose_pattern"] >= 1
