@@ -264,7 +264,7 @@ def _choice(x: torch.Tensor, config: TileConfig | None, hardware_convert: bool |
 # the bf16 kernel for bf16 with M % 4 == 0 on a GPU, else the other kernel with its tile table; the empty
 # and oversized cases: the general path itself), with that kernel's constexprs, scalar arguments and
 # launch (grid and compiled kernel kept: safeops.ops._launch). A repeated call then costs:
-# the key and one lookup, three output allocations, the workspace lookup, the kernel arguments' dtype
+# the key and one lookup, three output allocations, the workspace lookup, (under the interpreter) the dtype
 # views and the launch. Fresh outputs and the workspace are 16-byte aligned (caching allocators); if one
 # ever is not, that call takes the general path (the compiled kernel is specialized on alignment).
 # The module settings a route depends on (BF16_CONFIG, HARDWARE_CONVERT, CONFIGS, LARGE_NUMEL, ...)
