@@ -18,7 +18,6 @@ snippet for ``bench/RESULTS.md`` whose header line names the date, GPU, torch, t
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import datetime
 import gc
@@ -30,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -76,23 +76,12 @@ def size_label(n: int) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-
-@contextlib.contextmanager
-def attr_set(obj, name: str, value):
-    """``obj.<name> = value`` for the block (the benchmarks' variants)."""
-    saved = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, saved)
-
-
 def config_set(name: str, value):
     """``safeops._config.<name> = value`` for the block (fp_fusion, ...)."""
     from safeops import _config
 
-    return attr_set(_config, name, value)
+    return mock.patch.object(_config, name, value)
+
 
 @dataclass(frozen=True)
 class Case:

@@ -37,6 +37,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 HERE = Path(__file__).resolve().parent
 for path in (str(HERE.parent), str(HERE)):  # the repo root (safeops) and bench/ (_harness)
@@ -129,7 +130,7 @@ def build_two_launch(case: H.Case, t: dict):
     call = build_safeops(case, t)
 
     def two_launch():
-        with H.attr_set(L, "LOOP_MAX_COLS_BWD", {}):
+        with mock.patch.object(L, "LOOP_MAX_COLS_BWD", {}):
             return call()
 
     return two_launch

@@ -475,21 +475,6 @@ def _pstep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, q_minus_k, bounds, s_
 
 
 @gluon.jit
-def _last_products(bufs, dk, dv, p16, ds16, last, THREAD_ARRIVE: gl.constexpr):
-    """The last step's dV += P^T dO and dK += dS^T Q of a loop that issues each step's products in the
-    next step (ring slot ``last``), waited for, and the slot released."""
-    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
-     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-    dv = warpgroup_mma(p16, do_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
-    dk = warpgroup_mma(ds16, q_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
-    dk, dv, p16, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p16, ds16))
-    _release(q_empty, last, THREAD_ARRIVE)
-    return dk, dv
-
-
-@gluon.jit
 def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, umid, hi, bounds, group, s_layout: gl.constexpr,
                      a_layout: gl.constexpr, NUM_STAGES: gl.constexpr, PRE_STATS: gl.constexpr,
                      CAUSAL: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
@@ -499,6 +484,7 @@ def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, umid, hi, bounds, 
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N_WG: gl.constexpr = k_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
     n_mb = hi - lo
@@ -522,7 +508,11 @@ def _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, umid, hi, bounds, 
                 dk, dv, p16, ds16 = _pstep(bufs, C1, k_w, v_w, dk, dv, p16, ds16, c, 0, bounds, s_layout,
                                            a_layout, False, False, NUM_STAGES, PRE_STATS, CAUSAL,
                                            THREAD_ARRIVE)
-        dk, dv = _last_products(bufs, dk, dv, p16, ds16, (total - 1) % NUM_STAGES, THREAD_ARRIVE)
+        last = (total - 1) % NUM_STAGES
+        dv = warpgroup_mma(p16, do_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dv, is_async=True)
+        dk = warpgroup_mma(ds16, q_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
+        dk, dv, p16, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p16, ds16))
+        _release(q_empty, last, THREAD_ARRIVE)
     return dk, dv
 
 

@@ -309,16 +309,26 @@ def _settings() -> tuple:
             _bf16_kernel_fits, _kernels)  # _kernels: the routes keep its kernels
 
 
-def _new_route(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool):
-    """The route of this call's key: what the general path would do, decided once (raises as it does)."""
+def _default_launch(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool):
+    """``(kernel, tile config, packed y_t, constexprs + options, scalars)`` of the default call (no config or
+    conversion given), from shapes, strides and dtypes alone; None where the general path decides itself
+    (empty or oversized x). Raises as the general path does."""
     _check_device(x)
     m, k = x.shape
     if x.numel() == 0 or m >= 2**31 or k >= 2**31:
-        return _GENERAL
+        return None
     bf16 = _bf16_kernel_fits(x, dtype)
     config, hardware_convert, pack = _choice(x, config=None, hardware_convert=None, bf16=bf16)
     options, scalars = _options_and_scalars(x, scale, dtype, rowwise, config, hardware_convert, pack, bf16)
-    kernel = _kernel(bf16)
+    return _kernel(bf16), config, pack, options, scalars
+
+
+def _new_route(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: bool):
+    """The route of this call's key: what the general path would do, decided once (raises as it does)."""
+    default = _default_launch(x, scale, dtype, rowwise)
+    if default is None:
+        return _GENERAL
+    kernel, config, pack, options, scalars = default
 
     def programs(tensors, device):
         return _programs(kernel, [*tensors, *scalars], options, config, device)
@@ -419,19 +429,16 @@ def traced_launch(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, roww
     general path decides (not a CUDA tensor for the compiled kernels, empty or oversized x)."""
     if x.device.type != "cuda" or not _config.use_triton(x) or _interpreted():
         return None
-    _check_device(x)
-    m, k = x.shape
-    if x.numel() == 0 or m >= 2**31 or k >= 2**31:
+    default = _default_launch(x, scale, dtype, rowwise)
+    if default is None:
         return None
-    bf16 = _bf16_kernel_fits(x, dtype)
-    config, hardware_convert, pack = _choice(x, config=None, hardware_convert=None, bf16=bf16)
-    options, scalars = _options_and_scalars(x, scale, dtype, rowwise, config, hardware_convert, pack, bf16)
+    kernel, config, _, options, scalars = default
     del options["enable_fp_fusion"]  # Inductor compiles with its own options (see above)
     options.pop("maxnreg", None)
     per_sm = TRACED_PROGRAMS_PER_SM if config.programs_per_sm is None else config.programs_per_sm
     n_tiles = scalars[6]
     programs = n_tiles if per_sm == 0 else min(n_tiles, per_sm * _sm_count(x.device))
-    return _kernel(bf16), (programs,), scalars, options
+    return kernel, (programs,), scalars, options
 
 
 _capacity: dict = {}
