@@ -481,7 +481,7 @@ _PTX_SCRIPT = textwrap.dedent(
                 const = dict(FP8=fp8.code, MAX_BITS=fp8.max_bits, MAN=fp8.mantissa_bits,
                              BIAS=fp8.exponent_bias, ROWWISE=False, HW_CVT=hw, X_BF16_BITS=True,
                              WIDE=False, EVEN=True, NUM_STAGES=cfg.num_stages, BLOCK_M=cfg.block_m,
-                             BLOCK_K=cfg.block_k, PACK=cfg.pack, sxk=1)
+                             BLOCK_K=cfg.block_k, PACK=cfg.pack, PARTIALS=False, sxk=1)
                 types = {"x_ptr": "*i16", "scale_ptr": "*fp32", "y_ptr": "*u8",
                          "yt_ptr": "*i32" if cfg.pack else "*u8", "ws_ptr": "*i32", "amax_ptr": "*i32"}
                 sig = {a: "constexpr" if a in const else types.get(a, "i32") for a in fn.arg_names}
@@ -524,3 +524,31 @@ def test_compiled_kernel_for_sm90(ptx_counts):
         assert c["shared_bytes"] == 0, (name, c)
         # One IEEE fp32 multiply per element, never contracted (contract section 1).
         assert c["fma"] == 0 and c["mul_no_rn"] == 0, (name, c)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+@pytest.mark.parametrize("programs", [1, 3, 40])
+def test_partials_give_the_hand_off_amax(x_dtype, rowwise, programs):
+    """PARTIALS (how the compiled graph's triton_op takes amax: one maximum per program, reduced after the
+    kernel, no zeroed workspace) gives the workspace hand-off's amax bits and the same y / y_t, with one
+    program taking every tile, programs taking several, and more programs than tiles (their maximum 0)."""
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(200, 136, generator=gen) * 300).to(x_dtype)
+    x[5, 7], x[9, 100], x[150, 3] = math.inf, -math.inf, -0.0
+    if x_dtype == torch.bfloat16:
+        x[77, 77] = math.nan
+    s = torch.rand(200, 1, generator=gen) + 0.5 if rowwise else torch.tensor(0.37)
+    fp8 = torch.float8_e4m3fn
+    ref = launch.cast_transpose(x, s, fp8, rowwise)
+    config, hardware_convert, pack = launch._choice(x, None, None, bf16=False)
+    options, scalars = launch._options_and_scalars(x, s, fp8, rowwise, config, hardware_convert, pack, False)
+    y, y_t, _ = launch.empty_outputs(x, fp8)
+    partials = torch.full((programs,), -1, dtype=torch.int32)  # every slot must be written
+    args = (x.view(torch.int16) if x_dtype == torch.bfloat16 else x, s, y.view(torch.uint8),
+            launch._yt_arg(y_t, pack), partials, partials)
+    launch.kernels().cast_transpose_kernel[(programs,)](*args, *scalars, **options, PARTIALS=True)
+    assert (partials >= 0).all(), "a program left its slot unwritten"
+    assert torch.equal(partials.max().view(torch.float32).view(torch.int32), ref[2].view(torch.int32))
+    assert torch.equal(y.view(torch.uint8), ref[0].view(torch.uint8))
+    assert torch.equal(y_t.view(torch.uint8), ref[1].view(torch.uint8))

@@ -244,9 +244,10 @@ def inductor_cases() -> list[dict]:
                 opts, _ = launch._options_and_scalars(x, scale, fp8, rowwise, config, hw, pack, bf16)
                 opts.pop("enable_fp_fusion")
                 opts.pop("maxnreg", None)
+                opts["PARTIALS"] = True  # the triton_op's amax (safeops.ops.cast_transpose._compiled_body)
                 num_warps = opts.pop("num_warps")
                 types = {"x_ptr": _PTX_TYPES[x_dtype], "scale_ptr": "*fp32", "y_ptr": _PTX_TYPES[fp8],
-                         "yt_ptr": _PTX_TYPES[fp8], "ws_ptr": "*i32", "amax_ptr": "*fp32"}
+                         "yt_ptr": _PTX_TYPES[fp8], "ws_ptr": "*i32", "amax_ptr": "*i32"}
                 cases.append(dict(name=f"{x_dtype}->{fp8} rowwise={rowwise} pack={pack}",
                                   kernel="cast_transpose_bf16_kernel" if bf16 else "cast_transpose_kernel",
                                   constexprs=opts, num_warps=num_warps, types=types))

@@ -125,6 +125,23 @@ def _as(ptr, dtype: tl.constexpr):
 
 
 @triton.jit
+def _amax_out(ws_ptr, amax_ptr, run_max, pid, n_programs, PARTIALS: tl.constexpr):
+    """A program's maximum magnitude bits ``run_max`` into the result. ``PARTIALS``: into ``ws_ptr[pid]`` (one
+    int32 per program; the caller takes their maximum). Else the hand-off: every program adds its maximum
+    before it counts itself done (release); the program that counts last (acquire) therefore reads the
+    maximum over all tiles into ``amax_ptr`` and resets the workspace for the next launch."""
+    if PARTIALS:
+        tl.store(ws_ptr + pid, run_max)
+    else:
+        tl.atomic_max(ws_ptr, run_max, sem="relaxed")
+        done = tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel")
+        if done == n_programs - 1:
+            total = tl.atomic_xchg(ws_ptr, 0, sem="acq_rel")
+            tl.store(amax_ptr, total)
+            tl.atomic_xchg(ws_ptr + 1, 0, sem="relaxed")
+
+
+@triton.jit
 def cast_transpose_kernel(
     x_ptr, scale_ptr, y_ptr, yt_ptr, ws_ptr, amax_ptr,
     M, K, sxm, sxk, s_scale,
@@ -132,7 +149,7 @@ def cast_transpose_kernel(
     FP8: tl.constexpr, MAX_BITS: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr,
     ROWWISE: tl.constexpr, HW_CVT: tl.constexpr, X_BF16_BITS: tl.constexpr, WIDE: tl.constexpr,
     EVEN: tl.constexpr, NUM_STAGES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PACK: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PACK: tl.constexpr = False, PARTIALS: tl.constexpr = False,
 ):
     """``y``/``y_t`` (uint8 views), ``amax`` (int32 view of a 0-d fp32) and a 2-element int32 workspace
     ``ws`` = (running max bits, programs done) that is zero on entry and left zero on exit; ``MW`` = M // 4
@@ -217,14 +234,7 @@ def cast_transpose_kernel(
             code = code.to(tl.uint8)
             tl.store(y_ptr + (m0w * K + k0w) + (am_i[:, None] * K + ak_i[None, :]), code, mask=valid)
             tl.store(yt_ptr + (k0w * M + m0w) + (ak_i[None, :] * M + am_i[:, None]), code, mask=valid)
-    # Every program adds its maximum before it counts itself done (release); the program that counts last
-    # (acquire) therefore reads the maximum over all tiles, and resets the workspace for the next launch.
-    tl.atomic_max(ws_ptr, tl.max(run_max, 0), sem="relaxed")
-    done = tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel")
-    if done == n_programs - 1:
-        total = tl.atomic_xchg(ws_ptr, 0, sem="acq_rel")
-        tl.store(amax_ptr, total)
-        tl.atomic_xchg(ws_ptr + 1, 0, sem="relaxed")
+    _amax_out(ws_ptr, amax_ptr, tl.max(run_max, 0), pid, n_programs, PARTIALS)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -446,7 +456,7 @@ def cast_transpose_bf16_kernel(
     M, K, sxm, sxk, s_scale,
     n_tiles_k, n_tiles, MW,
     FP8: tl.constexpr, ROWWISE: tl.constexpr, WIDE: tl.constexpr, EVEN: tl.constexpr,
-    NUM_STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PARTIALS: tl.constexpr = False,
 ):
     """Same arguments and results as ``cast_transpose_kernel`` with ``PACK`` and ``X_BF16_BITS`` (``x`` the
     int16 view of a bf16 tensor, ``yt_ptr`` = int32 words ``(K, M // 4)``, ``MW`` = M // 4, the same amax
@@ -477,10 +487,4 @@ def cast_transpose_bf16_kernel(
         x3 = _bf16_load(x_ptr, m0, k0, 3, M, K, sxm, sxk, WIDE, EVEN, SUB_M, BLOCK_K)
         acc = _bf16_tile(x0, x1, x2, x3, y_ptr, yt_ptr, scale_ptr, scale, acc, m0, k0, tm, M, K, MW, s_scale,
                          FP8, ROWWISE, WIDE, EVEN, SUB_M, BLOCK_K)
-    run_max = tl.max(tl.max(acc.to(tl.int32), 1), 0) << 16
-    tl.atomic_max(ws_ptr, run_max, sem="relaxed")
-    done = tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel")
-    if done == n_programs - 1:
-        total = tl.atomic_xchg(ws_ptr, 0, sem="acq_rel")
-        tl.store(amax_ptr, total)
-        tl.atomic_xchg(ws_ptr + 1, 0, sem="relaxed")
+    _amax_out(ws_ptr, amax_ptr, tl.max(tl.max(acc.to(tl.int32), 1), 0) << 16, pid, n_programs, PARTIALS)

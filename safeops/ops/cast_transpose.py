@@ -100,12 +100,14 @@ def _compiled_body(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
         return cast_transpose_op(x, scale, dtype, rowwise)
     kernel, grid, scalars, constexprs = launch
     y, y_t, _ = cast_transpose_launch.empty_outputs(x, dtype)
-    # amax as a view of a 1-element buffer: Inductor (2.11-2.13) fills a 0-d torch.empty with a kernel of
-    # its own (its empty-strided lowering makes a no-op kernel only for tensors with a dimension).
-    amax = torch.empty(1, dtype=torch.float32, device=x.device)
-    ws = torch.zeros(2, dtype=torch.int32, device=x.device)  # the amax hand-off (zero on entry)
-    torch.library.wrap_triton(kernel)[grid](x, scale, y, y_t, ws, amax, *scalars, **constexprs)
-    return y, y_t, amax.view(())
+    # Each program stores its maximum magnitude's bits (PARTIALS) instead of the eager launcher's hand-off
+    # through a zeroed workspace, which Inductor would fill with a launch of its own; their maximum (an
+    # integer max, which no order changes) is amax's bits, reduced by Inductor, which can fuse it with what
+    # the graph does to amax next (x.abs().max() in x's dtype).
+    partials = torch.empty(grid[0], dtype=torch.int32, device=x.device)
+    torch.library.wrap_triton(kernel)[grid](x, scale, y, y_t, partials, partials, *scalars, **constexprs,
+                                            PARTIALS=True)
+    return y, y_t, partials.max().view(torch.float32)
 
 
 _compiled: list = []
