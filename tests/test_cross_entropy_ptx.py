@@ -56,12 +56,13 @@ _SCRIPT = textwrap.dedent(
     # Every arithmetic branch on (weights, smoothing, z-loss; "none" in the forward, the mean's divisions in
     # the backward) with the launcher's long-row block (lanes and warps: argv), and the reduction; with
     # fusion on, one compile of the short-row tile is enough to see contraction appear.
-    LANES, WARPS = int(sys.argv[1]), int(sys.argv[2])
+    LANES, WARPS, BWD_LANES, BWD_WARPS = map(int, sys.argv[1:5])
     every = dict(HAS_WEIGHT=True, HAS_NLL=True, HAS_SMOOTHING=True, HAS_Z=True, ROW_DIMS=2, WIDE=False, XA=8)
     long_rows = dict(every, BLOCK_M=1, BLOCK_N=LANES)
     configs = {
         "off": [("fwd/long/none", k.cross_entropy_fwd_kernel, dict(long_rows, REDUCE=0), WARPS),
-                ("bwd/long/mean", k.cross_entropy_bwd_kernel, dict(long_rows, REDUCE=1, DA=8), WARPS),
+                ("bwd/long/mean", k.cross_entropy_bwd_kernel,
+                 dict(long_rows, REDUCE=1, DA=8, BLOCK_N=BWD_LANES), BWD_WARPS),
                 ("reduce/mean", k.cross_entropy_reduce_kernel,
                  dict(MEAN=True, HAS_WEIGHT=True, HAS_Z=True, BLOCK=1024), 4)],
         "on": [("bwd/short/mean", k.cross_entropy_bwd_kernel,
@@ -84,9 +85,12 @@ _SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def counts():
     """{"off": {kernel: count}, "on": {...}}, from one subprocess (its start-up is most of the cost), at the
-    block the launcher takes for long rows on a GPU."""
-    _, lanes, warps = cross_entropy_launch.config(1 << 17, torch.device("cuda"))
-    return sm90.run_script(_SCRIPT, str(lanes), str(warps), what="the cross-entropy kernels")
+    blocks the launcher takes for long rows on a GPU (the backward has its own)."""
+    cuda = torch.device("cuda")
+    _, lanes, warps = cross_entropy_launch.config(1 << 17, cuda)
+    _, bwd_lanes, bwd_warps = cross_entropy_launch.config(1 << 17, cuda, backward=True)
+    return sm90.run_script(_SCRIPT, *map(str, (lanes, warps, bwd_lanes, bwd_warps)),
+                           what="the cross-entropy kernels")
 
 
 def test_no_fma_in_the_cross_entropy_kernels(counts):

@@ -39,6 +39,11 @@ MAX_BLOCK_N = {"cuda": 2048, "cpu": 32}
 TILE = {"cuda": 2048, "cpu": 64}
 PER_THREAD = {"cuda": 32, "cpu": 16}
 MAX_BLOCK_M = 64
+# The backward on a GPU, for rows of at least this many classes: 8192 lanes, 16 elements per thread (16 warps),
+# 1.03-1.05x the forward's block at V = 32K and 128K (bench/RESULTS.md, cross-entropy, 2026-12-06). Given the
+# row statistics, each gradient element is computed alone, so the block changes no bits.
+BWD_BLOCK_N = {"cuda": 8192}
+BWD_PER_THREAD = {"cuda": 16}
 # The sum/mean over rows: one program, this many lanes.
 REDUCE_BLOCK = {"cuda": 1024, "cpu": 16}
 
@@ -52,9 +57,12 @@ def block_n(n_cols: int, device: torch.device) -> int:
     return min(triton.next_power_of_2(max(n_cols, 1)), MAX_BLOCK_N[_device_kind(device)])
 
 
-def config(n_cols: int, device: torch.device) -> tuple[int, int, int]:
+def config(n_cols: int, device: torch.device, backward: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps)."""
     kind = _device_kind(device)
+    lanes = BWD_BLOCK_N.get(kind) if backward else None
+    if lanes is not None and n_cols >= lanes:
+        return 1, lanes, triton.next_power_of_2(max(1, min(16, lanes // (32 * BWD_PER_THREAD[kind]))))
     bn = block_n(n_cols, device)
     bm = max(1, min(MAX_BLOCK_M, TILE[kind] // bn))
     num_warps = max(1, min(16, bm * bn // (32 * PER_THREAD[kind])))
@@ -189,7 +197,7 @@ def backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: 
     # The gradient of a "none" loss is often expanded (loss.sum().backward() gives stride 0).
     g = _per_row(grad) if reduction == CE_NONE else grad
     w, w_sum = _weights(weight, x)
-    bm, bn, num_warps = config(n_cols, x.device)
+    bm, bn, num_warps = config(n_cols, x.device, backward=True)
     n_classes, nll_scale, smooth_scale, zl = _scalars(label_smoothing, z_loss, n_cols)
     launch(kernels().cross_entropy_bwd_kernel, (triton.cdiv(n_rows, bm),),
            g, x3, dx3, t, w, w_sum, _per_row(row_max), _per_row(row_sum), denom,
