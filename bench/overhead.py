@@ -44,6 +44,12 @@ the launcher's GPU-only branches told it is a GPU).
     python bench/overhead.py [--calls 2000] [--cast]
     python bench/overhead.py --cpu [--calls 3000] [--cast]
     python bench/overhead.py --attention [--cpu] [--calls N]
+    python bench/overhead.py --cross-entropy [--cpu] [--calls N]
+
+``--cross-entropy`` runs only the cross-entropy tables: the public function without and with a gradient to
+record, forward + backward through autograd, and the launcher's forward and backward, at 64 x 1024 bf16
+("mean"), next to ``F.cross_entropy``'s forward + backward; on the GPU also host against GPU time per
+forward + backward at T = 8192, V = 32768 (language-model logits).
 """
 
 from __future__ import annotations
@@ -746,13 +752,88 @@ def _check_attention_plans(dev: str, s: int = 1024) -> None:
               f"plan launches compiled-direct {direct}/{len(runs)}", flush=True)
 
 
+def _ce_cases(x: torch.Tensor, t: torch.Tensor) -> list:
+    """The cross-entropy layers on logits ``x`` / targets ``t`` ("mean"): the public function (eager fast
+    path) without and with a gradient to record, forward + backward through autograd, and the launcher."""
+    from safeops.ops import cross_entropy_launch as ce_launch
+
+    xg = x.clone().requires_grad_(True)
+    loss, m, l, denom = ce_launch.forward(x, t, None, -100, 1, 0.0, 0.0, x.dtype)
+    g = torch.ones_like(loss)
+    return [
+        ("safeops.cross_entropy, logits not requiring grad", lambda: safeops.cross_entropy(x, t)),
+        ("safeops.cross_entropy, logits requiring grad", lambda: safeops.cross_entropy(xg, t)),
+        ("fwd+bwd safeops.cross_entropy (torch.autograd.grad)",
+         lambda: torch.autograd.grad(safeops.cross_entropy(xg, t), xg)),
+        ("launcher forward (cross_entropy_launch.forward)",
+         lambda: ce_launch.forward(x, t, None, -100, 1, 0.0, 0.0, x.dtype)),
+        ("launcher backward", lambda: ce_launch.backward(g, x, t, None, m, l, denom, -100, 1, 0.0, 0.0)),
+    ]
+
+
+def ce_cpu(calls: int) -> None:
+    """The Python part of a GPU ``safeops.cross_entropy`` call on the CPU: SAFEOPS_BACKEND=triton, the launch
+    plans kept as on a GPU with their launches replaced by no-ops, the GPU-only checks told this is a GPU
+    (and the CPU-only target check, which a GPU call does not make, skipped). The blocks are the CPU's."""
+    from safeops.ops import cross_entropy as ce_ops
+    from safeops.ops import cross_entropy_launch as ce_launch
+
+    patches = [(ce_launch, "_kernels", _NoKernels()), (ce_launch, "_planned", lambda x: True),
+               (ce_launch, "_compiled", lambda kernel: True),
+               (_launch.KernelLaunch, "__call__", lambda self, *args: None),
+               (ce_launch, "_check_device", lambda x: None), (ce_ops, "check_targets", lambda *a: None)]
+    x = torch.randn(64, 1024, dtype=torch.bfloat16)
+    t = torch.randint(0, 1024, (64,))
+    with _gpu_route_on_cpu(patches):
+        print("cross-entropy, the GPU route's Python on the CPU (launches replaced by no-ops), "
+              "64 x 1024 bf16, 'mean'")
+        _print(_ce_cases(x, t), calls, 10)
+    xg = x.clone().requires_grad_(True)
+    _print([("fwd+bwd F.cross_entropy (CPU math included)",
+             lambda: torch.autograd.grad(torch.nn.functional.cross_entropy(xg, t), xg))], calls, 10)
+
+
+def ce_gpu(calls: int) -> None:
+    """Host time per cross-entropy call on the GPU: layer by layer at 64 x 1024 (host-bound), next to torch's
+    ``F.cross_entropy``; then at T = 8192, V = 32768 the CPU time of back-to-back forward + backward calls
+    (no synchronisation inside) next to their GPU time (do_bench)."""
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    t = torch.randint(0, 1024, (64,), device="cuda")
+    xg = x.clone().requires_grad_(True)
+    print(f"{torch.cuda.get_device_name()}: cross-entropy, wall time per call, {calls} back-to-back calls, "
+          "best of 3; 64 x 1024 bf16, 'mean'")
+    _print([("fwd+bwd F.cross_entropy",
+             lambda: torch.autograd.grad(torch.nn.functional.cross_entropy(xg, t), xg))]
+           + _ce_cases(x, t), calls)
+    x = torch.randn(8192, 32768, device="cuda", dtype=torch.bfloat16)
+    t = torch.randint(0, 32768, (8192,), device="cuda")
+    xg = x.clone().requires_grad_(True)
+
+    def step():
+        return torch.autograd.grad(safeops.cross_entropy(xg, t), xg)
+
+    host = _host_us(step, 20)
+    kernel = triton.testing.do_bench(step, warmup=25, rep=100) * 1e3
+    print(f"  8192 x 32768 fwd+bwd safeops.cross_entropy: host {host:.0f} us per call issued, "
+          f"GPU {kernel:.0f} us ({'host' if host > kernel else 'GPU'}-bound)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=None)
     p.add_argument("--cpu", action="store_true", help="measure the Python part on the CPU (no GPU needed)")
     p.add_argument("--cast", action="store_true", help="only the fp8 cast + transpose tables")
     p.add_argument("--attention", action="store_true", help="only the attention tables (Llama layer shapes)")
+    p.add_argument("--cross-entropy", action="store_true", help="only the cross-entropy tables")
     args = p.parse_args()
+    if args.cross_entropy:
+        if args.cpu:
+            ce_cpu(args.calls or 3000)
+        elif not torch.cuda.is_available():
+            sys.exit("bench/overhead.py: needs a CUDA GPU (or --cpu)")
+        else:
+            ce_gpu(args.calls or 1000)
+        return
     if args.attention:
         if args.cpu:
             attention_cpu(args.calls or 300)

@@ -509,6 +509,61 @@ def test_out_of_range_targets_give_nan_in_the_kernels_without_a_check(triton_bac
             assert torch.isnan(loss), loss
 
 
+class _RecordedLaunch:
+    """Stands for KernelLaunch in the launcher's plans on the CPU: counts the plans built and runs each launch
+    through ``kernel[grid]`` (the interpreter) with the arguments the plan passes."""
+
+    built: list = []
+
+    def __init__(self, kernel, grid, kwargs):
+        self.kernel, self.grid, self.kwargs = kernel, grid, kwargs
+        _RecordedLaunch.built.append((kernel, grid))
+
+    def __call__(self, *args):
+        self.kernel[self.grid](*args, **self.kwargs)
+
+
+def test_launch_plans_give_the_general_path(triton_backend, monkeypatch):
+    """The CUDA path's launch plans (kept per call signature, emulated here on the CPU) launch what the
+    general path launches: the same loss, statistics and gradient bits for every option, one plan per
+    signature reused by a repeated call, and a new plan when ignore_index, the alignment of x or an option
+    changes."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 9, 2, generator=gen)
+    target = torch.randint(0, 9, (6, 2), generator=gen)
+    target[1, 0] = -100
+    weight = torch.rand(9, generator=gen) + 0.5
+    calls = [(w, red, ls, z) for w in (None, weight) for red in (0, 1, 2)
+             for ls, z in ((0.0, 0.0), (0.1, 1e-3))]
+
+    def run(xx, ignore_index=-100, options=calls[0]):
+        w, red, ls, z = options
+        loss, m, l, denom = cross_entropy_launch.forward(xx, target, w, ignore_index, red, ls, z)
+        dx = cross_entropy_launch.backward(torch.ones_like(loss), xx, target, w, m, l, denom, ignore_index,
+                                           red, ls, z)
+        return loss, m, l, denom, dx
+
+    general = {options: run(x, options=options) for options in calls}
+    _RecordedLaunch.built = []
+    monkeypatch.setattr(cross_entropy_launch, "_PLANS", {})
+    monkeypatch.setattr(cross_entropy_launch, "_planned", lambda x: True)
+    monkeypatch.setattr(cross_entropy_launch, "_compiled", lambda kernel: True)
+    monkeypatch.setattr(cross_entropy_launch, "KernelLaunch", _RecordedLaunch)
+    for options in calls:
+        for _ in range(2):
+            for got, want in zip(run(x, options=options), general[options], strict=True):
+                assert torch.equal(got, want), options
+    # One plan per signature and direction: the forward's (one launch, or two with a reduction) and the
+    # backward's, each built once although every signature ran twice.
+    launches = sum(2 if red else 1 for _, red, _, _ in calls) + len(calls)
+    assert len(_RecordedLaunch.built) == launches
+    n = len(cross_entropy_launch._PLANS)
+    run(x, ignore_index=7)
+    offset = torch.empty(x.numel() + 1)[1:].view(x.shape).copy_(x)  # 4-byte aligned, not 16
+    run(offset)
+    assert len(cross_entropy_launch._PLANS) == n + 4
+
+
 # --------------------------------------------------------------------------------------------------
 # The torch.library op: opcheck, fake outputs, torch.compile
 # --------------------------------------------------------------------------------------------------

@@ -145,18 +145,25 @@ def inplace_ok(x: torch.Tensor) -> bool:
 
 
 class _EagerCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, target, weight, ignore_index, reduction, label_smoothing, z_loss, out_dtype, inplace):
-        out = _forward_impl(x, target, weight, ignore_index, reduction, label_smoothing, z_loss, out_dtype)
-        ctx.options = (ignore_index, reduction, label_smoothing, z_loss)
-        ctx.inplace = inplace
-        ctx.save_for_backward(x, target, weight, out[1], out[2], out[3])
-        ctx.mark_non_differentiable(out[1], out[2], out[3])
-        return out
+    """The recorded eager call. Only the loss is an output: the row statistics and the denominator are kept
+    for the backward as plain attributes (fresh tensors nothing else holds, so no version check is needed),
+    which spares autograd three more outputs and the zero gradients it would fill for them in every
+    backward (as safeops.ops.softmax._EagerSoftmax)."""
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_max, grad_sum, grad_denom):
-        x, target, weight, row_max, row_sum, denom = ctx.saved_tensors
+    def forward(ctx, x, target, weight, ignore_index, reduction, label_smoothing, z_loss, out_dtype, inplace):
+        loss, row_max, row_sum, denom = _forward_impl(x, target, weight, ignore_index, reduction,
+                                                      label_smoothing, z_loss, out_dtype)
+        ctx.options = (ignore_index, reduction, label_smoothing, z_loss)
+        ctx.inplace = inplace
+        ctx.stats = (row_max, row_sum, denom)
+        ctx.save_for_backward(x, target, weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        x, target, weight = ctx.saved_tensors
+        row_max, row_sum, denom = ctx.stats
         no_double_backward(ctx, (x, grad_loss))
         out = x if ctx.inplace else None
         dx = _backward_impl(grad_loss, x, target, weight, row_max, row_sum, denom, *ctx.options, out=out)
@@ -169,7 +176,8 @@ class _EagerCrossEntropy(torch.autograd.Function):
 
 def forward(x, target, weight, ignore_index: int, reduction: int, label_smoothing: float, z_loss: float,
             out_dtype: torch.dtype | None = None, inplace_backward: bool = False):
-    """``(loss, row_max, row_sum, denom)``: the eager fast path when it applies, else the registered op.
+    """``(loss, row_max, row_sum, denom)``: the eager fast path when it applies, else the registered op. A
+    recorded eager call keeps the statistics on its autograd node: None here.
 
     ``inplace_backward``: the backward writes the gradient into x's buffer (eager fast path only, and only
     when x's elements do not overlap); elsewhere it goes to a fresh buffer."""
@@ -177,5 +185,6 @@ def forward(x, target, weight, ignore_index: int, reduction: int, label_smoothin
         options = (ignore_index, reduction, label_smoothing, z_loss, out_dtype)
         if not needs_autograd(x, weight):
             return _forward_impl(x, target, weight, *options)
-        return _EagerCrossEntropy.apply(x, target, weight, *options, inplace_backward and inplace_ok(x))
+        loss = _EagerCrossEntropy.apply(x, target, weight, *options, inplace_backward and inplace_ok(x))
+        return loss, None, None, None
     return cross_entropy_op(x, target, weight, ignore_index, reduction, label_smoothing, z_loss, out_dtype)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
 from .. import _config
 from ..reference import CE_MEAN, CE_NONE
-from ._launch import check_triton_device, launch
+from ._launch import KernelLaunch, check_triton_device, launch
 
 _kernels = None
 
@@ -39,9 +40,9 @@ MAX_BLOCK_N = {"cuda": 2048, "cpu": 32}
 TILE = {"cuda": 2048, "cpu": 64}
 PER_THREAD = {"cuda": 32, "cpu": 16}
 MAX_BLOCK_M = 64
-# The backward on a GPU, for rows of at least this many classes: 8192 lanes, 16 elements per thread (16 warps),
-# 1.03-1.05x the forward's block at V = 32K and 128K (bench/RESULTS.md, cross-entropy, 2026-12-06). Given the
-# row statistics, each gradient element is computed alone, so the block changes no bits.
+# The backward on a GPU, for rows of at least this many classes: 8192 lanes, 16 elements per thread (16
+# warps), 1.03-1.05x the forward's block at V = 32K and 128K (bench/RESULTS.md, cross-entropy, 2026-12-06).
+# Given the row statistics, each gradient element is computed alone, so the block changes no bits.
 BWD_BLOCK_N = {"cuda": 8192}
 BWD_PER_THREAD = {"cuda": 16}
 # The sum/mean over rows: one program, this many lanes.
@@ -52,9 +53,15 @@ def _device_kind(device: torch.device) -> str:
     return "cuda" if device.type == "cuda" else "cpu"
 
 
+def _pow2(n: int) -> int:
+    """The smallest power of 2 >= n (>= 1): triton.next_power_of_2's value, without its per-call cost (a
+    ConstexprFunction call costs ~2 us of host time, several per launch)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def block_n(n_cols: int, device: torch.device) -> int:
     """Lanes of a row's running sums: a function of the row length (and the device type) alone."""
-    return min(triton.next_power_of_2(max(n_cols, 1)), MAX_BLOCK_N[_device_kind(device)])
+    return min(_pow2(n_cols), MAX_BLOCK_N[_device_kind(device)])
 
 
 def config(n_cols: int, device: torch.device, backward: bool = False) -> tuple[int, int, int]:
@@ -62,11 +69,11 @@ def config(n_cols: int, device: torch.device, backward: bool = False) -> tuple[i
     kind = _device_kind(device)
     lanes = BWD_BLOCK_N.get(kind) if backward else None
     if lanes is not None and n_cols >= lanes:
-        return 1, lanes, triton.next_power_of_2(max(1, min(16, lanes // (32 * BWD_PER_THREAD[kind]))))
+        return 1, lanes, _pow2(min(16, lanes // (32 * BWD_PER_THREAD[kind])))
     bn = block_n(n_cols, device)
     bm = max(1, min(MAX_BLOCK_M, TILE[kind] // bn))
     num_warps = max(1, min(16, bm * bn // (32 * PER_THREAD[kind])))
-    return bm, bn, triton.next_power_of_2(num_warps)
+    return bm, bn, _pow2(num_warps)
 
 
 def _check_device(x: torch.Tensor) -> None:
@@ -152,29 +159,102 @@ def forward(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, 
             loss.zero_()  # the sum of nothing, and a mean over nothing (contract section 10)
         return loss, row_max, row_sum, denom
     _check_rows(n_rows, n_cols)
-    k = kernels()
     x3 = as_rows(x)
     t = _per_row(target)
     w, w_sum = _weights(weight, x)
-    bm, bn, num_warps = config(n_cols, x.device)
-    n_classes, nll_scale, smooth_scale, zl = _scalars(label_smoothing, z_loss, n_cols)
-    flags = _flags(label_smoothing, z_loss)
     reduce = reduction != CE_NONE
     ce = x.new_empty((n_rows,), dtype=torch.float32) if reduce else loss
-    zparts = x.new_empty((n_rows,), dtype=torch.float32) if reduce and flags["HAS_Z"] else ce
-    launch(k.cross_entropy_fwd_kernel, (triton.cdiv(n_rows, bm),),
-           x3, t, w, w_sum, row_max, row_sum, ce, zparts,
-           n_rows, n_cols, x3.shape[2], x3.stride(0), x3.stride(2), x3.stride(1),
-           ignore_index, n_classes, nll_scale, smooth_scale, zl,
-           REDUCE=reduction, HAS_WEIGHT=weight is not None, **flags, ROW_DIMS=_row_dims(x3),
-           WIDE=_wide(n_cols, x3.stride(1)), XA=_align(x3), BLOCK_M=bm, BLOCK_N=bn,
-           **_launch_options(num_warps))
+    zparts = x.new_empty((n_rows,), dtype=torch.float32) if reduce and z_loss > 0 else ce
+    cfg = config(n_cols, x.device)
+    tensors = (x3, t, w, w_sum, row_max, row_sum, ce, zparts, loss, denom)
+    key = None
+    if _planned(x):
+        key = (_FWD, x3.shape, x3.stride(), x.dtype, t.dtype, w.dtype, loss.dtype, weight is None, reduction,
+               label_smoothing, z_loss, ignore_index, cfg, x.device.index, _config.fp_fusion, kernels(),
+               _aligned(tensors))
+    runs = _plans(key, lambda: _forward_launches(x3, n_rows, weight is not None, ignore_index, reduction,
+                                                 label_smoothing, z_loss, cfg))
+    run, scalars = runs[0]
+    run(x3, t, w, w_sum, row_max, row_sum, ce, zparts, *scalars)
     if reduce:
-        launch(k.cross_entropy_reduce_kernel, (1,),
-               ce, zparts, t, w, loss, denom, n_rows, n_cols, ignore_index,
-               MEAN=reduction == CE_MEAN, HAS_WEIGHT=weight is not None, HAS_Z=flags["HAS_Z"],
-               BLOCK=REDUCE_BLOCK[_device_kind(x.device)], **_launch_options(4))
+        run, scalars = runs[1]
+        run(ce, zparts, t, w, loss, denom, *scalars)
     return loss, row_max, row_sum, denom
+
+
+def _forward_launches(x3: torch.Tensor, n_rows: int, has_weight: bool, ignore_index: int, reduction: int,
+                      label_smoothing: float, z_loss: float, cfg: tuple[int, int, int]) -> list:
+    """The forward's launches: [(kernel, grid, scalar arguments after the tensors, keyword arguments)];
+    ``n_rows``: the rows of the (N, C, D) view x3, N * D."""
+    k = kernels()
+    n_cols = x3.shape[1]
+    bm, bn, num_warps = cfg
+    flags = _flags(label_smoothing, z_loss)
+    launches = [(k.cross_entropy_fwd_kernel, (-(-n_rows // bm),),
+                 (n_rows, n_cols, x3.shape[2], x3.stride(0), x3.stride(2), x3.stride(1), ignore_index,
+                  *_scalars(label_smoothing, z_loss, n_cols)),
+                 dict(REDUCE=reduction, HAS_WEIGHT=has_weight, **flags, ROW_DIMS=_row_dims(x3),
+                      WIDE=_wide(n_cols, x3.stride(1)), XA=_align(x3), BLOCK_M=bm, BLOCK_N=bn,
+                      **_launch_options(num_warps)))]
+    if reduction != CE_NONE:
+        launches.append((k.cross_entropy_reduce_kernel, (1,), (n_rows, n_cols, ignore_index),
+                         dict(MEAN=reduction == CE_MEAN, HAS_WEIGHT=has_weight, HAS_Z=flags["HAS_Z"],
+                              BLOCK=REDUCE_BLOCK[_device_kind(x3.device)], **_launch_options(4))))
+    return launches
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launch plans (CUDA): per call signature, the grids, the constexprs and the scalar arguments are decided
+# once and kept with a KernelLaunch per kernel, so a repeated call builds one small key and launches the
+# compiled kernels directly. The key holds everything that decides a launch: shapes and strides (the scalar
+# arguments, with the integers Triton specializes on), dtypes, the options, ignore_index, the block (which
+# the tuning tables above give), the kernels module, fp fusion, and the 16-byte alignment of every tensor
+# argument (Triton specializes pointers on it). Elsewhere (CPU, the interpreter, tests' stand-ins) every call
+# decides again and launches as kernel[grid].
+# ---------------------------------------------------------------------------------------------------------
+
+_FWD, _BWD = 0, 1
+_PLANS: dict = {}
+_PLAN_LIMIT = 1024
+
+
+def _planned(x: torch.Tensor) -> bool:
+    """Whether calls on ``x`` keep launch plans (CUDA; bench/overhead.py's CPU emulation says yes)."""
+    return x.is_cuda
+
+
+def _compiled(kernel) -> bool:
+    """A JIT kernel that compiles (not the interpreter's, not a stand-in): a KernelLaunch can keep it."""
+    return isinstance(kernel, JITFunction) and not isinstance(kernel, InterpretedFunction)
+
+
+def _aligned(tensors: tuple) -> int:
+    """Bit i: whether tensor i's data pointer is 16-byte aligned."""
+    bits = 0
+    for i, t in enumerate(tensors):
+        if t.data_ptr() % 16 == 0:
+            bits |= 1 << i
+    return bits
+
+
+def _plain(kernel, grid, kwargs):
+    return lambda *args: launch(kernel, grid, *args, **kwargs)
+
+
+def _plans(key, build) -> list:
+    """[(run, scalars)] for the launches ``build()`` describes; kept under ``key`` (None: not kept)."""
+    runs = _PLANS.get(key) if key is not None else None
+    if runs is None:
+        runs = []
+        for kernel, grid, scalars, kwargs in build():
+            direct = key is not None and _compiled(kernel)
+            runs.append((KernelLaunch(kernel, grid, kwargs) if direct else _plain(kernel, grid, kwargs),
+                         scalars))
+        if key is not None:
+            if len(_PLANS) >= _PLAN_LIMIT:
+                _PLANS.clear()
+            _PLANS[key] = runs
+    return runs
 
 
 def backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
@@ -197,14 +277,29 @@ def backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: 
     # The gradient of a "none" loss is often expanded (loss.sum().backward() gives stride 0).
     g = _per_row(grad) if reduction == CE_NONE else grad
     w, w_sum = _weights(weight, x)
-    bm, bn, num_warps = config(n_cols, x.device, backward=True)
-    n_classes, nll_scale, smooth_scale, zl = _scalars(label_smoothing, z_loss, n_cols)
-    launch(kernels().cross_entropy_bwd_kernel, (triton.cdiv(n_rows, bm),),
-           g, x3, dx3, t, w, w_sum, _per_row(row_max), _per_row(row_sum), denom,
-           n_rows, n_cols, x3.shape[2], x3.stride(0), x3.stride(2), x3.stride(1),
-           dx3.stride(0), dx3.stride(2), dx3.stride(1),
-           ignore_index, n_classes, nll_scale, smooth_scale, zl,
-           REDUCE=reduction, HAS_WEIGHT=weight is not None, **_flags(label_smoothing, z_loss),
-           ROW_DIMS=_row_dims(x3), WIDE=_wide(n_cols, x3.stride(1), dx3.stride(1)), XA=_align(x3),
-           DA=_align(dx3), BLOCK_M=bm, BLOCK_N=bn, **_launch_options(num_warps))
+    cfg = config(n_cols, x.device, backward=True)
+    tensors = (g, x3, dx3, t, w, w_sum, _per_row(row_max), _per_row(row_sum), denom)
+    key = None
+    if _planned(x):
+        key = (_BWD, x3.shape, x3.stride(), dx3.stride(), x.dtype, dx3.dtype, t.dtype, w.dtype, g.dtype,
+               weight is None, reduction, label_smoothing, z_loss, ignore_index, cfg, x.device.index,
+               _config.fp_fusion, kernels(), _aligned(tensors))
+    options = (weight is not None, ignore_index, reduction, label_smoothing, z_loss, cfg)
+    (run, scalars), = _plans(key, lambda: _backward_launches(x3, dx3, n_rows, *options))
+    run(*tensors, *scalars)
     return dx
+
+
+def _backward_launches(x3: torch.Tensor, dx3: torch.Tensor, n_rows: int, has_weight: bool, ignore_index: int,
+                       reduction: int, label_smoothing: float, z_loss: float, cfg: tuple[int, int, int]
+                       ) -> list:
+    """The backward's launch, as ``_forward_launches`` describes them."""
+    n_cols = x3.shape[1]
+    bm, bn, num_warps = cfg
+    return [(kernels().cross_entropy_bwd_kernel, (-(-n_rows // bm),),
+             (n_rows, n_cols, x3.shape[2], x3.stride(0), x3.stride(2), x3.stride(1),
+              dx3.stride(0), dx3.stride(2), dx3.stride(1), ignore_index,
+              *_scalars(label_smoothing, z_loss, n_cols)),
+             dict(REDUCE=reduction, HAS_WEIGHT=has_weight, **_flags(label_smoothing, z_loss),
+                  ROW_DIMS=_row_dims(x3), WIDE=_wide(n_cols, x3.stride(1), dx3.stride(1)), XA=_align(x3),
+                  DA=_align(dx3), BLOCK_M=bm, BLOCK_N=bn, **_launch_options(num_warps)))]
