@@ -146,13 +146,37 @@ def test_pipelined_d64_same_bits_as_unpipelined(causal, rng, monkeypatch):
     q, g = (rng.randn(2, 8, 700, 64, dtype=BF16) for _ in range(2))
     k, v = (rng.randn(2, 2, 555, 64, dtype=BF16) for _ in range(2))
     _gluon_ran(monkeypatch, q, k, v, is_causal=causal)
-    assert KB.BWD_CONFIGS[64].pipeline
-    piped = _grads(q, k, v, g, is_causal=causal)
-    monkeypatch.setitem(KB.BWD_CONFIGS, 64, dataclasses.replace(KB.BWD_CONFIGS[64], pipeline=False))
-    L.clear_plans()
-    plain = _grads(q, k, v, g, is_causal=causal)
-    for name, a, b in zip("q k v".split(), piped, plain, strict=True):
+    two = dataclasses.replace(KB.BWD_CONFIGS[64], num_wg=2, consumer_regs=240)
+    grads = []
+    for pipeline in (True, False):
+        monkeypatch.setitem(KB.BWD_CONFIGS, 64, dataclasses.replace(two, pipeline=pipeline))
+        L.clear_plans()
+        grads.append(_grads(q, k, v, g, is_causal=causal))
+    for name, a, b in zip("q k v".split(), *grads, strict=True):
         assert torch.equal(a, b), f"d{name} differs between the pipelined and the unpipelined D=64 kernel"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_three_warpgroups_same_bits_as_two(causal, rng, monkeypatch):
+    """The D=64 default, three consumer warpgroups (192 keys per CTA), gives the bits of two (128 keys per
+    CTA, pipelined as before): each key's dK / dV row sums the same query blocks in the same order, and a
+    causal CTA's extra leading query block adds exact zeros; GQA, partial blocks and Sq != Sk included."""
+    import dataclasses
+
+    KB = G.bwd_kernels()
+    q, g = (rng.randn(2, 8, 700, 64, dtype=BF16) for _ in range(2))
+    k, v = (rng.randn(2, 2, 555, 64, dtype=BF16) for _ in range(2))
+    _gluon_ran(monkeypatch, q, k, v, is_causal=causal)
+    assert KB.BWD_CONFIGS[64].num_wg == 3
+    three = _grads(q, k, v, g, is_causal=causal)
+    plans = [p for p in L._gluon_bwd_plans.values() if p.__class__ is G.BwdPlan]
+    assert plans and all(p.launch.kwargs["NUM_WG"] == 3 for p in plans)
+    two = dataclasses.replace(KB.BWD_CONFIGS[64], num_wg=2, consumer_regs=240, pipeline=True)
+    monkeypatch.setitem(KB.BWD_CONFIGS, 64, two)
+    L.clear_plans()
+    two = _grads(q, k, v, g, is_causal=causal)
+    for name, a, b in zip("q k v".split(), three, two, strict=True):
+        assert torch.equal(a, b), f"d{name} differs between three and two consumer warpgroups at D=64"
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
@@ -538,8 +562,10 @@ def test_thread_arrive_same_bits(d, pipeline, options, rng, monkeypatch, gluon_b
     _gluon_ran(monkeypatch, q, k, v, **options)
     results = []
     for flag in (False, True):
+        # Pipelined: the two-warpgroup kernel (three at 160 registers would serialize the wgmma).
+        shape = dict(num_wg=2, consumer_regs=240) if pipeline else {}
         monkeypatch.setitem(KB.BWD_CONFIGS, d, dataclasses.replace(KB.BWD_CONFIGS[d], pipeline=pipeline,
-                                                                    thread_arrive=flag))
+                                                                    thread_arrive=flag, **shape))
         L.clear_plans()
         dense = _grads(q, k, v, g, **options)
         packed, _ = _packed_grads(seqs, gs, **options)

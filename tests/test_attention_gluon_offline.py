@@ -21,7 +21,7 @@ per kernel. Then:
 - it fits: shared memory at most 227 KB (232448 bytes, the H100 / H200 per-block limit), and ptxas (Triton's
   own ``-v`` run, ``--fmad=false``, whose log Triton prints on request) warns of nothing (no serialized
   wgmma) and spills nothing in the forward (at most ``SPILL_CAP_FWD_D64`` bytes at head dim 64), at most
-  ``SPILL_CAP`` bytes in the backward.
+  ``SPILL_CAP`` bytes in the backward (``SPILL_CAP_BWD_D64`` in the D=64 dK / dV kernel).
 
 ``python -m pytest tests/test_attention_gluon_offline.py -s`` prints registers, spills and shared memory per
 configuration. The path choice's reasons are tested on CPU tensors in tests/test_attention_backend.py.
@@ -54,10 +54,15 @@ SPILL_CAP = {"fwd": 0, "fwd+window": 0, "fwd+softcap": 400, "bwd": 256, "dq": 0,
              "fused+tma": 300, "fused+tma+shift": 300, "fused+tma+lpt": 300,
              "fused+tma+dqe": 300, "fused+tma+rs": 300}
 SPILL_CAP_FWD_D64 = 256
+# The D=64 dK / dV kernel's three warpgroups at 160 registers: 32 bytes without causal, 288 with (its
+# selects); measured 1.05x the two-warpgroup kernel causal and 1.23x without (bench/RESULTS.md, 2026-12-06).
+SPILL_CAP_BWD_D64 = 300
 
 
 def _spill_cap(c: tuple) -> int:
-    return SPILL_CAP_FWD_D64 if c[0].startswith("fwd") and c[2] == 64 else SPILL_CAP[c[0]]
+    if c[2] == 64 and c[0].startswith("fwd"):
+        return SPILL_CAP_FWD_D64
+    return SPILL_CAP_BWD_D64 if c[2] == 64 and c[0] == "bwd" else SPILL_CAP[c[0]]
 KERNEL_FILE = os.path.join(sm90.ROOT, "safeops", "kernels", "attention_gluon.py")
 BWD_KERNEL_FILE = os.path.join(sm90.ROOT, "safeops", "kernels", "attention_gluon_bwd.py")
 
@@ -264,8 +269,8 @@ def test_every_configuration_compiles_and_fits(compiled):
     assert not too_big, f"shared memory past {SMEM_LIMIT} bytes: {too_big}"
     spills = {c: r["spill_bytes"] for c, r in compiled.items()
               if r["spill_bytes"] is None or r["spill_bytes"] > _spill_cap(c)}
-    assert not spills, (f"ptxas spills past {SPILL_CAP} bytes ({SPILL_CAP_FWD_D64} in the D=64 forward; "
-                        f"None: no ptxas report): {spills}")
+    assert not spills, (f"ptxas spills past {SPILL_CAP} bytes ({SPILL_CAP_FWD_D64} in the D=64 forward, "
+                        f"{SPILL_CAP_BWD_D64} in the D=64 dK / dV; None: no ptxas report): {spills}")
     # e.g. "Potential Performance Loss: wgmma.mma_async instructions are serialized" (C7515)
     warned = {c: r["ptxas_warnings"] for c, r in compiled.items() if r["ptxas_warnings"]}
     assert not warned, f"ptxas warnings: {warned}"
@@ -302,4 +307,6 @@ def test_kernel_sizes_unpacked_by_name():
 def test_contraction_check_can_fail(compiled, control):
     r = compiled[("fusion on", *control)]
     assert r["ok"], r.get("error")
-    assert r["fma"] > 0, f"fp fusion on made no f32 fma: the contraction check is blind ({r})"
+    # With fusion on, LLVM fuses some products into fma and leaves others as mul / add without .rn, which
+    # ptxas may fuse (the D=64 dK / dV kernel, unpipelined: all of them); the check counts both.
+    assert r["fma"] + r["loose"] > 0, f"fp fusion on left nothing contractible: the check is blind ({r})"

@@ -64,7 +64,7 @@ LOADER_REGS = gl.constexpr(24)
 class GluonBwdConfig:
     block_m: int  # query rows per step (the S^T tile is 64 keys x block_m queries per warpgroup)
     num_stages: int  # depth of the Q / dO ring
-    num_wg: int = 2  # consumer warpgroups: keys per CTA = num_wg * 64
+    num_wg: int = 2  # consumer warpgroups (2 or 3): keys per CTA = num_wg * 64
     consumer_regs: int = 240
     # Software-pipelined steps: a step's S^T and dP^T are issued before the previous step's dV / dK
     # products, and its exponentials run while those are on the tensor cores (registers for two steps'
@@ -87,11 +87,12 @@ class GluonBwdConfig:
 
 
 # head dim -> configuration (bf16 and fp16, causal or not). D=64: 64-query steps (128 spilled and measured
-# slower), pipelined; D=128: a 3-deep Q / dO ring (166 KB of shared memory) measured 1-3% faster than 2, and
-# the row statistics precomputed, 8-10% faster with the same bits; D=64 releases its slots per thread
-# (RESULTS.md).
+# slower), three consumer warpgroups (192 keys per CTA) at 160 registers, unpipelined (pipelined, 160
+# registers serialize the wgmma; two pipelined warpgroups measured 1.23x slower without causal, the same
+# bits), slots released per thread; D=128: a 3-deep Q / dO ring (166 KB of shared memory) measured 1-3%
+# faster than 2, and the row statistics precomputed, 8-10% faster with the same bits (RESULTS.md).
 BWD_CONFIGS: dict[int, GluonBwdConfig] = {
-    64: GluonBwdConfig(block_m=64, num_stages=3, pipeline=True, thread_arrive=True),
+    64: GluonBwdConfig(block_m=64, num_stages=3, num_wg=3, consumer_regs=160, thread_arrive=True),
     128: GluonBwdConfig(block_m=64, num_stages=3, row_stats=True),
 }
 # Head dims whose backward takes this kernel (and the Gluon dQ kernel) by default (SAFEOPS_GLUON_BWD=auto):
@@ -617,6 +618,12 @@ def _consumer1(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
     _consumer(1, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, THREAD_ARRIVE)
 
 
+@gluon.jit
+def _consumer2(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
+               PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
+    _consumer(2, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, THREAD_ARRIVE)
+
+
 @gluon.jit(do_not_specialize=SIZE_ARGS + SEQ_ARGS)
 def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, m_desc, l_desc, delta_desc,
                                C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks,
@@ -633,7 +640,7 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     with their row and head strides: a sequence's last key block is stored by masked stores). Dense calls
     pass any pointers there. ``window_left``: query i sees key j only if i <= j + window_left (NO_WINDOW:
     every key)."""
-    gl.static_assert(NUM_WG == 2)
+    gl.static_assert(NUM_WG == 2 or NUM_WG == 3)
     gl.static_assert(NUM_STAGES >= 2 or not PIPELINE)  # a pipelined step holds the previous step's slot
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape,
@@ -660,12 +667,23 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     sizes = (C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles)
     seq = (cu_q_ptr, cu_k_ptr, out0_ptr, out1_ptr, varlen, window_left, out0_stride_row, out0_stride_head,
            out1_stride_row, out1_stride_head)
-    gl.warp_specialize([(_consumer0, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                      THREAD_ARRIVE)),
-                        (_consumer1, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                      THREAD_ARRIVE)),
-                        (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, False, False, seq, True))],
-                       [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    # (The argument tuples are written out: a tuple assigned to a name turns its constexprs into tensors.)
+    if NUM_WG == 2:
+        gl.warp_specialize([(_consumer0, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
+                                          THREAD_ARRIVE)),
+                            (_consumer1, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
+                                          THREAD_ARRIVE)),
+                            (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, False, False, seq, True))],
+                           [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([(_consumer0, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
+                                          THREAD_ARRIVE)),
+                            (_consumer1, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
+                                          THREAD_ARRIVE)),
+                            (_consumer2, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
+                                          THREAD_ARRIVE)),
+                            (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, False, False, seq, True))],
+                           [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 
 # ------------------------------------------------------------------------------------------------------
