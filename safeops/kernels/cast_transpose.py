@@ -152,9 +152,10 @@ def cast_transpose_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PACK: tl.constexpr = False, PARTIALS: tl.constexpr = False,
 ):
     """``y``/``y_t`` (uint8 views), ``amax`` (int32 view of a 0-d fp32) and a 2-element int32 workspace
-    ``ws`` = (running max bits, programs done) that is zero on entry and left zero on exit; ``MW`` = M // 4
-    (used with ``PACK`` only; a separate argument so Triton sees when it is a multiple of 16). With
-    ``X_BF16_BITS``, ``x`` is a bf16 tensor passed as its int16 view.
+    ``ws`` = (running max bits, programs done) that is zero on entry and left zero on exit (with ``PARTIALS``
+    instead one int32 slot per program for its maximum's bits, ``amax_ptr`` unused: ``_amax_out``);
+    ``MW`` = M // 4 (used with ``PACK`` only; a separate argument so Triton sees when it is a multiple of
+    16). With ``X_BF16_BITS``, ``x`` is a bf16 tensor passed as its int16 view.
 
     ``PACK`` (needs M % 4 == 0; ``yt_ptr`` is then the int32 view of y_t's storage, ``(K, M // 4)``): the
     tile is read as four blocks of rows ``4i + j`` (j = 0..3), each block in the same register layout, so

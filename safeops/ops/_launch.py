@@ -188,6 +188,16 @@ _PLANS: dict = {}
 _PLANS_MAX = 4096
 
 
+def alignment_bits(*tensors) -> int:
+    """Bit i: whether tensor i's data pointer is 16-byte aligned (Triton specializes pointers on it), for the
+    launchers' plan keys; None counts as unaligned."""
+    bits = 0
+    for i, t in enumerate(tensors):
+        if t is not None and t.data_ptr() % 16 == 0:
+            bits |= 1 << i
+    return bits
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``; on CUDA through one cached :class:`KernelLaunch` per argument
     signature, so a repeated call launches the compiled kernel directly. Interpreted kernels, CPU tensors

@@ -15,7 +15,7 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from .. import _config, reference
-from ._launch import KernelLaunch, check_triton_device, resident_programs
+from ._launch import KernelLaunch, alignment_bits, check_triton_device, resident_programs
 
 _kernels = None
 
@@ -394,10 +394,7 @@ def _general(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rowwise: 
     # Everything else depends only on what this key holds: computed once per key, not per call. The
     # pointers' 16-byte alignment is in it because Triton specializes the compiled kernel on it (the plan
     # keeps the compiled kernel: safeops.ops._launch).
-    align = 0
-    for i, t in enumerate(tensors):
-        if t.data_ptr() % 16 == 0:
-            align |= 1 << i
+    align = alignment_bits(*tensors)
     key = (x.shape, x.stride(), x.dtype, x.device, scale.dtype, scale.stride(0) if rowwise else 0, dtype,
            rowwise, config, hardware_convert, bf16, _config.fp_fusion, _wide, align,  # _wide: tests patch it
            _kernels)  # the plan keeps its kernel

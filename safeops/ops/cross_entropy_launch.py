@@ -16,7 +16,7 @@ from triton.runtime.jit import JITFunction
 
 from .. import _config
 from ..reference import CE_MEAN, CE_NONE
-from ._launch import KernelLaunch, check_triton_device, launch
+from ._launch import KernelLaunch, alignment_bits, check_triton_device, launch
 
 _kernels = None
 
@@ -171,7 +171,7 @@ def forward(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, 
     if _planned(x):
         key = (_FWD, x3.shape, x3.stride(), x.dtype, t.dtype, w.dtype, loss.dtype, weight is None, reduction,
                label_smoothing, z_loss, ignore_index, cfg, x.device.index, _config.fp_fusion, kernels(),
-               _aligned(tensors))
+               alignment_bits(*tensors))
     runs = _plans(key, lambda: _forward_launches(x3, n_rows, weight is not None, ignore_index, reduction,
                                                  label_smoothing, z_loss, cfg))
     run, scalars = runs[0]
@@ -228,15 +228,6 @@ def _compiled(kernel) -> bool:
     return isinstance(kernel, JITFunction) and not isinstance(kernel, InterpretedFunction)
 
 
-def _aligned(tensors: tuple) -> int:
-    """Bit i: whether tensor i's data pointer is 16-byte aligned."""
-    bits = 0
-    for i, t in enumerate(tensors):
-        if t.data_ptr() % 16 == 0:
-            bits |= 1 << i
-    return bits
-
-
 def _plain(kernel, grid, kwargs):
     return lambda *args: launch(kernel, grid, *args, **kwargs)
 
@@ -283,7 +274,7 @@ def backward(grad: torch.Tensor, x: torch.Tensor, target: torch.Tensor, weight: 
     if _planned(x):
         key = (_BWD, x3.shape, x3.stride(), dx3.stride(), x.dtype, dx3.dtype, t.dtype, w.dtype, g.dtype,
                weight is None, reduction, label_smoothing, z_loss, ignore_index, cfg, x.device.index,
-               _config.fp_fusion, kernels(), _aligned(tensors))
+               _config.fp_fusion, kernels(), alignment_bits(*tensors))
     options = (weight is not None, ignore_index, reduction, label_smoothing, z_loss, cfg)
     (run, scalars), = _plans(key, lambda: _backward_launches(x3, dx3, n_rows, *options))
     run(*tensors, *scalars)

@@ -12,7 +12,7 @@ import torch
 import triton
 
 from .. import _config
-from ._launch import KernelLaunch, check_triton_device
+from ._launch import KernelLaunch, alignment_bits, check_triton_device
 from ._rows import Rows, rows_of
 
 _kernels = None
@@ -275,7 +275,7 @@ def forward(
     key = (kind, dim, x.shape, x.stride(), x.dtype, x.get_device(), out_dtype,
            None if mask is None else (mask.stride(), mask.dtype),
            0 if scale_tensor is None else scale_tensor.dtype,
-           scale is None, stats, _alignment(x, out, mask, scale_tensor))
+           scale is None, stats, alignment_bits(x, out, mask, scale_tensor))
     plan = _plans(_FORWARD).get(key)
     if plan is None:
         plan = _remember(_FORWARD, key, _forward_plan(kind, x, dim, scale, scale_tensor, mask, out, stats))
@@ -342,15 +342,6 @@ def _remember(direction: int, key, plan):
 def clear_plans() -> None:
     """Forget every cached launch plan (for code that mutates the tuning tables in place)."""
     _plan_tables.clear()
-
-
-def _alignment(*tensors) -> int:
-    """Bit i: whether tensor i's data pointer is 16-byte aligned (Triton specializes pointers on it)."""
-    bits = 0
-    for i, t in enumerate(tensors):
-        if t is not None and t.data_ptr() % 16 == 0:
-            bits |= 1 << i
-    return bits
 
 
 @dataclass(frozen=True)
@@ -508,7 +499,7 @@ def backward(
     key = (kind, dim, x.shape, x.stride(), x.dtype, x.get_device(), grad.stride(), grad.dtype, dx.dtype,
            row_max.dtype, row_sum.dtype, None if mask is None else (mask.stride(), mask.dtype),
            0 if scale_tensor is None else scale_tensor.dtype,
-           scale is None, _alignment(grad, x, dx, mask, scale_tensor, row_max, row_sum))
+           scale is None, alignment_bits(grad, x, dx, mask, scale_tensor, row_max, row_sum))
     plan = _plans(_BACKWARD).get(key)
     if plan is None:
         plan = _remember(_BACKWARD, key, _backward_plan(kind, grad, x, dim, scale, scale_tensor, mask, dx,
