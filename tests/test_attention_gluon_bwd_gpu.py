@@ -575,3 +575,33 @@ def test_thread_arrive_same_bits(d, pipeline, options, rng, monkeypatch, gluon_b
     assert flags and set(flags) == {(pipeline, True)}, flags
     for name, a, b in zip(("dq", "dk", "dv", "packed dq", "packed dk", "packed dv"), *results, strict=True):
         assert torch.equal(a, b), f"{name} differs with thread_arrive (D={d}, pipeline {pipeline}, {options})"
+
+
+@pytest.mark.parametrize("turns", [1, 2])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("options", SEQ_OPTIONS.values(), ids=SEQ_OPTIONS.keys())
+def test_turns_same_bits(d, turns, options, rng, monkeypatch, gluon_bwd_seq):
+    """GluonBwdConfig.turns (the consumer warpgroups take turns issuing their products) gives the bits
+    without turns, and every warpgroup of a CTA takes the same number of turns (no hang): dense GQA with
+    partial blocks and Sq != Sk, causal or not, and packed sequences (an empty one, one row, GQA) with and
+    without a window."""
+    import dataclasses
+
+    KB = G.bwd_kernels()
+    q, g = (rng.randn(2, 8, 700, d, dtype=BF16) for _ in range(2))
+    k, v = (rng.randn(2, 2, 555, d, dtype=BF16) for _ in range(2))
+    lengths = [300, 1, 0, 1029, 64, 129]
+    seqs = [[rng.randn(1, h, n, d, dtype=BF16) for h in (4, 2, 2)] for n in lengths]
+    gs = [rng.randn(1, 4, n, d, dtype=BF16) for n in lengths]
+    _gluon_ran(monkeypatch, q, k, v, **options)
+    results = []
+    for t in (0, turns):
+        monkeypatch.setitem(KB.BWD_CONFIGS, d, dataclasses.replace(KB.BWD_CONFIGS[d], turns=t))
+        L.clear_plans()
+        dense = _grads(q, k, v, g, **options)
+        packed, _ = _packed_grads(seqs, gs, **options)
+        results.append((*dense, *packed))
+    plans = [p for p in L._gluon_bwd_plans.values() if p.__class__ is G.BwdPlan]
+    assert plans and {p.launch.kwargs["TURNS"] for p in plans} == {turns}
+    for name, a, b in zip(("dq", "dk", "dv", "packed dq", "packed dk", "packed dv"), *results, strict=True):
+        assert torch.equal(a, b), f"{name} differs with turns={turns} (D={d}, {options})"

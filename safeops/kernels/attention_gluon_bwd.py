@@ -80,6 +80,10 @@ class GluonBwdConfig:
     # warpgroup bar.syncs, the per-thread one it does not. On at D=64 (9% faster without causal, the same
     # bits); 2-4% slower at D=128.
     thread_arrive: bool = False
+    # Consumer warpgroups take turns issuing their products (unpipelined steps only), through one mbarrier
+    # per warpgroup with per-thread arrives: 1 = a turn around each step's S^T and dP^T, 2 = also around
+    # its dV and dK. Same products in the same order: the same bits.
+    turns: int = 0
 
     @property
     def block_n(self) -> int:
@@ -125,7 +129,8 @@ def block_shapes(cfg: GluonBwdConfig, head_dim: int) -> dict[str, list[int]]:
 
 def constexprs(cfg: GluonBwdConfig, causal: bool) -> dict:
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
-                PIPELINE=cfg.pipeline, PRE_STATS=cfg.row_stats, THREAD_ARRIVE=cfg.thread_arrive)
+                PIPELINE=cfg.pipeline, PRE_STATS=cfg.row_stats, THREAD_ARRIVE=cfg.thread_arrive,
+                TURNS=cfg.turns)
 
 
 LAUNCH_OPTIONS = {"num_warps": 4}
@@ -331,6 +336,25 @@ def _release(q_empty, slot, THREAD_ARRIVE: gl.constexpr):
 
 
 @gluon.jit
+def _turn_wait(turn, w: gl.constexpr, rounds, ON: gl.constexpr):
+    """Waits until the previous consumer warpgroup has issued its products of this round (warpgroup 0
+    starts)."""
+    if ON:
+        if w == 0:
+            mbarrier.wait(turn.index(0), (rounds & 1) ^ 1)
+        else:
+            mbarrier.wait(turn.index(w), rounds & 1)
+
+
+@gluon.jit
+def _turn_pass(turn, w: gl.constexpr, NUM_WG: gl.constexpr, ON: gl.constexpr):
+    """Passes the turn to the next warpgroup: one arrive per thread (the barrier counts 128), which Triton
+    3.6 does not bracket with warpgroup barriers."""
+    if ON:
+        async_copy.mbarrier_arrive(turn.index((w + 1) % NUM_WG), increment_count=False)
+
+
+@gluon.jit
 def _issue_t(w_s, x_s, ready, slot, phase, s_layout: gl.constexpr):
     """Issues W X^T (async) once ring slot ``slot`` of ``ready`` has landed: S^T = K Q^T (``w_s`` this
     warpgroup's K, ``x_s`` the slot's Q) or dP^T = V dO^T."""
@@ -412,7 +436,8 @@ def _operands_t(bufs, pt, dpt, slot, a_layout: gl.constexpr):
 @gluon.jit
 def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, bounds, tail, s_layout: gl.constexpr,
           a_layout: gl.constexpr, MASKED: gl.constexpr, NUM_STAGES: gl.constexpr, PRE_STATS: gl.constexpr,
-          CAUSAL: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
+          CAUSAL: gl.constexpr, THREAD_ARRIVE: gl.constexpr, turn, w: gl.constexpr, NUM_WG: gl.constexpr,
+          TURNS: gl.constexpr):
     """One query block of a consumer warpgroup: S^T and dP^T, P^T and dS^T, dV += P^T dO, dK += dS^T Q.
     ``c``: the block's ring position; ``MASKED`` / ``tail``: apply the selects of :func:`_probs_t`
     (``bounds`` = its (q_end, window_left)), where ``q_minus_k`` = (the block's first query) - (the
@@ -424,15 +449,20 @@ def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, bounds, tail, s_layout: gl.c
     slot = c % NUM_STAGES
     q_s = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
     do_s = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    # (Turn rounds: TURNS per step, so the round of this step's first turn is c * TURNS.)
+    _turn_wait(turn, w, c * TURNS, TURNS > 0)
     st, dpt = _issue_st_dpt(bufs, k_w, v_w, q_s, do_s, slot, (c // NUM_STAGES) & 1, s_layout)
+    _turn_pass(turn, w, NUM_WG, TURNS > 0)
     st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
     pt = _probs_t(bufs, st, C1, slot, q_minus_k, MASKED, PRE_STATS, CAUSAL, True, bounds[0], bounds[1], tail)
     dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
     # Both products are issued from registers once S^T and dP^T have retired: P^T and dS^T are then all
     # that is live beside the accumulators.
     p16, ds16 = _operands_t(bufs, pt, dpt, slot, a_layout)
+    _turn_wait(turn, w, c * TURNS + 1, TURNS > 1)
     dv = warpgroup_mma(p16, do_s, dv, is_async=True)
     dk = warpgroup_mma(ds16, q_s, dk, is_async=True)
+    _turn_pass(turn, w, NUM_WG, TURNS > 1)
     dk, dv, p16, ds16 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p16, ds16))
     _release(q_empty, slot, THREAD_ARRIVE)
     return dk, dv
@@ -535,7 +565,7 @@ def _store_rows(ptr, x, row0, n_rows, head, stride_row, stride_head):
 @gluon.jit
 def _consumer(w: gl.constexpr, bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_WG: gl.constexpr, PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr,
-              THREAD_ARRIVE: gl.constexpr):
+              THREAD_ARRIVE: gl.constexpr, turn, TURNS: gl.constexpr):
     """Consumer warpgroup ``w``: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
@@ -580,11 +610,13 @@ def _consumer(w: gl.constexpr, bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGE
         for _g in range(group):
             for mb in range(lo, mid):
                 dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, bounds, False, s_layout,
-                               a_layout, True, NUM_STAGES, PRE_STATS, CAUSAL, THREAD_ARRIVE)
+                               a_layout, True, NUM_STAGES, PRE_STATS, CAUSAL, THREAD_ARRIVE, turn, w, NUM_WG,
+                               TURNS)
                 c += 1
             for mb in range(mid, hi):
                 dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, bounds, mb >= umid, s_layout,
-                               a_layout, False, NUM_STAGES, PRE_STATS, CAUSAL, THREAD_ARRIVE)
+                               a_layout, False, NUM_STAGES, PRE_STATS, CAUSAL, THREAD_ARRIVE, turn, w, NUM_WG,
+                               TURNS)
                 c += 1
     dk = dk * scale_ds
     # The tile's sequence again (two loads): not kept in registers across the steps.
@@ -608,20 +640,26 @@ def _consumer(w: gl.constexpr, bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGE
 
 @gluon.jit
 def _consumer0(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
-    _consumer(0, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, THREAD_ARRIVE)
+               PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, turn,
+               TURNS: gl.constexpr):
+    _consumer(0, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, THREAD_ARRIVE, turn,
+              TURNS)
 
 
 @gluon.jit
 def _consumer1(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
-    _consumer(1, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, THREAD_ARRIVE)
+               PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, turn,
+               TURNS: gl.constexpr):
+    _consumer(1, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, THREAD_ARRIVE, turn,
+              TURNS)
 
 
 @gluon.jit
 def _consumer2(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-               PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
-    _consumer(2, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, THREAD_ARRIVE)
+               PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, turn,
+               TURNS: gl.constexpr):
+    _consumer(2, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, THREAD_ARRIVE, turn,
+              TURNS)
 
 
 @gluon.jit(do_not_specialize=SIZE_ARGS + SEQ_ARGS)
@@ -631,7 +669,8 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
                                out0_stride_row, out0_stride_head, out1_stride_row, out1_stride_head,
                                CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                                NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PIPELINE: gl.constexpr,
-                               PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr = False):
+                               PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr = False,
+                               TURNS: gl.constexpr = 0):
     """dk, dv of key block / kv head ``program_id(0)`` of ``n_tiles`` = n_n_blocks x batch x kv heads.
     Descriptors over (B, H, S, D): q / do (B, Hq, Sq, D), k / v / dk / dv (B, Hkv, Sk, D); m, l, delta
     (B, Hq, Sq) contiguous fp32; kv head = q head // group. ``varlen`` != 0: packed sequences, the
@@ -642,6 +681,7 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     every key)."""
     gl.static_assert(NUM_WG == 2 or NUM_WG == 3)
     gl.static_assert(NUM_STAGES >= 2 or not PIPELINE)  # a pipelined step holds the previous step's slot
+    gl.static_assert(TURNS == 0 or not PIPELINE)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape,
                                         do_desc.layout)
@@ -655,12 +695,15 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
         # Free once every consumer has read Q and dO: one arrive per warpgroup, or per thread (THREAD_ARRIVE).
         mbarrier.init(q_empty.index(i), count=NUM_WG * 128 if THREAD_ARRIVE else NUM_WG)
+    for i in gl.static_range(NUM_WG):
+        mbarrier.init(turn.index(i), count=128)  # a turn passes by one arrive per thread of a warpgroup
     fence_async_shared()  # the inits visible to the async proxy (TMA) before it signals the barriers
     bufs = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
             q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem)
@@ -670,18 +713,18 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     # (The argument tuples are written out: a tuple assigned to a name turns its constexprs into tensors.)
     if NUM_WG == 2:
         gl.warp_specialize([(_consumer0, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                          THREAD_ARRIVE)),
+                                          THREAD_ARRIVE, turn, TURNS)),
                             (_consumer1, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                          THREAD_ARRIVE)),
+                                          THREAD_ARRIVE, turn, TURNS)),
                             (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, False, False, seq, True))],
                            [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([(_consumer0, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                          THREAD_ARRIVE)),
+                                          THREAD_ARRIVE, turn, TURNS)),
                             (_consumer1, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                          THREAD_ARRIVE)),
+                                          THREAD_ARRIVE, turn, TURNS)),
                             (_consumer2, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                          THREAD_ARRIVE)),
+                                          THREAD_ARRIVE, turn, TURNS)),
                             (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, False, False, seq, True))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
