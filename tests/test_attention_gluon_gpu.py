@@ -426,3 +426,30 @@ def test_softcap_window_varlen_gemma_layer(rng, monkeypatch):
         sl = slice(int(cu_q[b]), int(cu_q[b + 1]))
         assert torch.equal(out[sl], o[0].transpose(0, 1)) and torch.equal(lse[:, sl], ls[0]), (b, rng)
     check_oracle(*seqs[0], rng, **options)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_late_pv_wait_same_bits(d, rng, monkeypatch):
+    """GluonFwdConfig.late_pv_wait (a warpgroup barrier ordered after each block's row sums, so ptxas keeps
+    the wait for the previous PV product after the exponentials) changes no arithmetic: the bits without it,
+    causal or not, GQA with partial blocks, and with sinks, a window and packed sequences."""
+    import dataclasses
+
+    K = G.kernels()
+    q = rng.randn(2, 8, 777, d, dtype=BF16)
+    k, v = (rng.randn(2, 2, 901, d, dtype=BF16) for _ in range(2))
+    sinks = rng.randn(8, std=2.0)
+    cu = torch.tensor([0, 300, 301, 777], dtype=torch.int32, device=DEV)
+    qp, kp, vp = (t[0].transpose(0, 1)[:777].contiguous() for t in (q, k, v))
+    results = []
+    for flag in (False, True):
+        monkeypatch.setitem(K.FWD_CONFIGS, d, dataclasses.replace(K.FWD_CONFIGS[d], late_pv_wait=flag))
+        L.clear_plans()
+        got = [*_forward(q, k, v, False), *_forward(q, k, v, True),
+               *safeops.attention(q, k, v, is_causal=True, window=(300, None), sinks=sinks, return_lse=True),
+               safeops.attention_varlen(qp, kp, vp, cu, cu, is_causal=True)]
+        plans = [p for p in L._fwd_plans.values() if p.__class__ is G.Plan and p.launch is not None]
+        assert plans and all(p.launch.kwargs["LATE_PV_WAIT"] == flag for p in plans)
+        results.append(got)
+    for i, (a, b) in enumerate(zip(*results, strict=True)):
+        assert torch.equal(a, b), f"output {i} differs with late_pv_wait (D={d})"

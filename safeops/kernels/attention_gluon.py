@@ -82,6 +82,11 @@ class GluonFwdConfig:
     # last QK^T (the producer loads the next tile's Q during the last PV and the epilogue) and does not wait
     # for its O store (it overlaps the next tile). For the persistent grid; the same arithmetic, same bits.
     separate_o: bool = False
+    # A warpgroup barrier whose id depends on the block's row sums, just before the wait for the previous
+    # block's PV product: ptxas otherwise places that wait before the exponentials (it hoists the wgmma wait
+    # up to the previous synchronizing instruction, and the O rescale it schedules early needs it), so the
+    # softmax did not overlap the PV product. Same arithmetic, same bits.
+    late_pv_wait: bool = False
 
     @property
     def block_m(self) -> int:
@@ -124,6 +129,7 @@ def constexprs(cfg: GluonFwdConfig, causal: bool, varlen: bool = False, window: 
     (the constant C2 a runtime argument)."""
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
                 PINGPONG=cfg.pingpong, VARLEN=varlen, SEPARATE_O=cfg.separate_o, HAS_WL=window,
+                LATE_PV_WAIT=cfg.late_pv_wait,
                 SOFTCAP=softcap)
 
 
@@ -352,11 +358,35 @@ def _store_empty_rows(o_ptr, m_ptr, l_ptr, sinks_ptr, has_sinks, row0, n_rows, h
     gl.store(l_ptr + st, l, mask=ok)
 
 
+# Named barriers 12 + w (one per consumer warpgroup; Triton 3.6's warp specialization uses the low ids) whose
+# id a PRMT makes depend on the first input register: ptxas cannot hoist the barrier above that register's
+# definition, nor a wgmma wait above the barrier. The value passes through unchanged.
+_ORDER_ASM = [f"{{ .reg .b32 t; mov.b32 t, {12 + w}; prmt.b32 t, t, $2, 0x3210; bar.sync t, 128; }} "
+              "mov.b32 $0, $2; mov.b32 $1, $3;" for w in range(3)]
+_ORDER_ASM0 = gl.constexpr(_ORDER_ASM[0])
+_ORDER_ASM1 = gl.constexpr(_ORDER_ASM[1])
+_ORDER_ASM2 = gl.constexpr(_ORDER_ASM[2])
+
+
+@gluon.jit
+def _order_point(x, w: gl.constexpr):
+    """``x`` (a per-row fp32 tensor, two values per thread), unchanged, after warpgroup ``w``'s barrier
+    ordered after x's computation: the instructions that follow in the PTX stay after x's."""
+    if w == 0:
+        y = gl.inline_asm_elementwise(_ORDER_ASM0, "=r,=r,r,r", [x], gl.float32, is_pure=False, pack=2)
+    elif w == 1:
+        y = gl.inline_asm_elementwise(_ORDER_ASM1, "=r,=r,r,r", [x], gl.float32, is_pure=False, pack=2)
+    else:
+        y = gl.inline_asm_elementwise(_ORDER_ASM2, "=r,=r,r,r", [x], gl.float32, is_pure=False, pack=2)
+    return y
+
+
 @gluon.jit
 def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, lo, n_blocks, q_start,
                   rows_q, rows_k, c, t, rounds, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                   NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr,
-                  SEPARATE_O: gl.constexpr, HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr):
+                  SEPARATE_O: gl.constexpr, HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr,
+                  LATE_PV_WAIT: gl.constexpr):
     """Consumer warpgroup ``w``'s rows m0 + 64 w .. m0 + 64 w + 63 of one tile (key blocks lo .. n_blocks - 1,
     at least one): the online softmax, then O, m and l out. Returns (c, t, rounds) after the tile."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
@@ -433,6 +463,8 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, l
         p_next, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, n0, offs_n0, limit, start, C1, C2,
                                                  n0 + BLOCK_N > full_end, HAS_WL and n0 < full_start, HAS_WL,
                                                  SOFTCAP)
+        if LATE_PV_WAIT:
+            l_i = _order_point(l_i, w)
         # P_{j-1} is a register operand of the PV wgmma: keep it alive until that wgmma has retired.
         o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
         mbarrier.arrive(v_empty.index(vslot), count=1)
@@ -486,7 +518,7 @@ def _consume_tile(w: gl.constexpr, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, l
 @gluon.jit
 def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_WG: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-              HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr):
+              HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr, LATE_PV_WAIT: gl.constexpr):
     """Consumer warpgroup ``w``: rows m0 + 64 w .. m0 + 64 w + 63 of each tile of this program."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty,
      v_ready, v_empty, turn, m_ptr, l_ptr, o_ptr, cu_q_ptr, cu_k_ptr, sinks_ptr) = bufs
@@ -515,7 +547,8 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
                 if n_blocks > 0:
                     c, t, rounds = _consume_tile(w, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, lo, n_blocks,
                                                  q_start, rows_q, rows_k, c, t, rounds, CAUSAL, NUM_STAGES,
-                                                 NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP)
+                                                 NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP,
+                                                 LATE_PV_WAIT)
                 else:  # a sequence without keys: its rows are empty, and nothing was loaded for them
                     _store_empty_rows(o_ptr, m_ptr, l_ptr, sinks_ptr, has_sinks,
                                       q_start + m0 + w * BLOCK_M_WG, rows_q - m0 - w * BLOCK_M_WG, h,
@@ -524,7 +557,7 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
         else:
             c, t, rounds = _consume_tile(w, bufs, sizes, s_zero, offs_n0, m0, bc, b, h, lo, n_blocks, q_start,
                                          rows_q, rows_k, c, t, rounds, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG,
-                                         VARLEN, SEPARATE_O, HAS_WL, SOFTCAP)
+                                         VARLEN, SEPARATE_O, HAS_WL, SOFTCAP, LATE_PV_WAIT)
     if SEPARATE_O:
         tma.store_wait(pendings=0)  # the last O store has read its buffer before the program ends
 
@@ -532,22 +565,25 @@ def _consumer(w: gl.constexpr, bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl
 @gluon.jit
 def _consumer0(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-               HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr):
-    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP)
+               HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr, LATE_PV_WAIT: gl.constexpr):
+    _consumer(0, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP,
+              LATE_PV_WAIT)
 
 
 @gluon.jit
 def _consumer1(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-               HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr):
-    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP)
+               HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr, LATE_PV_WAIT: gl.constexpr):
+    _consumer(1, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP,
+              LATE_PV_WAIT)
 
 
 @gluon.jit
 def _consumer2(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PINGPONG: gl.constexpr, VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr,
-               HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr):
-    _consumer(2, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP)
+               HAS_WL: gl.constexpr, SOFTCAP: gl.constexpr, LATE_PV_WAIT: gl.constexpr):
+    _consumer(2, bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN, SEPARATE_O, HAS_WL, SOFTCAP,
+              LATE_PV_WAIT)
 
 
 @gluon.jit(do_not_specialize=SIZE_ARGS, do_not_specialize_on_alignment=UNALIGNED_ARGS)
@@ -557,7 +593,7 @@ def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, c
                           NUM_STAGES: gl.constexpr,
                           NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
                           VARLEN: gl.constexpr, SEPARATE_O: gl.constexpr, HAS_WL: gl.constexpr,
-                          SOFTCAP: gl.constexpr = False):
+                          SOFTCAP: gl.constexpr = False, LATE_PV_WAIT: gl.constexpr = False):
     """o, m, l of the query tiles program_id(0), program_id(0) + num_programs(0), ... of ``n_tiles`` =
     n_m_blocks x batch x heads. kv head = q head // group; ``head_group``: heads per chunk of the causal
     tile order (``_tile_coords``).
@@ -606,20 +642,20 @@ def attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, m_ptr, l_ptr, o_ptr, c
     # (The argument tuples are written out: a tuple assigned to a name turns its constexprs into tensors.)
     if NUM_WG == 2:
         gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_WL, SOFTCAP)),
+                                          SEPARATE_O, HAS_WL, SOFTCAP, LATE_PV_WAIT)),
                             (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_WL, SOFTCAP)),
+                                          SEPARATE_O, HAS_WL, SOFTCAP, LATE_PV_WAIT)),
                             (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
                                          SEPARATE_O, HAS_WL))],
                            [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.static_assert(NUM_WG == 3)
         gl.warp_specialize([(_consumer0, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_WL, SOFTCAP)),
+                                          SEPARATE_O, HAS_WL, SOFTCAP, LATE_PV_WAIT)),
                             (_consumer1, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_WL, SOFTCAP)),
+                                          SEPARATE_O, HAS_WL, SOFTCAP, LATE_PV_WAIT)),
                             (_consumer2, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
-                                          SEPARATE_O, HAS_WL, SOFTCAP)),
+                                          SEPARATE_O, HAS_WL, SOFTCAP, LATE_PV_WAIT)),
                             (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, PINGPONG, VARLEN,
                                          SEPARATE_O, HAS_WL))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
