@@ -13,9 +13,10 @@ Structure (one CTA per query tile of ``NUM_WG * BLOCK_M_WG`` rows, or persistent
   own ``BLOCK_M_WG`` = 64 query rows of the tile) run async wgmma: S = Q K^T from shared memory, the online
   softmax in registers, O += P V with P in registers;
 - inside a warpgroup, S_j = Q K_j^T is issued before O += P_{j-1} V_{j-1}, and the softmax of S_j runs
-  while that PV product is on the tensor cores (FA3's intra-warpgroup overlap); with ``PINGPONG`` the
-  warpgroups take turns issuing their MMAs (an mbarrier per warpgroup), so one warpgroup's softmax runs
-  while the other's MMAs use the tensor cores (FA3's inter-warpgroup overlap);
+  while that PV product is on the tensor cores (FA3's intra-warpgroup overlap; ptxas keeps the wait for
+  the PV product after the exponentials only with ``LATE_PV_WAIT``, else it hoists it above them); with
+  ``PINGPONG`` the warpgroups take turns issuing their MMAs (an mbarrier per warpgroup), so one
+  warpgroup's softmax runs while the other's MMAs use the tensor cores (FA3's inter-warpgroup overlap);
 - causal tiles are numbered longest first (inside L2-sized chunks of heads); a persistent launch walks the
   tiles round-robin, one program per SM;
 - ``VARLEN``: packed sequences (``attention_varlen``), the tiles of each sequence placed by cu_seqlens. A
@@ -96,10 +97,11 @@ class GluonFwdConfig:
 # head dim -> configuration, bf16 and fp16, causal or not, chosen on the H200 (bench/RESULTS.md, the
 # forward configuration sweep): at D=64 three consumer warpgroups (192-row tiles, as FlashAttention-3's D=64
 # tile) at 160 registers, two stages; at D=128 two warpgroups with a three-deep K / V ring (229 KB of shared
-# memory). tests/test_attention_gluon_offline.py compiles every entry for sm_90.
+# memory) and the PV wait kept after the softmax (+1.2-2.1% on an H100 in two interleaved runs, the same bits;
+# at D=64 -7% causal, so off there). tests/test_attention_gluon_offline.py compiles every entry for sm_90.
 FWD_CONFIGS: dict[int, GluonFwdConfig] = {
     64: GluonFwdConfig(block_n=128, num_stages=2, num_wg=3, consumer_regs=160),
-    128: GluonFwdConfig(block_n=128, num_stages=3),
+    128: GluonFwdConfig(block_n=128, num_stages=3, late_pv_wait=True),
     256: GluonFwdConfig(block_n=64, num_stages=2, consumer_regs=240),
 }
 HEAD_DIMS = tuple(FWD_CONFIGS)

@@ -13,7 +13,8 @@ Structure (one CTA per (key block of ``NUM_WG * 64`` keys, kv head)):
 - ``NUM_WG`` consumer warpgroups (the default partition and the workers), each owning 64 keys: per query
   block S^T = K Q^T and dP^T = V dO^T by async wgmma from shared memory, P^T and dS^T in registers, then
   dV += P^T dO and dK += dS^T Q with P^T / dS^T as register A operands. The two warpgroups share the Q /
-  dO ring and run independently otherwise, so one's exponentials overlap the other's products.
+  dO ring and run independently otherwise (with ``TURNS`` they take turns issuing S^T and dP^T, and with
+  2 also dV and dK, through an mbarrier per warpgroup), so one's exponentials overlap the other's products.
 - with ``CAUSAL`` the CTAs are numbered longest first (key block 0 of every head of a chunk of heads first).
 
 Numerics: those of the Triton dk/dv kernel (CONTRACT.md sections 1-4), with the saved per-row ``m`` (base-2
@@ -85,6 +86,12 @@ class GluonBwdConfig:
     # its dV and dK. Same products in the same order: the same bits.
     turns: int = 0
 
+    def __post_init__(self):
+        if self.turns not in (0, 1, 2):
+            raise ValueError(f"GluonBwdConfig.turns is 0, 1 or 2, not {self.turns!r}")
+        if self.turns and self.pipeline:
+            raise ValueError("GluonBwdConfig.turns applies to unpipelined steps: pipeline=True needs turns=0")
+
     @property
     def block_n(self) -> int:
         return self.num_wg * BLOCK_N_WG
@@ -93,10 +100,12 @@ class GluonBwdConfig:
 # head dim -> configuration (bf16 and fp16, causal or not). D=64: 64-query steps (128 spilled and measured
 # slower), three consumer warpgroups (192 keys per CTA) at 160 registers, unpipelined (pipelined, 160
 # registers serialize the wgmma; two pipelined warpgroups measured 1.23x slower without causal, the same
-# bits), slots released per thread; D=128: a 3-deep Q / dO ring (166 KB of shared memory) measured 1-3%
-# faster than 2, and the row statistics precomputed, 8-10% faster with the same bits (RESULTS.md).
+# bits), slots released per thread, warpgroups taking turns at S^T / dP^T (+2.5% and +4% in two H100 runs,
+# the same bits; around dV / dK too, or at D=128: no gain); D=128: a 3-deep Q / dO ring (166 KB of shared
+# memory) measured 1-3% faster than 2, and the row statistics precomputed, 8-10% faster with the same bits
+# (RESULTS.md).
 BWD_CONFIGS: dict[int, GluonBwdConfig] = {
-    64: GluonBwdConfig(block_m=64, num_stages=3, num_wg=3, consumer_regs=160, thread_arrive=True),
+    64: GluonBwdConfig(block_m=64, num_stages=3, num_wg=3, consumer_regs=160, thread_arrive=True, turns=1),
     128: GluonBwdConfig(block_m=64, num_stages=3, row_stats=True),
 }
 # Head dims whose backward takes this kernel (and the Gluon dQ kernel) by default (SAFEOPS_GLUON_BWD=auto):
