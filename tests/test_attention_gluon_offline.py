@@ -17,7 +17,9 @@ per kernel. Then:
 - the fused backward (dK / dV and dQ with a writer warp, off until measured), with its atomic and its TMA
   reduce-add writer, compiles the same way;
 - the FA3 structure is what was compiled: Hopper wgmma, and setmaxnreg giving the consumer warpgroups their
-  registers and the TMA warp 24;
+  registers and the TMA warp 24; with ``late_pv_wait`` (D=128) the SASS (cuobjdump) keeps each key-block
+  loop's wait for the previous PV product after the softmax's exponentials (a control without it shows
+  ptxas hoisting the wait);
 - it fits: shared memory at most 227 KB (232448 bytes, the H100 / H200 per-block limit), and ptxas (Triton's
   own ``-v`` run, ``--fmad=false``, whose log Triton prints on request) warns of nothing (no serialized
   wgmma) and spills nothing in the forward (at most ``SPILL_CAP_FWD_D64`` bytes at head dim 64), at most
@@ -99,10 +101,45 @@ _SCRIPT = textwrap.dedent(
             return subprocess.run([get_ptxas(90).path, *fmad, "-v", "--gpu-name=sm_90a", src, "-o",
                                    os.path.join(tmp, "k.o")], capture_output=True, text=True).stderr
 
+    def pv_overlap(cubin):
+        # Per innermost loop that holds wgmma and exponentials (the consumers' key-block loops): whether every
+        # MUFU.EX2 comes before the loop's last wait for all wgmma groups (the previous block's PV product).
+        from triton.backends import nvidia
+        tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "k.cubin")
+            with open(path, "wb") as f:
+                f.write(cubin)
+            sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+        ins = [(int(m.group(1), 16), m.group(2))
+               for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+        # (first, last) address of each loop. Left out: mbarrier retry loops (a few instructions), and the
+        # retry paths ptxas places after the code, whose branches back span the partition's EXIT.
+        exits = [a for a, text in ins if re.search(r"\bEXIT\b", text)]
+        back = []
+        for a, text in ins:
+            m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+            lo = int(m.group(1), 16) if m else a
+            if 0x400 < a - lo and not any(lo <= e <= a for e in exits):
+                back.append((lo, a))
+        loops = []
+        for lo, hi in back:
+            if any(lo <= x < y <= hi and (x, y) != (lo, hi) for x, y in back):
+                continue  # not innermost
+            body = [(a, t) for a, t in ins if lo <= a <= hi]
+            mufu = [a for a, t in body if "MUFU.EX2" in t]
+            waits = [a for a, t in body if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in t]
+            if mufu and waits and any("HGMMA" in t for a, t in body):
+                loops.append(max(mufu) < max(waits))
+        return loops
+
     def compile_one(job):
         kind, dtype, d, causal, varlen, fusion = job
         if kind.startswith("fwd"):  # "fwd", "fwd+window"
             cfg = K.FWD_CONFIGS[d]
+            if "+early" in kind:  # the overlap check's control: the PV wait where ptxas puts it
+                import dataclasses
+                cfg = dataclasses.replace(cfg, late_pv_wait=False)
             fn = K.attn_fwd_gluon_kernel
             constexprs = K.constexprs(cfg, causal, varlen, "+window" in kind, "+softcap" in kind)
             sig = K.signature(cfg, d, dtype, varlen)
@@ -170,7 +207,8 @@ _SCRIPT = textwrap.dedent(
                 "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else None,
                 "ptxas_warnings": [x for x in log.splitlines() if "warning" in x.lower()
                                    or "performance" in x.lower()],
-                "consumer_regs": cfg.consumer_regs, "loader_regs": int(loader_regs)}
+                "consumer_regs": cfg.consumer_regs, "loader_regs": int(loader_regs),
+                "pv_overlap": pv_overlap(c.asm["cubin"]) if kind.startswith("fwd") and d == 128 else None}
 
     if __name__ == "__main__":
         workers = max(1, min(len(jobs), os.cpu_count() or 1))
@@ -226,6 +264,9 @@ CONFIGS = [(kind, dtype, d, causal, varlen) for kind in FWD_KINDS for dtype in _
 # multiply and its subtraction in every step, so even fusion on has nothing to contract there.
 FUSION_ON = [("fwd", "bfloat16", 128, True, False), ("bwd", "bfloat16", 64, False, False),
              ("dq", "bfloat16", 64, True, False), ("fused", "bfloat16", 128, True, False)]
+# The overlap check's control: the D=128 forward without late_pv_wait, where ptxas places the wait for the
+# previous PV product before the exponentials (the check can fail).
+EARLY_WAIT = ("fwd+early", "bfloat16", 128, False, False)
 
 
 def _compile(jobs: list[tuple]) -> list[dict]:
@@ -241,24 +282,27 @@ def _compile(jobs: list[tuple]) -> list[dict]:
 def compiled() -> dict[tuple, dict]:
     """Every configuration (fp fusion off, as launched) and the fusion-on control, in one process pool."""
     # The control first: the longest compiles start first, so the pool's tail is short.
-    jobs = [[*c, True] for c in FUSION_ON] + [[*c, False] for c in CONFIGS]
+    jobs = [[*c, True] for c in FUSION_ON] + [[*EARLY_WAIT, False]] + [[*c, False] for c in CONFIGS]
     results = _compile(jobs)
-    table = dict(zip(CONFIGS, results[len(FUSION_ON):], strict=True))
+    table = dict(zip(CONFIGS, results[len(FUSION_ON) + 1:], strict=True))
     for c, r in zip(FUSION_ON, results, strict=False):
         table[("fusion on", *c)] = r
+    table[("control", *EARLY_WAIT)] = results[len(FUSION_ON)]
     print("\nGluon attention kernels, sm_90, Triton 3.6 (kernel, dtype, head dim, causal, varlen):")
     for c, r in table.items():
         if r["ok"]:
             print(f"  {c}: shared {r['shared']} B, {r['regs_at_launch']} registers at launch, consumer "
                   f"budget {r['consumer_regs']}, spills {r['spill_bytes']} B, wgmma {r['wgmma']}, f32 fma "
-                  f"{r['fma']}, non-.rn f32 mul/add/sub {r['loose']}, setmaxnreg {r['setmaxnreg']}")
+                  f"{r['fma']}, non-.rn f32 mul/add/sub {r['loose']}, setmaxnreg {r['setmaxnreg']}"
+                  + (f", loops with the PV wait after the exponentials {r['pv_overlap']}"
+                     if r["pv_overlap"] is not None else ""))
         else:
             print(f"  {c}: FAILED {r['error'][:500]}")
     return table
 
 
 def _launched(compiled) -> dict[tuple, dict]:
-    return {c: r for c, r in compiled.items() if c[0] != "fusion on"}
+    return {c: r for c, r in compiled.items() if c[0] not in ("fusion on", "control")}
 
 
 def test_every_configuration_compiles_and_fits(compiled):
@@ -310,3 +354,20 @@ def test_contraction_check_can_fail(compiled, control):
     # With fusion on, LLVM fuses some products into fma and leaves others as mul / add without .rn, which
     # ptxas may fuse (the D=64 dK / dV kernel, unpipelined: all of them); the check counts both.
     assert r["fma"] + r["loose"] > 0, f"fp fusion on left nothing contractible: the check is blind ({r})"
+
+
+def test_softmax_overlaps_the_pv_product(compiled):
+    """With ``GluonFwdConfig.late_pv_wait`` (D=128) the SASS keeps, in every consumer's key-block loop, the
+    wait for the previous block's PV product after the last exponential of the block's softmax (ptxas
+    otherwise hoists it above them, bench/RESULTS.md 2026-12-06); the control without it shows the hoist."""
+    checked = 0
+    for c, r in _launched(compiled).items():
+        if r["pv_overlap"] is None or not K.FWD_CONFIGS[c[2]].late_pv_wait:
+            continue
+        assert r["pv_overlap"] and all(r["pv_overlap"]), (
+            f"{c}: a PV wait before an exponential: {r['pv_overlap']}")
+        checked += 1
+    assert checked, "no configuration with late_pv_wait was checked"
+    control = compiled[("control", *EARLY_WAIT)]
+    assert control["ok"] and control["pv_overlap"] and not any(control["pv_overlap"]), (
+        f"the control's loops show no hoisted wait: the check is blind ({control.get('pv_overlap')})")
