@@ -239,7 +239,7 @@ def test_deterministic_and_batch_invariant_bits(rng):
 @pytest.mark.parametrize("d", [64, 128])
 def test_layout_and_schedule_same_bits(d, rng, monkeypatch):
     """(B, S, H, D) memory (read in place), a layout TMA cannot read (rows of D + 8 elements, 2 bytes off:
-    copied first), and the persistent grid give the bits of the contiguous call."""
+    copied first), the persistent grid and one program per tile give the bits of the contiguous call."""
     b, hq, hkv, s = 2, 8, 2, 777
 
     def make(h):
@@ -254,8 +254,13 @@ def test_layout_and_schedule_same_bits(d, rng, monkeypatch):
         monkeypatch.setattr(G, "PERSISTENT", True)
         persistent = _forward(q, k, v, causal)
         monkeypatch.setattr(G, "PERSISTENT", False)
+        shipped = G.PERSISTENT_NONCAUSAL
+        monkeypatch.setattr(G, "PERSISTENT_NONCAUSAL", ())
+        per_tile = _forward(q, k, v, causal)
+        monkeypatch.setattr(G, "PERSISTENT_NONCAUSAL", shipped)
         assert bshd[0].stride() == q.stride()  # o in q's layout
-        for name, got in (("bshd", bshd), ("copied", copied), ("persistent", persistent)):
+        for name, got in (("bshd", bshd), ("copied", copied), ("persistent", persistent),
+                          ("per_tile", per_tile)):
             for a, r in zip(got, ref, strict=True):
                 assert torch.equal(a, r), f"{name} causal={causal}; {rng}"
 

@@ -36,7 +36,10 @@ _kernels = None
 # Gluon's API changes between Triton releases; the kernel is written against this one.
 TRITON_VERSION = (3, 6)
 # Persistent grid (one program per SM walking the tiles) or one program per tile. Same bits either way.
+# PERSISTENT: every forward; PERSISTENT_NONCAUSAL: the non-causal forwards of these head dims (D=128: +2-3%
+# on an H100 with late_pv_wait, 2026-12-06; causal rows lose 2-7% with it, bench/RESULTS.md).
 PERSISTENT = False
+PERSISTENT_NONCAUSAL: tuple[int, ...] = (128,)
 # Causal tiles run in chunks of heads whose K and V take about this many bytes (the H100 / H200 L2 is 50 MB),
 # so the programs running at once share K/V blocks in L2. Scheduling only: the bits do not depend on it.
 L2_CHUNK_BYTES = 32 << 20
@@ -139,9 +142,9 @@ def describe(q: torch.Tensor, is_causal: bool, varlen: bool) -> str:
 def settings() -> tuple:
     """What the path choice and the Gluon plans depend on beyond ``attention_launch.forward``'s plan keys
     (its plans are dropped when any of it changes)."""
-    return (_config.gluon_enabled(), _config.gluon_bwd_setting(), PERSISTENT, L2_CHUNK_BYTES, reason, Plan,
-            device_reason, bwd_reason, GLUON_DQ, dq_reason, GLUON_SINKS, GLUON_WINDOW, GLUON_FUSED,
-            fused_reason, GLUON_BWD_SEQ, SEQ_HEAD_DIMS, GLUON_SOFTCAP)
+    return (_config.gluon_enabled(), _config.gluon_bwd_setting(), PERSISTENT, PERSISTENT_NONCAUSAL,
+            L2_CHUNK_BYTES, reason, Plan, device_reason, bwd_reason, GLUON_DQ, dq_reason, GLUON_SINKS,
+            GLUON_WINDOW, GLUON_FUSED, fused_reason, GLUON_BWD_SEQ, SEQ_HEAD_DIMS, GLUON_SOFTCAP)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -226,7 +229,8 @@ class Plan:
         if n_tiles >= 2**31:
             raise ValueError(f"q: {n_tiles} query tiles of {cfg.block_m} rows, more than the 2**31 - 1 the "
                              "launch grid allows")
-        persistent = PERSISTENT if persistent is None else persistent
+        if persistent is None:
+            persistent = PERSISTENT or (not causal and d in PERSISTENT_NONCAUSAL)
         grid = (min(n_tiles, _num_sms(q.device.index)) if persistent else n_tiles,)
         kv_bytes = 2 * max(max_k, 1) * d * k.element_size()  # one kv head's K and V, shared by a query group
         head_group = max(1, min(batch * hq, L2_CHUNK_BYTES * (hq // hkv) // kv_bytes))
