@@ -47,6 +47,7 @@ def _on_hopper(monkeypatch):
     """The device check accepts CPU tensors (as an sm_90 GPU): the rest of the check is what answers."""
     monkeypatch.setattr(G, "device_reason", lambda device: "")
     monkeypatch.setattr(G, "_arch", lambda index: "sm_90")
+    monkeypatch.setattr(G, "_num_sms", lambda index: 132)  # an H100 / H200 (persistent grids size by it)
 
 
 @pytest.mark.parametrize(
@@ -251,7 +252,7 @@ def test_launch_matches_the_compiled_signature(dtype, d, varlen, monkeypatch, re
     constexprs; descriptors address what the kernel expects (dense (B, H, S, D) views, or (1, H, T, D)
     over packed tensors); inputs TMA can read are not copied."""
     _on_hopper(monkeypatch)
-    monkeypatch.setattr(G, "_num_sms", lambda index: 5)
+    monkeypatch.setattr(G, "_num_sms", lambda index: 5)  # fewer SMs than tiles: the persistent grid shows
     if varlen:
         q = torch.randn(150, 4, d).to(dtype)
         k, v = (torch.randn(120, 2, d).to(dtype) for _ in range(2))
