@@ -36,8 +36,8 @@ _kernels = None
 # Gluon's API changes between Triton releases; the kernel is written against this one.
 TRITON_VERSION = (3, 6)
 # Persistent grid (one program per SM walking the tiles) or one program per tile. Same bits either way.
-# PERSISTENT: every forward; PERSISTENT_NONCAUSAL: the non-causal forwards of these head dims (D=128: +2-3%
-# on an H100 with late_pv_wait, 2026-12-06; causal rows lose 2-7% with it, bench/RESULTS.md).
+# PERSISTENT: every forward; PERSISTENT_NONCAUSAL: the non-causal forwards of these head dims (D=128:
+# +1.8-3.4% on an H100 with late_pv_wait, 2026-12-06; causal rows lose 2-7% with it, bench/RESULTS.md).
 PERSISTENT = False
 PERSISTENT_NONCAUSAL: tuple[int, ...] = (128,)
 # Causal tiles run in chunks of heads whose K and V take about this many bytes (the H100 / H200 L2 is 50 MB),
