@@ -88,6 +88,13 @@ VARIANTS = {
     "fused_tma_lpt": Variant(fused=dict(TMA, causal_lpt=True, early_turn=True), head_dims=(128,)),
     "fused_tma_dq_early": Variant(fused=dict(TMA, dq_early=True), head_dims=(128,)),
     "fused_tma_row_stats": Variant(fused=dict(TMA, row_stats=True), head_dims=(128,)),
+    # D=64: the TMA writer needs dQ split by head-dim columns (FUSED_CONFIGS[64] splits by keys).
+    "fused64_tma": Variant(fused=dict(TMA, split_d=True), head_dims=(64,)),
+    "fused64_tma_rs": Variant(fused=dict(TMA, split_d=True, row_stats=True), head_dims=(64,)),
+    "fused64_tma_dqe_rs": Variant(fused=dict(TMA, split_d=True, dq_early=True, row_stats=True),
+                                  head_dims=(64,)),
+    "fused64_tma_shift_rs": Variant(fused=dict(TMA, split_d=True, shift=True, early_turn=True,
+                                               row_stats=True), head_dims=(64,)),
 }
 
 
