@@ -290,13 +290,15 @@ def gluon_fused(monkeypatch):
 
 @pytest.fixture
 def gluon_fused_tma(monkeypatch, gluon_fused):
-    """The fused backward at D=128 with its TMA reduce-add writer (GluonFusedConfig.tma_reduce, finalize off:
-    the partials go into a zeroed fp32 buffer, dq = scale * buffer after the kernel)."""
+    """The fused backward with its TMA reduce-add writer (GluonFusedConfig.tma_reduce, finalize off: each
+    query block's first turn stores its partial into the fp32 buffer, the later turns add, dq = scale *
+    buffer after the kernel); at D=64 with dQ split by head-dim columns, which the TMA writer needs."""
     import dataclasses
 
     KB = G.bwd_kernels()
-    monkeypatch.setitem(KB.FUSED_CONFIGS, 128,
-                        dataclasses.replace(KB.FUSED_CONFIGS[128], tma_reduce=True, finalize=False))
+    for d in (64, 128):
+        monkeypatch.setitem(KB.FUSED_CONFIGS, d, dataclasses.replace(
+            KB.FUSED_CONFIGS[d], tma_reduce=True, finalize=False, split_d=True))
     L.clear_plans()
 
 
@@ -308,9 +310,9 @@ def _fused_oracle(dtype, d, causal, rng):
         check_oracle(q, k, v, rng, is_causal=causal)
 
 
-def _fused_deterministic(causal, rng):
-    q, g = (rng.randn(3, 8, 1000, 128, dtype=BF16) for _ in range(2))
-    k, v = (rng.randn(3, 2, 1000, 128, dtype=BF16) for _ in range(2))
+def _fused_deterministic(causal, rng, d=128):
+    q, g = (rng.randn(3, 8, 1000, d, dtype=BF16) for _ in range(2))
+    k, v = (rng.randn(3, 2, 1000, d, dtype=BF16) for _ in range(2))
     first = _grads(q, k, v, g, is_causal=causal)
     for _ in range(100):
         again = _grads(q, k, v, g, is_causal=causal)
@@ -350,14 +352,16 @@ def test_fused_keys_no_query_sees_and_sinks(rng, gluon_fused):
 
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
-def test_fused_tma_matches_oracle(dtype, causal, rng, gluon_fused_tma):
-    assert G.bwd_kernels().FUSED_CONFIGS[128].tma_reduce
-    _fused_oracle(dtype, 128, causal, rng)
+@pytest.mark.parametrize("d", [64, 128])
+def test_fused_tma_matches_oracle(dtype, d, causal, rng, gluon_fused_tma):
+    assert G.bwd_kernels().FUSED_CONFIGS[d].tma_reduce
+    _fused_oracle(dtype, d, causal, rng)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
-def test_fused_tma_deterministic_over_100_reruns_and_batch_invariant(causal, rng, gluon_fused_tma):
-    _fused_deterministic(causal, rng)
+@pytest.mark.parametrize("d", [64, 128])
+def test_fused_tma_deterministic_over_100_reruns_and_batch_invariant(causal, d, rng, gluon_fused_tma):
+    _fused_deterministic(causal, rng, d)
 
 
 def test_fused_tma_keys_no_query_sees_and_sinks(rng, gluon_fused_tma):
