@@ -57,6 +57,9 @@ SHAPES = {
     "b4s4k-d64-causal": (4, 16, 16, 4096, 64, True),
     "llama8b-s8k": (1, 32, 8, 8192, 128, True),
     "llama8b-s16k": (1, 32, 8, 16384, 128, True),
+    "llama8b-s8k-dense": (1, 32, 8, 8192, 128, False),
+    "llama8b-s16k-dense": (1, 32, 8, 16384, 128, False),
+    "b1h32s16k-d64-dense": (1, 32, 32, 16384, 64, False),
     "b4s4k-d128-causal-w1k": (4, 16, 16, 4096, 128, True, 1024),
     "b4s4k-d64-w1k": (4, 16, 16, 4096, 64, False, 1024),
     "docs16k-d128-causal": (1, 16, 16, sum(DOCS), 128, True, -1, DOCS),
@@ -88,6 +91,8 @@ VARIANTS = {
     "fused_tma_lpt": Variant(fused=dict(TMA, causal_lpt=True, early_turn=True), head_dims=(128,)),
     "fused_tma_dq_early": Variant(fused=dict(TMA, dq_early=True), head_dims=(128,)),
     "fused_tma_row_stats": Variant(fused=dict(TMA, row_stats=True), head_dims=(128,)),
+    "fused_tma_shift_rs": Variant(fused=dict(TMA, shift=True, early_turn=True, row_stats=True),
+                                  head_dims=(128,)),
     # D=64: the TMA writer needs dQ split by head-dim columns (FUSED_CONFIGS[64] splits by keys).
     "fused64_tma": Variant(fused=dict(TMA, split_d=True), head_dims=(64,)),
     "fused64_tma_rs": Variant(fused=dict(TMA, split_d=True, row_stats=True), head_dims=(64,)),
