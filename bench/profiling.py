@@ -39,8 +39,8 @@ import torch  # noqa: E402
 
 
 def _attention(d: int, backward: bool, causal: bool = False, fused: bool = False, **fused_config):
-    """``fused``: the fused Gluon backward (off by default until it is measured faster), its configuration
-    at head dim ``d`` changed by ``fused_config`` (GluonFusedConfig fields)."""
+    """``fused``: the fused Gluon backward for every case it takes (GLUON_FUSED; by default only non-causal
+    D=128), its configuration at head dim ``d`` changed by ``fused_config`` (GluonFusedConfig fields)."""
     import safeops
 
     if fused:

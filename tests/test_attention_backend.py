@@ -334,8 +334,6 @@ def test_empty_problems_launch_nothing(monkeypatch, recorded):
 @pytest.mark.parametrize(
     ("make", "options", "env", "reason"),
     [
-        (dict(d=64), {"is_causal": True}, "auto",
-         "head dim 64 causal: the Triton dk/dv kernel measured as fast"),
         (dict(d=256), {}, "1", "head dim 256: the Gluon backward has head dims 64, 128"),
         (dict(d=128, dtype=torch.float32), {}, "auto", "the Gluon backward takes bf16 or fp16, not float32"),
         (dict(d=128, dv=64), {}, "auto", "v's head dim 64 is not q's 128"),
@@ -377,10 +375,14 @@ def test_backward_answers(monkeypatch):
     answer = safeops.attention_backend(p64, p64, p64, cu_seqlens_q=cu, cu_seqlens_k=cu, backward=True)
     assert answer[0] == "triton" and answer[1].startswith("head dim 64 with packed (varlen) sequences")
     q64, k64, v64 = _qkv(d=64, dtype=torch.float16)
-    # D=64: the Gluon kernels without causal by default, the Triton ones causal (as measured)
+    # D=64: the Gluon kernels causal or not by default (as measured)
     assert safeops.attention_backend(q64, k64, v64, backward=True) == (
         "gluon", "fp16 non-causal D=64 on sm_90: Gluon dq, dk / dv")
-    assert safeops.attention_backend(q64, k64, v64, is_causal=True, backward=True)[0] == "triton"
+    assert safeops.attention_backend(q64, k64, v64, is_causal=True, backward=True) == (
+        "gluon", "fp16 causal D=64 on sm_90: Gluon dq, dk / dv")
+    monkeypatch.setattr(G.bwd_kernels(), "AUTO_HEAD_DIMS", (128,))  # a head dim left to the Triton kernels
+    answer = safeops.attention_backend(q64, k64, v64, is_causal=True, backward=True)
+    assert answer[0] == "triton" and "SAFEOPS_GLUON_BWD=1 runs the Gluon one" in answer[1]
     monkeypatch.setenv("SAFEOPS_GLUON_BWD", "1")
     assert safeops.attention_backend(q64, k64, v64, is_causal=True, backward=True) == (
         "gluon", "fp16 causal D=64 on sm_90: Gluon dq, dk / dv")
@@ -415,8 +417,7 @@ def test_backward_answer_depends_on_no_size_or_layout(monkeypatch):
                     bshd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
                     answers.add(safeops.attention_backend(*bshd, backward=True, **options))
                 assert len(answers) == 1, (dtype, d, options, answers)
-                expected = "gluon" if d == 128 or not options else "triton"  # D=64 causal: Triton
-                assert next(iter(answers))[0] == expected
+                assert next(iter(answers))[0] == "gluon"
 
 
 @pytest.mark.parametrize("sq", [150, 151, 1])
@@ -471,6 +472,7 @@ def test_gluon_dq_launch_matches_the_compiled_signature(monkeypatch, recorded):
 
     _on_hopper(monkeypatch)
     monkeypatch.setattr(G, "GLUON_DQ", True)
+    monkeypatch.setattr(G, "FUSED_NONCAUSAL", ())  # the dK / dV + dQ pair, not the fused kernel
     d, sq = 128, 130
     q = torch.randn(1, 4, sq, d).to(BF16)
     k, v = (torch.randn(1, 2, 90, d).to(BF16) for _ in range(2))
@@ -639,10 +641,16 @@ def test_gluon_fused_launch_matches_the_compiled_signature(monkeypatch, recorded
     """With ``attention_gluon.GLUON_FUSED`` on, the Triton dq kernel computes delta alone (interpreted here),
     then one fused Gluon launch has the arguments the offline test compiles (KB.fused_signature): an fp32
     dq buffer, dq itself (the last turn writes it) and zeroed int32 turn counters (B, Hq, query blocks)."""
+    import dataclasses
+
     from safeops.kernels import attention_gluon_bwd as KB
 
     _on_hopper(monkeypatch)
     monkeypatch.setattr(G, "GLUON_FUSED", True)
+    # The atomic writer (the TMA writer's launch: test_gluon_fused_shift_only_where_a_head_fits)
+    monkeypatch.setitem(KB.FUSED_CONFIGS, 128, dataclasses.replace(
+        KB.FUSED_CONFIGS[128], tma_reduce=False, finalize=True, shift=False, early_turn=False,
+        row_stats=False))
     d, sq, sk = 128, 130, 90
     q = torch.randn(1, 4, sq, d).to(BF16)
     k, v = (torch.randn(1, 2, sk, d).to(BF16) for _ in range(2))
@@ -710,6 +718,7 @@ def test_backward_settings_edge_cases(monkeypatch, recorded):
     Triton plan (which would replay only the delta launch); clear_plans() drops the Gluon plans."""
     _on_hopper(monkeypatch)
     monkeypatch.setattr(G, "GLUON_DQ", True)
+    monkeypatch.setattr(G, "FUSED_NONCAUSAL", ())  # the dK / dV + dQ pair, not the fused kernel
     q, k, v = _qkv(d=128, hq=2, hkv=2, sq=64, sk=64)
     o, g = torch.randn(1, 2, 64, 128).to(BF16), torch.randn(1, 2, 64, 128).to(BF16)
     m, l = torch.randn(1, 2, 64), torch.rand(1, 2, 64) + 1
@@ -768,3 +777,39 @@ def test_warm_up_lists_every_kernel_the_path_can_launch(monkeypatch):
                     launchable.add((name, d, causal, varlen, window, softcap))
     assert launchable == listed
     assert any(c[-1] for c in listed)  # softcap builds among them
+
+
+def test_fused_backward_by_default_where_measured(monkeypatch):
+    """Without GLUON_FUSED the fused kernel takes the non-causal backward at the head dims of
+    FUSED_NONCAUSAL (128) where its shifted order applies (a head's key blocks no more than the SMs), and
+    nothing else: causal, D=64, more key blocks than SMs and SAFEOPS_GLUON_BWD=0 keep the pair or Triton."""
+    from safeops.kernels import attention_gluon_bwd as KB
+
+    _on_hopper(monkeypatch)
+    assert not G.GLUON_FUSED and G.FUSED_NONCAUSAL == (128,)
+    fused = "bf16 non-causal D=128 on sm_90: fused Gluon dq, dk / dv (dq added in a fixed order)"
+    block_n = KB.FUSED_CONFIGS[128].block_n
+    q = torch.zeros(1, 4, 256, 128, dtype=BF16)
+    for sms, sk, expected in [(132, 256, True), (2, 2 * block_n, True), (2, 2 * block_n + 1, False)]:
+        monkeypatch.setattr(G, "_num_sms", lambda index, sms=sms: sms)
+        k = torch.zeros(1, 2, sk, 128, dtype=BF16)  # GQA
+        answer = safeops.attention_backend(q, k, k, backward=True)
+        if expected:
+            assert answer == ("gluon", fused), (sms, sk)
+        else:
+            assert answer == ("gluon", "bf16 non-causal D=128 on sm_90: Gluon dq, dk / dv"), (sms, sk)
+            why = G.fused_reason(q, k, k, None, None, False, None, -1, -1)
+            assert why.startswith("3 key blocks of 128 are more than the SMs"), why
+    monkeypatch.setattr(G, "_num_sms", lambda index: 132)
+    k = torch.zeros(1, 2, 256, 128, dtype=BF16)
+    assert safeops.attention_backend(q, k, k, is_causal=True, backward=True) == (
+        "gluon", "bf16 causal D=128 on sm_90: Gluon dq, dk / dv")
+    assert "non-causal head dims 128 only" in G.fused_reason(q, k, k, None, None, True, None, -1, 0)
+    q64, k64 = torch.zeros(1, 4, 256, 64, dtype=BF16), torch.zeros(1, 2, 256, 64, dtype=BF16)
+    assert safeops.attention_backend(q64, k64, k64, backward=True)[1].endswith(": Gluon dq, dk / dv")
+    mask = torch.zeros(256, 256, dtype=torch.bool)
+    assert not safeops.attention_backend(q, k, k, attn_mask=mask, backward=True)[1].startswith("bf16")
+    monkeypatch.setenv("SAFEOPS_GLUON_BWD", "0")
+    assert safeops.attention_backend(q, k, k, backward=True)[0] == "triton"
+    assert G.fused_reason(q, k, k, None, None, False, None, -1, -1) == (
+        "the Gluon backward is off (SAFEOPS_GLUON_BWD=0 or SAFEOPS_GLUON=0)")

@@ -1,7 +1,8 @@
 """GPU tests of the Gluon backward's dK / dV and dQ kernels (safeops.kernels.attention_gluon_bwd), the CUDA
-default for head dim 128 where ``safeops.attention_backend(..., backward=True)`` says "gluon" (sm_90, Triton
-3.6, bf16 / fp16, dense, no mask, softcap or window) and for head dim 64 without causal (64 causal with
-``SAFEOPS_GLUON_BWD=1``). dq comes from
+default for head dims 64 and 128 where ``safeops.attention_backend(..., backward=True)`` says "gluon" (sm_90,
+Triton 3.6, bf16 / fp16, dense, no mask, softcap or window), and of the fused kernel, the default for
+non-causal D=128 (``attention_gluon.FUSED_NONCAUSAL``; this file's other tests switch that off, so they test
+the pair). dq comes from
 the Gluon dQ kernel (``attention_gluon.GLUON_DQ``), delta and the sinks' gradient from a delta-only launch of
 the Triton dq kernel. Skipped without such a GPU (the device check's reason is the skip reason).
 
@@ -52,6 +53,7 @@ def rng(request):
 
 @pytest.fixture(autouse=True)
 def _shipped_settings(monkeypatch):
+    monkeypatch.setattr(G, "FUSED_NONCAUSAL", ())  # the pair (the fused kernel's tests: GLUON_FUSED)
     monkeypatch.setenv("SAFEOPS_BACKEND", "auto")
     monkeypatch.delenv("SAFEOPS_GLUON", raising=False)
     monkeypatch.delenv("SAFEOPS_GLUON_BWD", raising=False)
@@ -81,8 +83,8 @@ def test_path_and_reasons(rng, monkeypatch):
         "gluon", "bf16 causal D=128 on sm_90: Gluon dq, dk / dv")
     q64 = q[..., :64].contiguous()
     assert safeops.attention_backend(q64, q64, q64, backward=True)[0] == "gluon"  # D=64 non-causal
-    path, why = safeops.attention_backend(q64, q64, q64, is_causal=True, backward=True)
-    assert path == "triton" and why.startswith("head dim 64 causal: the Triton dk/dv kernel"), why
+    assert safeops.attention_backend(q64, q64, q64, is_causal=True, backward=True) == (
+        "gluon", "bf16 causal D=64 on sm_90: Gluon dq, dk / dv")
     mask = torch.ones(300, 300, dtype=torch.bool, device=DEV)
     assert safeops.attention_backend(q, k, v, attn_mask=mask, backward=True) == (
         "triton", "the Gluon backward does not take an attention mask")
@@ -278,9 +280,36 @@ def test_gluon_dq_deterministic_batch_invariant_and_sinks(rng, gluon_dq):
     check_sinks_oracle(q[:1, :4], k[:1, :1], v[:1, :1], rng.randn(4, std=2.0), rng, is_causal=True)
 
 
-# The fused Gluon backward (attention_gluon.GLUON_FUSED, off by default until measured): dq, dk and dv in one
-# kernel, each query block's dq partials added into an fp32 buffer in a fixed order of key blocks (turn
-# counters), delta from a delta-only launch of the Triton dq kernel.
+# The fused Gluon backward (by default for non-causal D=128, attention_gluon.FUSED_NONCAUSAL; everywhere it
+# applies with GLUON_FUSED): dq, dk and dv in one kernel, each query block's dq partials added into an
+# fp32 buffer in a fixed order of key blocks (turn counters), delta from a delta-only launch of the Triton dq
+# kernel.
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_fused_is_the_noncausal_d128_default(dtype, rng, monkeypatch):
+    """Without GLUON_FUSED: non-causal D=128 takes the fused kernel (TMA writer, shifted order, precomputed
+    row statistics): float64 oracle (GQA / MQA, partial blocks, Sq != Sk), 20 reruns with the same bits,
+    batch invariance; causal keeps the pair."""
+    monkeypatch.setattr(G, "FUSED_NONCAUSAL", (128,))
+    L.clear_plans()
+    cfg = G.bwd_kernels().FUSED_CONFIGS[128]
+    assert cfg.tma_reduce and cfg.shift and cfg.row_stats and not G.GLUON_FUSED
+    fused = "non-causal D=128 on sm_90: fused Gluon dq, dk / dv (dq added in a fixed order)"
+    for b, hq, hkv, sq, sk in SHAPES + [(1, 2, 1, 1000, 1000), (1, 2, 2, 130, 700)]:
+        q = rng.randn(b, hq, sq, 128, dtype=dtype)
+        k, v = (rng.randn(b, hkv, sk, 128, dtype=dtype) for _ in range(2))
+        assert safeops.attention_backend(q, k, v, backward=True)[1].endswith(fused)
+        causal = safeops.attention_backend(q, k, v, is_causal=True, backward=True)
+        assert causal[1].endswith(": Gluon dq, dk / dv"), causal
+        check_oracle(q, k, v, rng)
+    q, g = (rng.randn(3, 8, 1000, 128, dtype=dtype) for _ in range(2))
+    k, v = (rng.randn(3, 2, 1000, 128, dtype=dtype) for _ in range(2))
+    first = _grads(q, k, v, g)
+    for _ in range(20):
+        assert all(torch.equal(a, b) for a, b in zip(first, _grads(q, k, v, g), strict=True))
+    alone = _grads(q[2:], k[2:], v[2:], g[2:])
+    assert all(torch.equal(a[2:], b) for a, b in zip(first, alone, strict=True))
 
 @pytest.fixture
 def gluon_fused(monkeypatch):

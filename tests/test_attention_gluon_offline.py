@@ -14,8 +14,9 @@ per kernel. Then:
 - contract section 1 at the instruction level: no f32 ``fma`` and every f32 mul / add / sub ``.rn`` in the
   PTX, so ``z2 = s * C1`` is rounded once and the same bits feed the row max and ``z2 - m``; with fp fusion
   on the same kernel shows fma (the check can fail);
-- the fused backward (dK / dV and dQ with a writer warp, off until measured), with its atomic and its TMA
-  reduce-add writer, compiles the same way;
+- the fused backward (dK / dV and dQ with a writer warp; by default for non-causal D=128 with its TMA
+  reduce-add writer, the shifted order and the row statistics precomputed), and its atomic writer,
+  compiles the same way;
 - the FA3 structure is what was compiled: Hopper wgmma, and setmaxnreg giving the consumer warpgroups their
   registers and the TMA warp 24; with ``late_pv_wait`` (D=128) the SASS (cuobjdump) keeps each key-block
   loop's wait for the previous PV product after the softmax's exponentials (a control without it shows
@@ -52,9 +53,8 @@ SMEM_LIMIT = 232448  # bytes: H100/H200 (sm_90) maximum dynamic shared memory pe
 # than two warpgroups without spills (bench/RESULTS.md); capped there at what it spills today. The softcapped
 # forward (off) spills 0-368 bytes at D=128 (non-causal: 4 stores and 4 loads in one consumer's step loop of
 # 1,680 instructions, offline 2026-12-06).
-SPILL_CAP = {"fwd": 0, "fwd+window": 0, "fwd+softcap": 400, "bwd": 256, "dq": 0, "fused": 1100,
-             "fused+tma": 300, "fused+tma+shift": 300, "fused+tma+lpt": 300,
-             "fused+tma+dqe": 300, "fused+tma+rs": 300}
+SPILL_CAP = {"fwd": 0, "fwd+window": 0, "fwd+softcap": 400, "bwd": 256, "dq": 0, "fused": 300,
+             "fused+atomic": 1100, "fused+tma+lpt": 300, "fused+tma+dqe": 300}
 SPILL_CAP_FWD_D64 = 256
 # The D=64 dK / dV kernel's three warpgroups at 160 registers: 32 bytes without causal, 288 with (its
 # selects); measured 1.05x the two-warpgroup kernel causal and 1.23x without (bench/RESULTS.md, 2026-12-06).
@@ -157,11 +157,15 @@ _SCRIPT = textwrap.dedent(
         elif kind.startswith("fused"):  # dK / dV and dQ in one kernel; dq_ptr / sem_ptr: fresh allocations
             cfg = KB.FUSED_CONFIGS[d]
             import dataclasses
+            if "+atomic" in kind:  # the atomic writer, the plain order, the row statistics in the kernel
+                cfg = dataclasses.replace(cfg, tma_reduce=False, finalize=True, shift=False, early_turn=False,
+                                          row_stats=False)
             if "+tma" in kind:  # its writer's TMA reduce-add (finalize off)
                 cfg = dataclasses.replace(cfg, tma_reduce=True, finalize=False)
-            shift = "+shift" in kind  # (not causal) the shifted order, the writer waiting for turns early
-            if shift:
+            if "+shift" in kind:  # (not causal) the shifted order, the writer waiting for turns early
                 cfg = dataclasses.replace(cfg, shift=True, early_turn=True)
+            # As the launch takes it where a head's key blocks fit on the SMs (KB.fused_shift).
+            shift = cfg.shift and not causal
             if "+lpt" in kind:  # (causal) longest first, turns ascending
                 cfg = dataclasses.replace(cfg, causal_lpt=True)
             if "+dqe" in kind:  # dQ between dV and dK, its partial stored while dK runs
@@ -250,14 +254,15 @@ def _launchable(kind: str, d: int, causal: bool) -> bool:
 CONFIGS = [(kind, dtype, d, causal, varlen) for kind in FWD_KINDS for dtype in _dtypes(kind)
            for d in _dims(kind) for causal in (False, True) for varlen in (False, True)
            if _launchable(kind, d, causal)] + [
-    (kind, dtype, d, causal, False) for kind in ("bwd", "dq", "fused", "fused+tma") for dtype in _dtypes(kind)
+    (kind, dtype, d, causal, False) for kind in ("bwd", "dq") for dtype in _dtypes(kind)
     for d in _dims(kind) for causal in (False, True)] + [
-    ("fused+tma+shift", dtype, d, False, False) for dtype in _dtypes("fused+tma+shift")
-    for d in _dims("fused+tma+shift")] + [
-    ("fused+tma+lpt", dtype, d, True, False) for dtype in _dtypes("fused+tma+lpt")
-    for d in _dims("fused+tma+lpt")] + [
-    # Configurations no launcher chooses yet (off by default, to be measured): bf16 at D=128.
-    (kind, "bfloat16", 128, causal, False) for kind in ("fused+tma+dqe", "fused+tma+rs")
+    # The fused backward: the launchers take its D=128 configuration without causal in both dtypes
+    # (attention_gluon.FUSED_NONCAUSAL); causal only with GLUON_FUSED.
+    ("fused", dtype, 128, causal, False) for dtype in K.DTYPES for causal in (False, True)
+    if not causal or dtype == "bfloat16" or G.GLUON_FUSED] + [
+    # Configurations no launcher chooses (switched off, measured slower): bf16 at D=128.
+    ("fused+tma+lpt", "bfloat16", 128, True, False)] + [
+    (kind, "bfloat16", 128, causal, False) for kind in ("fused+atomic", "fused+tma+dqe")
     for causal in (False, True)]
 # The contraction check's controls: one configuration of each kernel compiled with fp fusion on must show
 # f32 fma. The backward's at D=64: at D=128 a uniform branch (the window's selects) sits between the score's

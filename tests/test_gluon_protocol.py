@@ -147,7 +147,7 @@ def test_fused_shift_is_chosen_only_where_a_head_fits():
     assert KB.fused_shift(cfg, False, 132, 132)
     assert not KB.fused_shift(cfg, False, 133, 132)
     assert not KB.fused_shift(cfg, True, 4, 132)
-    assert not KB.fused_shift(KB.FUSED_CONFIGS[128], False, 4, 132)
+    assert not KB.fused_shift(dataclasses.replace(cfg, shift=False), False, 4, 132)
 
 
 def test_fused_causal_longest_first_with_ascending_turns():

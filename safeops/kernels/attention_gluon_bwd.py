@@ -110,9 +110,9 @@ BWD_CONFIGS: dict[int, GluonBwdConfig] = {
 }
 # Head dims whose backward takes this kernel (and the Gluon dQ kernel) by default (SAFEOPS_GLUON_BWD=auto):
 # where they measured faster than the Triton kernels (bench/RESULTS.md). D=64 without causal: +6% on the
-# H200, +7.5% on an H100; D=64 causal: 0% and -9%, so it stays on the Triton kernels there unless
-# SAFEOPS_GLUON_BWD=1.
-AUTO_HEAD_DIMS = (128,)  # causal
+# H200, +7.5% on an H100; D=64 causal: with three warpgroups taking turns, +3.5-6% on the H200 (2026-12-06;
+# before the turns, 0% on the H200 and -9% on an H100).
+AUTO_HEAD_DIMS = (64, 128)  # causal
 AUTO_HEAD_DIMS_NONCAUSAL = (64, 128)
 HEAD_DIMS = tuple(BWD_CONFIGS)
 DTYPES = ("bfloat16", "float16")
@@ -1108,7 +1108,10 @@ class GluonFusedConfig:
 # shared memory.
 FUSED_CONFIGS: dict[int, GluonFusedConfig] = {
     64: GluonFusedConfig(block_m=64, num_stages=3, dq_bufs=2, consumer_regs=232),
-    128: GluonFusedConfig(block_m=64, num_stages=2, dq_bufs=1, split_d=True),
+    # The default for non-causal D=128 (attention_gluon.FUSED_NONCAUSAL): the TMA writer, the shifted order
+    # and the precomputed row statistics together (each alone gained 1-6% on the H200, all three 11-13%).
+    128: GluonFusedConfig(block_m=64, num_stages=2, dq_bufs=1, split_d=True, tma_reduce=True, finalize=False,
+                          shift=True, early_turn=True, row_stats=True),
 }
 REGISTERS_PER_SM = 65536
 

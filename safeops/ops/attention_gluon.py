@@ -416,20 +416,38 @@ SEQ_HEAD_DIMS = (128,)
 
 
 # The fused Gluon backward (``attn_bwd_fused_gluon_kernel``: dk, dv and dq in one kernel, dq added into an
-# fp32 buffer in a fixed order of key blocks; delta from a delta-only launch of the Triton dq kernel). Off
-# until it is measured on the GPU: benchmarks and tests switch it on.
+# fp32 buffer in a fixed order of key blocks; delta from a delta-only launch of the Triton dq kernel).
+# ``GLUON_FUSED`` makes it take every case it can (tests and benchmarks); by default it takes the non-causal
+# backward at the head dims of ``FUSED_NONCAUSAL`` where its shifted order applies (a head's key blocks no
+# more than the SMs): there it measured 11-13% faster than the dK / dV + dQ pair on the H200 (B4 H16 S4K,
+# Llama-3-8B's 32 / 8 heads at S = 8K and 16K; bench/RESULTS.md). Not at D=64 (+4% at S=4K, -3% at 16K)
+# nor causal (12-32% slower), where the pair stays.
 GLUON_FUSED = False
+FUSED_NONCAUSAL = (128,)
 
 
 def fused_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_causal: bool, softcap,
                  wl: int, wr: int, grad_dtype: torch.dtype | None = None) -> str:
-    """``""`` if the fused Gluon backward computes this backward's dq, dk and dv (``GLUON_FUSED`` on, and
-    what :func:`bwd_reason` asks of the inputs, at the head dims of ``FUSED_CONFIGS``), else why not."""
+    """``""`` if the fused Gluon backward computes this backward's dq, dk and dv (``GLUON_FUSED`` on, or a
+    non-causal problem at a head dim of ``FUSED_NONCAUSAL`` whose key blocks fit the shifted order; and what
+    :func:`bwd_reason` asks of the inputs, at the head dims of ``FUSED_CONFIGS``), else why not."""
     mode = _config.gluon_bwd_mode()
-    if not GLUON_FUSED or mode == "off":
-        return "the fused Gluon backward is off (attention_gluon.GLUON_FUSED: not measured yet)"
-    return _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, "on", False,
-                       bwd_kernels().FUSED_CONFIGS)
+    if mode == "off":
+        return "the Gluon backward is off (SAFEOPS_GLUON_BWD=0 or SAFEOPS_GLUON=0)"
+    d = q.shape[-1]
+    if not GLUON_FUSED and (is_causal or d not in FUSED_NONCAUSAL):
+        return (f"the fused Gluon backward is the default for non-causal head dims "
+                f"{', '.join(map(str, FUSED_NONCAUSAL))} only (bench/RESULTS.md)")
+    why = _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, "on", False,
+                      bwd_kernels().FUSED_CONFIGS)
+    if why or GLUON_FUSED:
+        return why
+    K = bwd_kernels()
+    cfg = K.FUSED_CONFIGS[d]
+    if not K.fused_shift(cfg, False, triton.cdiv(k.shape[2], cfg.block_n), _num_sms(q.device.index)):
+        return (f"{triton.cdiv(k.shape[2], cfg.block_n)} key blocks of {cfg.block_n} are more than the SMs: "
+                "the fused Gluon backward's shifted order does not apply")
+    return ""
 
 
 def _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, mode, seq: bool, configs) -> str:
