@@ -93,6 +93,10 @@ VARIANTS = {
     "fused_tma_row_stats": Variant(fused=dict(TMA, row_stats=True), head_dims=(128,)),
     "fused_tma_shift_rs": Variant(fused=dict(TMA, shift=True, early_turn=True, row_stats=True),
                                   head_dims=(128,)),
+    # On the D=128 default (TMA writer, shifted order, row statistics): operand orders (same bits).
+    "fused_dqe": Variant(fused=dict(dq_early=True), head_dims=(128,)),
+    "fused_ds_rs": Variant(fused=dict(ds_rs=True), head_dims=(128,)),
+    "fused_together": Variant(fused=dict(st_dpt_together=True), head_dims=(128,)),
     # D=64: the TMA writer needs dQ split by head-dim columns (FUSED_CONFIGS[64] splits by keys).
     "fused64_tma": Variant(fused=dict(TMA, split_d=True), head_dims=(64,)),
     "fused64_tma_rs": Variant(fused=dict(TMA, split_d=True, row_stats=True), head_dims=(64,)),
