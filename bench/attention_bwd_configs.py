@@ -80,12 +80,14 @@ class Variant:
     env: dict = dataclasses.field(default_factory=dict)
     head_dims: tuple = (64, 128)
     seq: bool = False  # attention_gluon.GLUON_BWD_SEQ: packed sequences and windows on the Gluon kernels
+    fused_noncausal: tuple | None = None  # attention_gluon.FUSED_NONCAUSAL, if not the shipped one
 
 
 TMA = dict(tma_reduce=True, finalize=False)
 VARIANTS = {
     "default": Variant(),
     "gluon_bwd": Variant(env={"SAFEOPS_GLUON_BWD": "1"}),
+    "pair": Variant(fused_noncausal=()),  # the Gluon dK / dV + dQ pair where the fused kernel is the default
     "triton_bwd": Variant(env={"SAFEOPS_GLUON_BWD": "0"}),
     "row_stats": Variant(bwd=dict(row_stats=True), env={"SAFEOPS_GLUON_BWD": "1"}),
     "gluon_seq": Variant(seq=True, env={"SAFEOPS_GLUON_BWD": "1"}),
@@ -129,6 +131,8 @@ def applied(variant: Variant, d: int):
         stack.enter_context(mock.patch.dict(os.environ, variant.env))
         stack.enter_context(mock.patch.object(G, "GLUON_FUSED", variant.fused is not None))
         stack.enter_context(mock.patch.object(G, "GLUON_BWD_SEQ", variant.seq))
+        if variant.fused_noncausal is not None:
+            stack.enter_context(mock.patch.object(G, "FUSED_NONCAUSAL", variant.fused_noncausal))
         if variant.fused is not None:
             cfg = dataclasses.replace(KB.FUSED_CONFIGS[d], **variant.fused)
             stack.enter_context(mock.patch.dict(KB.FUSED_CONFIGS, {d: cfg}))
