@@ -10,10 +10,11 @@ FLOPs: forward 4 * B * H * Sq * Sk * D (halved for causal), backward 2.5x the fo
   (``safeops._config.fp_fusion``), to measure what the contraction-free build costs (target < 3%); it is
   our variant, not a peer;
 - safeops triton dq (backward only): dq from the Triton dq kernel (``attention_gluon.GLUON_DQ`` off, the
-  default until 2026-12-05) where the backward's dk / dv take the Gluon kernel; "safeops" takes dq from the
-  Gluon dQ kernel there;
-- safeops gluon fused (backward only): the fused Gluon backward (``attention_gluon.GLUON_FUSED``, off by
-  default until measured): dk, dv and dq in one kernel, dq added in a fixed order of key blocks;
+  default until 2026-12-05) where the backward's dk / dv take the Gluon dK / dV kernel (the fused kernel,
+  the non-causal D=128 default, switched off for it); "safeops" takes dq from the Gluon dQ kernel there;
+- safeops gluon fused (backward only): the fused Gluon backward (``attention_gluon.GLUON_FUSED``) where the
+  default does not take it (the default since 2026-12-06 for non-causal D=128 where a head's key blocks fit
+  on half the SMs): dk, dv and dq in one kernel, dq added in a fixed order of key blocks;
 - safeops gluon bwd (backward only): the Gluon dK / dV kernel where the backward does not take it by default
   (``SAFEOPS_GLUON_BWD=1``; D=64 causal; D=64 without causal takes it by default since 2026-12-06);
 - safeops gluon softcap (forward only, with ``--softcap``): the Gluon forward's softcap build
@@ -134,6 +135,12 @@ def gluon_switch(name: str, on: bool):
         yield
 
 
+def _gluon():
+    from safeops.ops import attention_gluon
+
+    return attention_gluon
+
+
 @contextlib.contextmanager
 def gluon_bwd_everywhere(on: bool):
     """SAFEOPS_GLUON_BWD=1 for the block: the Gluon dK / dV kernel at every head dim it has."""
@@ -177,6 +184,8 @@ def build_safeops(case: H.Case, t: dict, fusion: bool = False, triton_dq: bool =
     if fused:
         from safeops.ops import attention_gluon
 
+        if not attention_gluon.fused_reason(q, k, v, None, None, causal, None, -1, 0 if causal else -1):
+            raise H.Refused("the default backward already takes the fused Gluon kernel here")
         with gluon_switch("GLUON_FUSED", True):
             why = attention_gluon.fused_reason(q, k, v, None, None, causal, None, -1, 0 if causal else -1)
         if why:
@@ -187,6 +196,7 @@ def build_safeops(case: H.Case, t: dict, fusion: bool = False, triton_dq: bool =
 
     def backward():
         with (fp_fusion(fusion), gluon_switch("GLUON_DQ", False) if triton_dq else contextlib.nullcontext(),
+              mock.patch.object(_gluon(), "FUSED_NONCAUSAL", ()) if triton_dq else contextlib.nullcontext(),
               gluon_bwd_everywhere(bwd), gluon_switch("GLUON_FUSED", fused)):
             return torch.ops.safeops.attention_backward(t["g"], q, k, v, out, m, l, None, 0, None, None, s, s,
                                                         causal, scale, cap, -1, 0 if causal else -1, code)[0]

@@ -342,7 +342,7 @@ def fused_tile(tile: int, n_n_blocks: int, n_bh: int, head_group: int, causal: b
 def simulate_fused(n_m: int, n_n_blocks: int, n_bh: int, group: int, head_group: int, causal: bool,
                    sms: int, dq_bufs: int, num_wg: int, seed: int, block_ratio: int = 2,
                    split_d: bool = False, k_free_wait: bool = True, shift: bool = False,
-                   early_turn: bool = False, lpt: bool = False) -> dict:
+                   early_turn: bool = False, lpt: bool = False, grids: int = 1) -> dict | list[dict]:
     """The fused backward (attn_bwd_fused_gluon_kernel) over its whole grid: CTAs start in tile order on at
     most ``sms`` slots (a GPU dispatches a grid in order) and leave when done. In each CTA the consumers
     hand each step's dQ partials to the writer through ``dq_bufs`` buffers (dq_full, count num_wg;
@@ -353,11 +353,13 @@ def simulate_fused(n_m: int, n_n_blocks: int, n_bh: int, group: int, head_group:
     GluonFusedConfig.shift): CTAs head by head, each starting at its first home query block and wrapping
     around, a query block's turns from its home key block down (wrapping). ``early_turn``: the writer waits
     for the turn before the partials. ``lpt`` (causal; GluonFusedConfig.causal_lpt): CTAs longest first,
-    a query block's turns ascending from key block 0. Raises on deadlock, a buffer read before it
+    a query block's turns ascending from key block 0. ``grids``: that many launches of the same grid at
+    once (e.g. from two streams), sharing the ``sms`` slots, each grid's CTAs started in its own order and
+    the grids' starts interleaved at random. Raises on deadlock, a buffer read before it
     is written or overwritten before it is read, or additions out of the fixed order; returns {(q head,
-    query block): key blocks in the order they added}."""
+    query block): key blocks in the order they added} (one per grid, in a list, for ``grids`` > 1)."""
     rnd = random.Random(seed)
-    counters, added = {}, {}
+    counters_of, added_of = [{} for _ in range(grids)], [{} for _ in range(grids)]
     n_tiles = n_n_blocks * n_bh
 
     assert not (shift and causal)
@@ -378,7 +380,8 @@ def simulate_fused(n_m: int, n_n_blocks: int, n_bh: int, group: int, head_group:
             return (mb * n_n_blocks // n_m - n_block) % n_n_blocks
         return n_block
 
-    def cta(tile):
+    def cta(grid, tile):
+        counters, added = counters_of[grid], added_of[grid]
         n_block, bh = fused_tile(tile, n_n_blocks, n_bh, head_group, causal, shift, lpt)
         work = steps(n_block, bh)
         full, empty = [Barrier(num_wg) for _ in range(dq_bufs)], [Barrier(1) for _ in range(dq_bufs)]
@@ -422,32 +425,41 @@ def simulate_fused(n_m: int, n_n_blocks: int, n_bh: int, group: int, head_group:
                 yield ("step",)  # the atomic adds, then the release of the turn
                 counters[key] = counters.get(key, 0) + 1
 
-        return {f"{tile} consumer {w}": consumer(w) for w in range(num_wg)} | {f"{tile} writer": writer()}
+        name = f"{grid}.{tile}"
+        return {f"{name} consumer {w}": consumer(w) for w in range(num_wg)} | {f"{name} writer": writer()}
 
-    agents, state, resident, next_tile = {}, {}, {}, 0
+    agents, state, resident, next_tile = {}, {}, {}, [0] * grids
     while True:
-        while next_tile < n_tiles and len(resident) < sms:
-            new = cta(next_tile)
+        while len(resident) < sms and any(t < n_tiles for t in next_tile):
+            grid = rnd.choice([g for g in range(grids) if next_tile[g] < n_tiles])
+            new = cta(grid, next_tile[grid])
             agents.update(new)
             state.update(dict.fromkeys(new, ("step",)))
-            resident[next_tile] = set(new)
-            next_tile += 1
+            resident[f"{grid}.{next_tile[grid]}"] = set(new)
+            next_tile[grid] += 1
         if not agents:
             break
         runnable = [n for n, st in state.items() if st[0] == "step" or st[1].passes(st[2])]
         if not runnable:
             raise RuntimeError(f"deadlock: fused, {n_m} query blocks, {n_n_blocks} key blocks, {n_bh} heads "
                                f"(group {group}, chunk {head_group}), causal {causal}, {sms} SMs, "
-                               f"seed {seed}")
+                               f"{grids} grid(s), seed {seed}")
         name = rnd.choice(runnable)
         try:
             state[name] = next(agents[name])
         except StopIteration:
             del agents[name], state[name]
-            tile = int(name.split()[0])
+            tile = name.split()[0]
             resident[tile].discard(name)
             if not resident[tile]:
                 del resident[tile]
+    for added in added_of:
+        _check_fused_order(added, n_m, n_n_blocks, n_bh, group, causal, shift, lpt, block_ratio)
+    return added_of[0] if grids == 1 else added_of
+
+
+def _check_fused_order(added: dict, n_m: int, n_n_blocks: int, n_bh: int, group: int, causal: bool,
+                       shift: bool, lpt: bool, block_ratio: int) -> None:
     for (h, mb), order in added.items():
         if causal:
             n_hi = min(n_n_blocks - 1, mb // block_ratio)
@@ -460,14 +472,13 @@ def simulate_fused(n_m: int, n_n_blocks: int, n_bh: int, group: int, head_group:
         else:
             assert order == list(range(n_n_blocks)), f"query block {(h, mb)}: added in order {order}"
     assert len(added) == n_bh * group * n_m * (n_n_blocks > 0), "a query block got no dQ"
-    return added
 
 
 def _random_fused(rnd: random.Random, seed: int) -> None:
     n_bh = rnd.randint(1, 4)
     causal = rnd.random() < 0.5
     n_n_blocks, sms = rnd.randint(1, 4), rnd.randint(1, 6)
-    shift = not causal and n_n_blocks <= sms and rnd.random() < 0.5  # attention_gluon_bwd.fused_shift
+    shift = not causal and 2 * n_n_blocks <= sms and rnd.random() < 0.5  # attention_gluon_bwd.fused_shift
     simulate_fused(rnd.randint(1, 7), n_n_blocks, n_bh, rnd.randint(1, 3), rnd.randint(1, n_bh), causal, sms,
                    rnd.randint(1, 2), 2, seed, split_d=rnd.random() < 0.5, shift=shift,
                    early_turn=rnd.random() < 0.5, lpt=causal and rnd.random() < 0.5)

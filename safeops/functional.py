@@ -423,16 +423,19 @@ def attention_backend(q, k, v, *, attn_mask=None, is_causal=False, scale=None, s
 
     The forward asks the same check. Its answer depends on the dtype, the head dims, the device, the
     options and the settings (``SAFEOPS_BACKEND``, ``SAFEOPS_GLUON=0`` turns the Gluon path off), never on
-    the batch size, the number or lengths of the sequences or the memory layout: a row's kernel, and so its
-    bits, does not change with what else is in the batch.
+    the batch size, the number of sequences or the memory layout (the backward's fused kernel, below, also
+    on the key length and the SM count): a row's kernel, and so its bits, does not change with what else is
+    in the batch.
 
     ``backward=True`` answers for the backward instead, whatever the forward ran: ``"gluon"`` where dk / dv
     come from the warp-specialized Gluon kernel (CUDA, sm_90, bf16 / fp16, no mask or softcap, no window
-    with a right bound; head dim 128, dense or packed, with or without a left window; or 64 without causal,
-    dense and without a window (64 causal with ``SAFEOPS_GLUON_BWD=1``)); dq from
+    with a right bound; head dim 128, dense or packed, with or without a left window; or 64, dense and
+    without a window); dq from
     the Gluon dQ kernel, delta and the sinks' gradient from the Triton dq kernel), e.g. ``("gluon", "bf16
-    causal D=128 on sm_90: Gluon dq, dk / dv")``, else ``"triton"`` with the reason, or ``"reference"``. For
-    MHA both dk / dv kernels give the same bits.
+    causal D=128 on sm_90: Gluon dq, dk / dv")``, or, dense non-causal at head dim 128 with a head's key
+    blocks at most half the SMs, all three from the fused Gluon kernel (``"... fused Gluon dq, dk / dv (dq
+    added in a fixed order)"``); else ``"triton"`` with the reason, or ``"reference"``. For MHA the Gluon
+    dK / dV + dQ pair and the Triton kernels give the same bits.
     The arguments are checked as ``attention`` /
     ``attention_varlen`` check them (the same errors); nothing is computed and the device is not
     synchronized.

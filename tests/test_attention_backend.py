@@ -681,10 +681,10 @@ def test_gluon_fused_launch_matches_the_compiled_signature(monkeypatch, recorded
     assert safeops.attention_backend(q, k, v, is_causal=True, backward=True)[1].endswith("Gluon dq, dk / dv")
 
 
-@pytest.mark.parametrize("sms,shift", [(2, True), (1, False)])
+@pytest.mark.parametrize("sms,shift", [(4, True), (3, False)])
 def test_gluon_fused_shift_only_where_a_head_fits(monkeypatch, recorded, sms, shift):
-    """GluonFusedConfig.shift (not causal) reaches the kernel only where a head's key blocks fit on the GPU at
-    once (here 2 key blocks: 2 SMs yes, 1 no); the TMA writer's launch (finalize off) passes q as out_ptr
+    """GluonFusedConfig.shift (not causal) reaches the kernel only where a head's key blocks fit on half the
+    GPU's SMs (here 2 key blocks: 4 SMs yes, 3 no); the TMA writer's launch (finalize off) passes q as out_ptr
     and a buffer of q's shape, and dq comes from the scale pass."""
     import dataclasses
 
@@ -781,7 +781,7 @@ def test_warm_up_lists_every_kernel_the_path_can_launch(monkeypatch):
 
 def test_fused_backward_by_default_where_measured(monkeypatch):
     """Without GLUON_FUSED the fused kernel takes the non-causal backward at the head dims of
-    FUSED_NONCAUSAL (128) where its shifted order applies (a head's key blocks no more than the SMs), and
+    FUSED_NONCAUSAL (128) where its shifted order applies (a head's key blocks at most half the SMs), and
     nothing else: causal, D=64, more key blocks than SMs and SAFEOPS_GLUON_BWD=0 keep the pair or Triton."""
     from safeops.kernels import attention_gluon_bwd as KB
 
@@ -790,7 +790,8 @@ def test_fused_backward_by_default_where_measured(monkeypatch):
     fused = "bf16 non-causal D=128 on sm_90: fused Gluon dq, dk / dv (dq added in a fixed order)"
     block_n = KB.FUSED_CONFIGS[128].block_n
     q = torch.zeros(1, 4, 256, 128, dtype=BF16)
-    for sms, sk, expected in [(132, 256, True), (2, 2 * block_n, True), (2, 2 * block_n + 1, False)]:
+    for sms, sk, expected in [(132, 256, True), (4, 2 * block_n, True), (4, 2 * block_n + 1, False),
+                              (5, 2 * block_n + 1, False)]:
         monkeypatch.setattr(G, "_num_sms", lambda index, sms=sms: sms)
         k = torch.zeros(1, 2, sk, 128, dtype=BF16)  # GQA
         answer = safeops.attention_backend(q, k, k, backward=True)
@@ -799,7 +800,7 @@ def test_fused_backward_by_default_where_measured(monkeypatch):
         else:
             assert answer == ("gluon", "bf16 non-causal D=128 on sm_90: Gluon dq, dk / dv"), (sms, sk)
             why = G.fused_reason(q, k, k, None, None, False, None, -1, -1)
-            assert why.startswith("3 key blocks of 128 are more than the SMs"), why
+            assert why.startswith(f"3 key blocks of 128 are more than half the {sms} SMs"), why
     monkeypatch.setattr(G, "_num_sms", lambda index: 132)
     k = torch.zeros(1, 2, 256, 128, dtype=BF16)
     assert safeops.attention_backend(q, k, k, is_causal=True, backward=True) == (

@@ -140,12 +140,31 @@ def test_fused_shift_needs_a_head_on_the_gpu_at_once():
     m.simulate_fused(4, 3, 1, 1, 1, False, 3, 1, 2, 0, shift=True)
 
 
+def test_fused_shift_with_two_launches_at_once_needs_half_the_sms():
+    """Two launches of the shifted order at once (two streams) share the SMs: with a head's key blocks more
+    than half the SMs each grid can have a head partly started and all its started CTAs waiting (a
+    deadlock on some schedules); with at most half (attention_gluon_bwd.fused_shift) none on any."""
+    m = _model()
+    deadlocks = 0
+    for seed in range(40):
+        try:
+            m.simulate_fused(3, 3, 3, 1, 1, False, 4, 1, 2, seed, shift=True, grids=2)
+        except RuntimeError as e:
+            assert "deadlock" in str(e)
+            deadlocks += 1
+    assert deadlocks > 0
+    for seed in range(40):
+        added = m.simulate_fused(3, 2, 3, 1, 1, False, 4, 1, 2, seed, shift=True, grids=2,
+                                 early_turn=seed % 2 == 0, split_d=seed % 3 == 0)
+        assert len(added) == 2 and all(len(a) == 9 for a in added)
+
+
 def test_fused_shift_is_chosen_only_where_a_head_fits():
     from safeops.kernels import attention_gluon_bwd as KB
 
     cfg = dataclasses.replace(KB.FUSED_CONFIGS[128], shift=True)
-    assert KB.fused_shift(cfg, False, 132, 132)
-    assert not KB.fused_shift(cfg, False, 133, 132)
+    assert KB.fused_shift(cfg, False, 66, 132)
+    assert not KB.fused_shift(cfg, False, 67, 132)
     assert not KB.fused_shift(cfg, True, 4, 132)
     assert not KB.fused_shift(dataclasses.replace(cfg, shift=False), False, 4, 132)
 

@@ -1076,7 +1076,7 @@ class GluonFusedConfig:
     # (not causal) CTAs numbered head by head, each visiting the query blocks from its own first one and the
     # turns of a query block running from the key block that visits it first (FlashAttention-3's "shift"
     # order): without it every CTA of a head waits at its first step for the one before it. Used only where
-    # a head's key blocks fit on the GPU at once (fused_shift), else the plain order.
+    # a head's key blocks fit on half the GPU's SMs (fused_shift), else the plain order.
     shift: bool = False
     # The writer waits for the query block's turn before it waits for the step's dQ partials.
     early_turn: bool = False
@@ -1132,10 +1132,12 @@ def fused_constexprs(cfg: GluonFusedConfig, causal: bool, shift: bool = False) -
 
 
 def fused_shift(cfg: GluonFusedConfig, causal: bool, n_n_blocks: int, sm_count: int) -> bool:
-    """Whether the fused kernel takes the shifted order (``cfg.shift``): not causal, and every key block of a
-    head resident at once (one CTA per SM), since a CTA may wait for one of its head numbered after it; a
-    GPU starts a grid's CTAs in order, so the heads before the last started one can all finish."""
-    return cfg.shift and not causal and n_n_blocks <= sm_count
+    """Whether the fused kernel takes the shifted order (``cfg.shift``): not causal, and a head's key blocks
+    at most half the SMs (one CTA per SM). A CTA may wait for one of its head numbered after it, so a head
+    must fit on the GPU at once; a GPU starts a grid's CTAs in order, so each grid holds at most one head
+    partly started, and with half the SMs two launches at once (two streams) cannot both have all their
+    started CTAs waiting for ones that have no SM (bench/gluon_attn_protocol_model.py checks both)."""
+    return cfg.shift and not causal and 2 * n_n_blocks <= sm_count
 
 
 def fused_signature(cfg: GluonFusedConfig, head_dim: int, dtype: str) -> dict[str, str]:

@@ -46,8 +46,9 @@ def path(q, k, v, mask, cu_q, is_causal: bool, softcap, wl: int, wr: int, sinks=
          backward: bool = False) -> tuple[str, str]:
     """(``"reference"`` / ``"triton"`` / ``"gluon"``, why): the forward's path as ``_forward_impl`` and
     ``attention_launch.forward`` choose it, by the same two checks (``_runs_reference``, then
-    ``attention_launch.gluon_reason``); with ``backward`` the backward's dk / dv path as
-    ``attention_launch.backward`` chooses it (``gluon_bwd_reason``). safeops.attention_backend reports it."""
+    ``attention_launch.gluon_reason``); with ``backward`` the backward's path as ``attention_launch.backward``
+    chooses it (the fused kernel, ``gluon_fused_reason``, else the dk / dv path, ``gluon_bwd_reason``).
+    safeops.attention_backend reports it."""
     if _runs_reference(q):
         if q.dtype == torch.float64:
             return "reference", "float64 inputs run the float64 reference"

@@ -418,10 +418,11 @@ SEQ_HEAD_DIMS = (128,)
 # The fused Gluon backward (``attn_bwd_fused_gluon_kernel``: dk, dv and dq in one kernel, dq added into an
 # fp32 buffer in a fixed order of key blocks; delta from a delta-only launch of the Triton dq kernel).
 # ``GLUON_FUSED`` makes it take every case it can (tests and benchmarks); by default it takes the non-causal
-# backward at the head dims of ``FUSED_NONCAUSAL`` where its shifted order applies (a head's key blocks no
-# more than the SMs): there it measured 11-13% faster than the dK / dV + dQ pair on the H200 (B4 H16 S4K,
-# Llama-3-8B's 32 / 8 heads at S = 8K and 16K; bench/RESULTS.md). Not at D=64 (+4% at S=4K, -3% at 16K)
-# nor causal (12-32% slower), where the pair stays.
+# backward at the head dims of ``FUSED_NONCAUSAL`` where its shifted order applies (a head's key blocks at
+# most half the SMs: Sk <= 8448 on 132 SMs): there it measured 11-13% faster than the dK / dV + dQ pair on
+# the H200 (B4 H16 S4K, Llama-3-8B's 32 / 8 heads at S = 8K; 16K too, where half the SMs do not hold a
+# head; bench/RESULTS.md). Not at D=64 (+4% at S=4K, -3% at 16K) nor causal (12-32% slower), where the
+# pair stays.
 GLUON_FUSED = False
 FUSED_NONCAUSAL = (128,)
 
@@ -444,9 +445,10 @@ def fused_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, 
         return why
     K = bwd_kernels()
     cfg = K.FUSED_CONFIGS[d]
-    if not K.fused_shift(cfg, False, triton.cdiv(k.shape[2], cfg.block_n), _num_sms(q.device.index)):
-        return (f"{triton.cdiv(k.shape[2], cfg.block_n)} key blocks of {cfg.block_n} are more than the SMs: "
-                "the fused Gluon backward's shifted order does not apply")
+    n_n, sms = triton.cdiv(k.shape[2], cfg.block_n), _num_sms(q.device.index)
+    if not K.fused_shift(cfg, False, n_n, sms):
+        return (f"{n_n} key blocks of {cfg.block_n} are more than half the {sms} SMs: the fused Gluon "
+                "backward's shifted order does not apply")
     return ""
 
 
