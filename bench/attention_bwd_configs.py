@@ -83,7 +83,9 @@ class Variant:
     fused_noncausal: tuple | None = None  # attention_gluon.FUSED_NONCAUSAL, if not the shipped one
 
 
-TMA = dict(tma_reduce=True, finalize=False)
+# The named fused variants below start from the plain order without the row statistics (the D=128 default
+# before 2026-12-06 had neither), so that each measures what it names; fused_tma_shift_rs is the default now.
+TMA = dict(tma_reduce=True, finalize=False, shift=False, early_turn=False, row_stats=False)
 VARIANTS = {
     "default": Variant(),
     "gluon_bwd": Variant(env={"SAFEOPS_GLUON_BWD": "1"}),

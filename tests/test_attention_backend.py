@@ -814,3 +814,35 @@ def test_fused_backward_by_default_where_measured(monkeypatch):
     assert safeops.attention_backend(q, k, k, backward=True)[0] == "triton"
     assert G.fused_reason(q, k, k, None, None, False, None, -1, -1) == (
         "the Gluon backward is off (SAFEOPS_GLUON_BWD=0 or SAFEOPS_GLUON=0)")
+
+
+def test_default_fused_launch_matches_the_compiled_signature(monkeypatch, recorded):
+    """Without GLUON_FUSED, a non-causal D=128 backward whose key blocks fit on half the SMs is one fused
+    launch with the default configuration's constexprs (the TMA writer, the shifted order, the row
+    statistics precomputed) and the argument types the offline test compiles; one SM fewer, the pair."""
+    from safeops.kernels import attention_gluon_bwd as KB
+
+    _on_hopper(monkeypatch)
+    monkeypatch.setattr(G, "_num_sms", lambda index: 4)
+    assert not G.GLUON_FUSED
+    d, sq, sk = 128, 130, 200  # 2 key blocks of 128
+    q = torch.randn(1, 4, sq, d).to(BF16)
+    k, v = (torch.randn(1, 2, sk, d).to(BF16) for _ in range(2))
+    o, g = (torch.randn(1, 4, sq, d).to(BF16) for _ in range(2))
+    m, l = torch.randn(1, 4, sq), torch.rand(1, 4, sq) + 1
+    options = (None, 0, None, None, sq, sk, False, 0.1, None, -1, -1, 0)
+    dq, dk, dv = L.backward(g, q, k, v, o, m, l, *options)
+    ((grid, kwargs, args),) = recorded
+    cfg = KB.FUSED_CONFIGS[d]
+    assert _arg_kinds(args) == list(KB.fused_signature(cfg, d, "bfloat16").values())
+    assert kwargs["SHIFT"] is True and kwargs["PRE_STATS"] is True and kwargs["TMA_REDUCE"] is True
+    constexprs = KB.fused_constexprs(cfg, False, True)
+    assert {n: kwargs[n] for n in constexprs} == constexprs
+    assert kwargs["enable_fp_fusion"] is False
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    recorded.clear()
+    L.clear_plans()
+    monkeypatch.setattr(G, "_num_sms", lambda index: 3)
+    L.backward(g, q, k, v, o, m, l, *options)
+    assert len(recorded) == 2 and all("SHIFT" not in kw for _, kw, _ in recorded)  # dQ, then dK / dV
+    L.clear_plans()

@@ -290,7 +290,7 @@ def test_gluon_dq_deterministic_batch_invariant_and_sinks(rng, gluon_dq):
 def test_fused_is_the_noncausal_d128_default(dtype, rng, monkeypatch):
     """Without GLUON_FUSED: non-causal D=128 takes the fused kernel (TMA writer, shifted order, precomputed
     row statistics): float64 oracle (GQA / MQA, partial blocks, Sq != Sk), 20 reruns with the same bits,
-    batch invariance; causal keeps the pair."""
+    batch invariance, the (B, S, H, D) layout's bits; causal keeps the pair."""
     monkeypatch.setattr(G, "FUSED_NONCAUSAL", (128,))
     L.clear_plans()
     cfg = G.bwd_kernels().FUSED_CONFIGS[128]
@@ -310,6 +310,8 @@ def test_fused_is_the_noncausal_d128_default(dtype, rng, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(first, _grads(q, k, v, g), strict=True))
     alone = _grads(q[2:], k[2:], v[2:], g[2:])
     assert all(torch.equal(a[2:], b) for a, b in zip(first, alone, strict=True))
+    bshd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, g)]  # (B, S, H, D) storage
+    assert all(torch.equal(a, b) for a, b in zip(first, _grads(*bshd), strict=True))
 
 @pytest.fixture
 def gluon_fused(monkeypatch):

@@ -144,7 +144,8 @@ def settings() -> tuple:
     (its plans are dropped when any of it changes)."""
     return (_config.gluon_enabled(), _config.gluon_bwd_setting(), PERSISTENT, PERSISTENT_NONCAUSAL,
             L2_CHUNK_BYTES, reason, Plan, device_reason, bwd_reason, GLUON_DQ, dq_reason, GLUON_SINKS,
-            GLUON_WINDOW, GLUON_FUSED, fused_reason, GLUON_BWD_SEQ, SEQ_HEAD_DIMS, GLUON_SOFTCAP)
+            GLUON_WINDOW, GLUON_FUSED, FUSED_NONCAUSAL, fused_reason, GLUON_BWD_SEQ, SEQ_HEAD_DIMS,
+            GLUON_SOFTCAP)
 
 
 # ------------------------------------------------------------------------------------------------------
