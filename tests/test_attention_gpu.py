@@ -1,6 +1,7 @@
 """GPU-only tests of safeops.attention / attention_varlen: the compiled kernels on CUDA, with the shipped
-path choice (on an sm_90 GPU the forwards the Gluon kernel takes run it, the rest and every backward run the
-Triton kernels; tests/test_attention_gluon_gpu.py tests the Gluon forward itself).
+path choice (on an sm_90 GPU the forwards and backwards the Gluon kernels take run them, as
+``safeops.attention_backend`` says, the rest the Triton kernels; tests/test_attention_gluon_gpu.py and
+tests/test_attention_gluon_bwd_gpu.py test the Gluon kernels themselves).
 
 Skipped without a CUDA device. What CPU CI cannot check (the interpreter ignores ``enable_fp_fusion``, has
 no bf16 math and runs tiny blocks):
