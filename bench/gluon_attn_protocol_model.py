@@ -481,7 +481,8 @@ def _random_fused(rnd: random.Random, seed: int) -> None:
     shift = not causal and 2 * n_n_blocks <= sms and rnd.random() < 0.5  # attention_gluon_bwd.fused_shift
     simulate_fused(rnd.randint(1, 7), n_n_blocks, n_bh, rnd.randint(1, 3), rnd.randint(1, n_bh), causal, sms,
                    rnd.randint(1, 2), 2, seed, split_d=rnd.random() < 0.5, shift=shift,
-                   early_turn=rnd.random() < 0.5, lpt=causal and rnd.random() < 0.5)
+                   early_turn=rnd.random() < 0.5, lpt=causal and rnd.random() < 0.5,
+                   grids=rnd.randint(1, 2))
 
 
 def main() -> None:
