@@ -102,6 +102,9 @@ VARIANTS = {
                                   head_dims=(128,)),
     # On the D=128 default (TMA writer, shifted order, row statistics): operand orders (same bits).
     "fused_dqe": Variant(fused=dict(dq_early=True), head_dims=(128,)),
+    # The default without the shifted order (what a longer key length could take: the plain order needs no
+    # head on the GPU at once).
+    "fused_noshift": Variant(fused=dict(shift=False, early_turn=False), head_dims=(128,)),
     "fused_ds_rs": Variant(fused=dict(ds_rs=True), head_dims=(128,)),
     "fused_together": Variant(fused=dict(st_dpt_together=True), head_dims=(128,)),
     # D=64: the TMA writer needs dQ split by head-dim columns (FUSED_CONFIGS[64] splits by keys).
