@@ -681,6 +681,16 @@ def test_gluon_fused_launch_matches_the_compiled_signature(monkeypatch, recorded
     assert safeops.attention_backend(q, k, v, is_causal=True, backward=True)[1].endswith("Gluon dq, dk / dv")
 
 
+def _noncausal_d128_backward_inputs(sq: int = 130, sk: int = 200) -> tuple:
+    """attention_launch.backward's arguments: (g, q, k, v, out, m, l, options...) for a non-causal GQA
+    backward at D=128 (4 query heads, 2 kv heads), bf16 CPU tensors."""
+    q = torch.randn(1, 4, sq, 128).to(BF16)
+    k, v = (torch.randn(1, 2, sk, 128).to(BF16) for _ in range(2))
+    o, g = (torch.randn(1, 4, sq, 128).to(BF16) for _ in range(2))
+    m, l = torch.randn(1, 4, sq), torch.rand(1, 4, sq) + 1
+    return (g, q, k, v, o, m, l, None, 0, None, None, sq, sk, False, 0.1, None, -1, -1, 0)
+
+
 @pytest.mark.parametrize("sms,shift", [(4, True), (3, False)])
 def test_gluon_fused_shift_only_where_a_head_fits(monkeypatch, recorded, sms, shift):
     """GluonFusedConfig.shift (not causal) reaches the kernel only where a head's key blocks fit on half the
@@ -697,13 +707,9 @@ def test_gluon_fused_shift_only_where_a_head_fits(monkeypatch, recorded, sms, sh
                               early_turn=True)
     monkeypatch.setitem(KB.FUSED_CONFIGS, 128, cfg)
     L.clear_plans()
-    d, sq, sk = 128, 130, 200
-    q = torch.randn(1, 4, sq, d).to(BF16)
-    k, v = (torch.randn(1, 2, sk, d).to(BF16) for _ in range(2))
-    o, g = (torch.randn(1, 4, sq, d).to(BF16) for _ in range(2))
-    m, l = torch.randn(1, 4, sq), torch.rand(1, 4, sq) + 1
-    options = (None, 0, None, None, sq, sk, False, 0.1, None, -1, -1, 0)
-    dq, dk, dv = L.backward(g, q, k, v, o, m, l, *options)
+    inputs = _noncausal_d128_backward_inputs()
+    q = inputs[1]
+    dq, dk, dv = L.backward(*inputs)
     ((grid, kwargs, args),) = recorded
     assert kwargs["SHIFT"] is shift and kwargs["EARLY_TURN"] is True and kwargs["TMA_REDUCE"] is True
     assert args[11] is q and args[10].shape == q.shape
@@ -825,13 +831,10 @@ def test_default_fused_launch_matches_the_compiled_signature(monkeypatch, record
     _on_hopper(monkeypatch)
     monkeypatch.setattr(G, "_num_sms", lambda index: 4)
     assert not G.GLUON_FUSED
-    d, sq, sk = 128, 130, 200  # 2 key blocks of 128
-    q = torch.randn(1, 4, sq, d).to(BF16)
-    k, v = (torch.randn(1, 2, sk, d).to(BF16) for _ in range(2))
-    o, g = (torch.randn(1, 4, sq, d).to(BF16) for _ in range(2))
-    m, l = torch.randn(1, 4, sq), torch.rand(1, 4, sq) + 1
-    options = (None, 0, None, None, sq, sk, False, 0.1, None, -1, -1, 0)
-    dq, dk, dv = L.backward(g, q, k, v, o, m, l, *options)
+    d = 128
+    inputs = _noncausal_d128_backward_inputs()  # 2 key blocks of 128
+    _, q, k, v = inputs[:4]
+    dq, dk, dv = L.backward(*inputs)
     ((grid, kwargs, args),) = recorded
     cfg = KB.FUSED_CONFIGS[d]
     assert _arg_kinds(args) == list(KB.fused_signature(cfg, d, "bfloat16").values())
@@ -843,6 +846,6 @@ def test_default_fused_launch_matches_the_compiled_signature(monkeypatch, record
     recorded.clear()
     L.clear_plans()
     monkeypatch.setattr(G, "_num_sms", lambda index: 3)
-    L.backward(g, q, k, v, o, m, l, *options)
+    L.backward(*inputs)
     assert len(recorded) == 2 and all("SHIFT" not in kw for _, kw, _ in recorded)  # dQ, then dK / dV
     L.clear_plans()
