@@ -15,6 +15,11 @@ every forward on the Triton kernels.
 kernel (and dq with the Gluon dQ kernel): ``auto`` (default) those it takes at the head dims (and causal or
 not) where it measured faster than the Triton kernels, ``1`` every one it takes, ``0`` none.
 ``SAFEOPS_GLUON=0`` turns it off too.
+
+`SAFEOPS_GLUON_FUSED` (read on every call): ``auto`` (default) lets the backwards where the fused Gluon
+kernel is the default (non-causal, head dim 128, a head's key blocks at most half the SMs) run it; ``0``
+keeps them on the dK / dV + dQ pair (e.g. on a GPU shared under MPS with a cap on SMs: the fused kernel's
+order needs a head's programs on the GPU at once).
 """
 
 from __future__ import annotations
@@ -79,9 +84,21 @@ def gluon_enabled() -> bool:
     raise ValueError(f"SAFEOPS_GLUON must be 1 (on, the default) or 0 (off), got {value!r}")
 
 
+def gluon_fused_enabled() -> bool:
+    """SAFEOPS_GLUON_FUSED: whether the fused Gluon backward takes the cases it is the default for (see the
+    module docstring)."""
+    value = os.environ.get("SAFEOPS_GLUON_FUSED", "auto").strip().lower() or "auto"
+    if value == "auto":
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"SAFEOPS_GLUON_FUSED must be auto (the default) or 0 (off), got {value!r}")
+
+
 def gluon_bwd_setting() -> str:
-    """SAFEOPS_GLUON_BWD as set (unchecked): what plans depend on, read on every call without raising."""
-    return os.environ.get("SAFEOPS_GLUON_BWD", "")
+    """SAFEOPS_GLUON_BWD and SAFEOPS_GLUON_FUSED as set (unchecked): what plans depend on, read on every call
+    without raising."""
+    return os.environ.get("SAFEOPS_GLUON_BWD", "") + "/" + os.environ.get("SAFEOPS_GLUON_FUSED", "")
 
 
 def gluon_bwd_mode() -> str:

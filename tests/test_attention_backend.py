@@ -816,6 +816,16 @@ def test_fused_backward_by_default_where_measured(monkeypatch):
     assert safeops.attention_backend(q64, k64, k64, backward=True)[1].endswith(": Gluon dq, dk / dv")
     mask = torch.zeros(256, 256, dtype=torch.bool)
     assert not safeops.attention_backend(q, k, k, attn_mask=mask, backward=True)[1].startswith("bf16")
+    monkeypatch.setenv("SAFEOPS_GLUON_FUSED", "0")  # the pair instead, read on every call
+    assert safeops.attention_backend(q, k, k, backward=True) == (
+        "gluon", "bf16 non-causal D=128 on sm_90: Gluon dq, dk / dv")
+    assert G.fused_reason(q, k, k, None, None, False, None, -1, -1) == (
+        "SAFEOPS_GLUON_FUSED=0 keeps the backward off the fused Gluon kernel")
+    monkeypatch.setenv("SAFEOPS_GLUON_FUSED", "sometimes")
+    with pytest.raises(ValueError, match="SAFEOPS_GLUON_FUSED must be auto"):
+        safeops.attention_backend(q, k, k, backward=True)
+    monkeypatch.setenv("SAFEOPS_GLUON_FUSED", "auto")
+    assert safeops.attention_backend(q, k, k, backward=True) == ("gluon", fused)
     monkeypatch.setenv("SAFEOPS_GLUON_BWD", "0")
     assert safeops.attention_backend(q, k, k, backward=True)[0] == "triton"
     assert G.fused_reason(q, k, k, None, None, False, None, -1, -1) == (

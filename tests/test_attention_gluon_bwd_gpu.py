@@ -57,6 +57,7 @@ def _shipped_settings(monkeypatch):
     monkeypatch.setenv("SAFEOPS_BACKEND", "auto")
     monkeypatch.delenv("SAFEOPS_GLUON", raising=False)
     monkeypatch.delenv("SAFEOPS_GLUON_BWD", raising=False)
+    monkeypatch.delenv("SAFEOPS_GLUON_FUSED", raising=False)
     L.clear_plans()
     yield
     L.clear_plans()

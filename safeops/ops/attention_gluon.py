@@ -437,6 +437,8 @@ def fused_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, 
     if mode == "off":
         return "the Gluon backward is off (SAFEOPS_GLUON_BWD=0 or SAFEOPS_GLUON=0)"
     d = q.shape[-1]
+    if not GLUON_FUSED and not _config.gluon_fused_enabled():
+        return "SAFEOPS_GLUON_FUSED=0 keeps the backward off the fused Gluon kernel"
     if not GLUON_FUSED and (is_causal or d not in FUSED_NONCAUSAL):
         return (f"the fused Gluon backward is the default for non-causal head dims "
                 f"{', '.join(map(str, FUSED_NONCAUSAL))} only (bench/RESULTS.md)")
