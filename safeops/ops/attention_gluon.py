@@ -422,7 +422,7 @@ SEQ_HEAD_DIMS = (128,)
 # backward at the head dims of ``FUSED_NONCAUSAL`` where its shifted order applies (a head's key blocks at
 # most half the SMs: Sk <= 8448 on 132 SMs): there it measured 11-13% faster than the dK / dV + dQ pair on
 # the H200 (B4 H16 S4K, Llama-3-8B's 32 / 8 heads at S = 8K; 16K too, where half the SMs do not hold a
-# head; bench/RESULTS.md). Not at D=64 (+4% at S=4K, -3% at 16K) nor causal (12-32% slower), where the
+# head; bench/RESULTS.md). Not at D=64 (+4% at S=4K, -3% at 16K) nor causal (8-26% slower), where the
 # pair stays.
 GLUON_FUSED = False
 FUSED_NONCAUSAL = (128,)
