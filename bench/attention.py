@@ -127,18 +127,13 @@ def fp_fusion(on: bool):
 
 
 @contextlib.contextmanager
-def gluon_switch(name: str, on: bool):
-    """A switch of safeops.ops.attention_gluon (GLUON_DQ: on by default; GLUON_FUSED: off), for the block."""
+def gluon_switch(name: str, value):
+    """A switch of safeops.ops.attention_gluon (GLUON_DQ: on by default; GLUON_FUSED: off; FUSED_NONCAUSAL:
+    head dims), set to ``value`` for the block."""
     from safeops.ops import attention_gluon
 
-    with mock.patch.object(attention_gluon, name, on):
+    with mock.patch.object(attention_gluon, name, value):
         yield
-
-
-def _gluon():
-    from safeops.ops import attention_gluon
-
-    return attention_gluon
 
 
 @contextlib.contextmanager
@@ -196,7 +191,7 @@ def build_safeops(case: H.Case, t: dict, fusion: bool = False, triton_dq: bool =
 
     def backward():
         with (fp_fusion(fusion), gluon_switch("GLUON_DQ", False) if triton_dq else contextlib.nullcontext(),
-              mock.patch.object(_gluon(), "FUSED_NONCAUSAL", ()) if triton_dq else contextlib.nullcontext(),
+              gluon_switch("FUSED_NONCAUSAL", ()) if triton_dq else contextlib.nullcontext(),
               gluon_bwd_everywhere(bwd), gluon_switch("GLUON_FUSED", fused)):
             return torch.ops.safeops.attention_backward(t["g"], q, k, v, out, m, l, None, 0, None, None, s, s,
                                                         causal, scale, cap, -1, 0 if causal else -1, code)[0]

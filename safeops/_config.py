@@ -95,10 +95,10 @@ def gluon_fused_enabled() -> bool:
     raise ValueError(f"SAFEOPS_GLUON_FUSED must be auto (the default) or 0 (off), got {value!r}")
 
 
-def gluon_bwd_setting() -> str:
-    """SAFEOPS_GLUON_BWD and SAFEOPS_GLUON_FUSED as set (unchecked): what plans depend on, read on every call
-    without raising."""
-    return os.environ.get("SAFEOPS_GLUON_BWD", "") + "/" + os.environ.get("SAFEOPS_GLUON_FUSED", "")
+def gluon_bwd_setting() -> tuple:
+    """SAFEOPS_GLUON_BWD and SAFEOPS_GLUON_FUSED as set (raw, unchecked): what plans depend on, read on every
+    call without raising."""
+    return _environ_entry("SAFEOPS_GLUON_BWD"), _environ_entry("SAFEOPS_GLUON_FUSED")
 
 
 def gluon_bwd_mode() -> str:

@@ -164,7 +164,7 @@ _SCRIPT = textwrap.dedent(
                 cfg = dataclasses.replace(cfg, tma_reduce=True, finalize=False)
             if "+shift" in kind:  # (not causal) the shifted order, the writer waiting for turns early
                 cfg = dataclasses.replace(cfg, shift=True, early_turn=True)
-            # As the launch takes it where a head's key blocks fit on the SMs (KB.fused_shift).
+            # As the launch takes it where a head's key blocks fit on half the SMs (KB.fused_shift).
             shift = cfg.shift and not causal
             if "+lpt" in kind:  # (causal) longest first, turns ascending
                 cfg = dataclasses.replace(cfg, causal_lpt=True)

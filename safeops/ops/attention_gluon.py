@@ -421,9 +421,9 @@ SEQ_HEAD_DIMS = (128,)
 # ``GLUON_FUSED`` makes it take every case it can (tests and benchmarks); by default it takes the non-causal
 # backward at the head dims of ``FUSED_NONCAUSAL`` where its shifted order applies (a head's key blocks at
 # most half the SMs: Sk <= 8448 on 132 SMs): there it measured 11-13% faster than the dK / dV + dQ pair on
-# the H200 (B4 H16 S4K, Llama-3-8B's 32 / 8 heads at S = 8K; 16K too, where half the SMs do not hold a
-# head; bench/RESULTS.md). Not at D=64 (+4% at S=4K, -3% at 16K) nor causal (8-26% slower), where the
-# pair stays.
+# the H200 (B4 H16 S4K, Llama-3-8B's 32 / 8 heads at S = 8K; bench/RESULTS.md). Longer keys (+13% at 16K,
+# measured before the half-SM bound), D=64 (+4% at S=4K, -3% at 16K) and causal (8-26% slower) keep the
+# pair.
 GLUON_FUSED = False
 FUSED_NONCAUSAL = (128,)
 
@@ -442,11 +442,11 @@ def fused_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, 
     if not GLUON_FUSED and (is_causal or d not in FUSED_NONCAUSAL):
         return (f"the fused Gluon backward is the default for non-causal head dims "
                 f"{', '.join(map(str, FUSED_NONCAUSAL))} only (bench/RESULTS.md)")
+    K = bwd_kernels()
     why = _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, "on", False,
-                      bwd_kernels().FUSED_CONFIGS)
+                      K.FUSED_CONFIGS)
     if why or GLUON_FUSED:
         return why
-    K = bwd_kernels()
     cfg = K.FUSED_CONFIGS[d]
     n_n, sms = triton.cdiv(k.shape[2], cfg.block_n), _num_sms(q.device.index)
     if not K.fused_shift(cfg, False, n_n, sms):
