@@ -159,6 +159,23 @@ def test_fused_shift_with_two_launches_at_once_needs_half_the_sms():
         assert len(added) == 2 and all(len(a) == 9 for a in added)
 
 
+def test_fused_plain_order_needs_no_head_on_the_gpu():
+    """The plain order (what the fused kernel runs where the shifted order does not apply): a CTA waits only
+    for CTAs numbered before it, so on fewer SMs than a head's key blocks, and with two launches at once
+    sharing them, no schedule deadlocks and every block adds its key blocks ascending (the shifted order
+    deadlocks on these schedules)."""
+    m = _model()
+    for seed in range(40):
+        sms = 1 + seed % 3
+        added = m.simulate_fused(3, 5, 3, 1, 1, False, sms, 1 + seed % 2, 2, seed, grids=2,
+                                 early_turn=seed % 2 == 0, split_d=seed % 3 == 0)
+        assert len(added) == 2
+        for a in added:
+            assert len(a) == 9 and all(order == [0, 1, 2, 3, 4] for order in a.values())
+    with pytest.raises(RuntimeError, match="deadlock"):
+        m.simulate_fused(3, 5, 3, 1, 1, False, 2, 1, 2, 0, grids=2, shift=True)
+
+
 def test_fused_shift_is_chosen_only_where_a_head_fits():
     from safeops.kernels import attention_gluon_bwd as KB
 
