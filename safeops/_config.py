@@ -74,25 +74,28 @@ def backend_name() -> str:
     return name
 
 
+_ON, _OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
+
+
+def _switch(name: str, default: str, modes: tuple[str, ...], expected: str) -> str:
+    """The setting ``name`` as ``"on"``, ``"off"`` or ``"auto"`` (one of ``modes``), else a ValueError that
+    says which values it takes (``expected``)."""
+    value = os.environ.get(name, default).strip().lower() or default
+    mode = "on" if value in _ON else "off" if value in _OFF else value
+    if mode not in modes:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return mode
+
+
 def gluon_enabled() -> bool:
     """SAFEOPS_GLUON: whether attention forwards may run the Gluon kernel (see the module docstring)."""
-    value = os.environ.get("SAFEOPS_GLUON", "1").strip().lower() or "1"
-    if value in ("1", "on", "true", "yes"):
-        return True
-    if value in ("0", "off", "false", "no"):
-        return False
-    raise ValueError(f"SAFEOPS_GLUON must be 1 (on, the default) or 0 (off), got {value!r}")
+    return _switch("SAFEOPS_GLUON", "1", ("on", "off"), "1 (on, the default) or 0 (off)") == "on"
 
 
 def gluon_fused_enabled() -> bool:
     """SAFEOPS_GLUON_FUSED: whether the fused Gluon backward takes the cases it is the default for (see the
     module docstring)."""
-    value = os.environ.get("SAFEOPS_GLUON_FUSED", "auto").strip().lower() or "auto"
-    if value == "auto":
-        return True
-    if value in ("0", "off", "false", "no"):
-        return False
-    raise ValueError(f"SAFEOPS_GLUON_FUSED must be auto (the default) or 0 (off), got {value!r}")
+    return _switch("SAFEOPS_GLUON_FUSED", "auto", ("auto", "off"), "auto (the default) or 0 (off)") == "auto"
 
 
 def gluon_bwd_setting() -> tuple:
@@ -103,15 +106,8 @@ def gluon_bwd_setting() -> tuple:
 
 def gluon_bwd_mode() -> str:
     """SAFEOPS_GLUON_BWD, with SAFEOPS_GLUON: ``"auto"``, ``"on"`` or ``"off"`` (see the module docstring)."""
-    value = os.environ.get("SAFEOPS_GLUON_BWD", "auto").strip().lower() or "auto"
-    if value in ("1", "on", "true", "yes"):
-        mode = "on"
-    elif value in ("0", "off", "false", "no"):
-        mode = "off"
-    elif value == "auto":
-        mode = "auto"
-    else:
-        raise ValueError(f"SAFEOPS_GLUON_BWD must be auto (the default), 1 (on) or 0 (off), got {value!r}")
+    mode = _switch("SAFEOPS_GLUON_BWD", "auto", ("auto", "on", "off"),
+                   "auto (the default), 1 (on) or 0 (off)")
     return mode if gluon_enabled() else "off"
 
 
