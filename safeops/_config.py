@@ -17,9 +17,9 @@ not) where it measured faster than the Triton kernels, ``1`` every one it takes,
 ``SAFEOPS_GLUON=0`` turns it off too.
 
 `SAFEOPS_GLUON_FUSED` (read on every call): ``auto`` (default) lets the backwards where the fused Gluon
-kernel is the default (non-causal, head dim 128, a head's key blocks at most half the SMs) run it; ``0``
-keeps them on the dK / dV + dQ pair (e.g. on a GPU shared under MPS with a cap on SMs: the fused kernel's
-order needs a head's programs on the GPU at once).
+kernel is the default (non-causal, head dim 128) run it; ``0`` keeps them on the dK / dV + dQ pair (e.g. on
+a GPU shared under MPS with a cap on SMs: the fused kernel's shifted order needs a head's programs on the GPU
+at once, and its plain order that programs start in the order of their numbers).
 """
 
 from __future__ import annotations

@@ -432,10 +432,10 @@ def attention_backend(q, k, v, *, attn_mask=None, is_causal=False, scale=None, s
     with a right bound; head dim 128, dense or packed, with or without a left window; or 64, dense and
     without a window); dq from
     the Gluon dQ kernel, delta and the sinks' gradient from the Triton dq kernel), e.g. ``("gluon", "bf16
-    causal D=128 on sm_90: Gluon dq, dk / dv")``, or, dense non-causal at head dim 128 with a head's key
-    blocks at most half the SMs, all three from the fused Gluon kernel (``"... fused Gluon dq, dk / dv (dq
-    added in a fixed order)"``); else ``"triton"`` with the reason, or ``"reference"``. For MHA the Gluon
-    dK / dV + dQ pair and the Triton kernels give the same bits.
+    causal D=128 on sm_90: Gluon dq, dk / dv")``, or, dense non-causal at head dim 128, all three from the
+    fused Gluon kernel (``"... fused Gluon dq, dk / dv (dq added in a fixed order)"``); else ``"triton"``
+    with the reason, or ``"reference"``. For MHA the Gluon dK / dV + dQ pair and the Triton kernels give the
+    same bits.
     The arguments are checked as ``attention`` /
     ``attention_varlen`` check them (the same errors); nothing is computed and the device is not
     synchronized.

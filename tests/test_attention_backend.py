@@ -787,26 +787,33 @@ def test_warm_up_lists_every_kernel_the_path_can_launch(monkeypatch):
 
 def test_fused_backward_by_default_where_measured(monkeypatch):
     """Without GLUON_FUSED the fused kernel takes the non-causal backward at the head dims of
-    FUSED_NONCAUSAL (128) where its shifted order applies (a head's key blocks at most half the SMs), and
-    nothing else: causal, D=64, more key blocks than SMs and SAFEOPS_GLUON_BWD=0 keep the pair or Triton."""
+    FUSED_NONCAUSAL (128), whatever the key length (the shifted order where a head's key blocks are at most
+    half the SMs, the plain order past that: FUSED_PLAIN_NONCAUSAL), and nothing else: causal, D=64 and
+    SAFEOPS_GLUON_BWD=0 keep the pair or Triton; a head dim of FUSED_NONCAUSAL not in FUSED_PLAIN_NONCAUSAL
+    keeps the pair past the half-SM bound."""
     from safeops.kernels import attention_gluon_bwd as KB
 
     _on_hopper(monkeypatch)
-    assert not G.GLUON_FUSED and G.FUSED_NONCAUSAL == (128,)
+    assert not G.GLUON_FUSED and G.FUSED_NONCAUSAL == (128,) and G.FUSED_PLAIN_NONCAUSAL == (128,)
     fused = "bf16 non-causal D=128 on sm_90: fused Gluon dq, dk / dv (dq added in a fixed order)"
     block_n = KB.FUSED_CONFIGS[128].block_n
     q = torch.zeros(1, 4, 256, 128, dtype=BF16)
-    for sms, sk, expected in [(132, 256, True), (4, 2 * block_n, True), (4, 2 * block_n + 1, False),
-                              (5, 2 * block_n + 1, False)]:
-        monkeypatch.setattr(G, "_num_sms", lambda index, sms=sms: sms)
-        k = torch.zeros(1, 2, sk, 128, dtype=BF16)  # GQA
-        answer = safeops.attention_backend(q, k, k, backward=True)
-        if expected:
-            assert answer == ("gluon", fused), (sms, sk)
-        else:
-            assert answer == ("gluon", "bf16 non-causal D=128 on sm_90: Gluon dq, dk / dv"), (sms, sk)
-            why = G.fused_reason(q, k, k, None, None, False, None, -1, -1)
-            assert why.startswith(f"3 key blocks of 128 are more than half the {sms} SMs"), why
+    # (SMs, key length, whether a head's key blocks fit on half the SMs: the shifted order)
+    cases = [(132, 256, True), (4, 2 * block_n, True), (4, 2 * block_n + 1, False),
+             (5, 2 * block_n + 1, False)]
+    for plain in [(128,), ()]:
+        monkeypatch.setattr(G, "FUSED_PLAIN_NONCAUSAL", plain)
+        for sms, sk, shifted in cases:
+            monkeypatch.setattr(G, "_num_sms", lambda index, sms=sms: sms)
+            k = torch.zeros(1, 2, sk, 128, dtype=BF16)  # GQA
+            answer = safeops.attention_backend(q, k, k, backward=True)
+            if plain or shifted:
+                assert answer == ("gluon", fused), (sms, sk, plain)
+            else:
+                assert answer == ("gluon", "bf16 non-causal D=128 on sm_90: Gluon dq, dk / dv"), (sms, sk)
+                why = G.fused_reason(q, k, k, None, None, False, None, -1, -1)
+                assert why.startswith(f"3 key blocks of 128 are more than half the {sms} SMs"), why
+    monkeypatch.setattr(G, "FUSED_PLAIN_NONCAUSAL", (128,))
     monkeypatch.setattr(G, "_num_sms", lambda index: 132)
     k = torch.zeros(1, 2, 256, 128, dtype=BF16)
     assert safeops.attention_backend(q, k, k, is_causal=True, backward=True) == (
@@ -835,7 +842,8 @@ def test_fused_backward_by_default_where_measured(monkeypatch):
 def test_default_fused_launch_matches_the_compiled_signature(monkeypatch, recorded):
     """Without GLUON_FUSED, a non-causal D=128 backward whose key blocks fit on half the SMs is one fused
     launch with the default configuration's constexprs (the TMA writer, the shifted order, the row
-    statistics precomputed) and the argument types the offline test compiles; one SM fewer, the pair."""
+    statistics precomputed) and the argument types the offline test compiles; one SM fewer, the same launch in
+    the plain order (FUSED_PLAIN_NONCAUSAL), or the pair without it."""
     from safeops.kernels import attention_gluon_bwd as KB
 
     _on_hopper(monkeypatch)
@@ -856,6 +864,13 @@ def test_default_fused_launch_matches_the_compiled_signature(monkeypatch, record
     recorded.clear()
     L.clear_plans()
     monkeypatch.setattr(G, "_num_sms", lambda index: 3)
+    L.backward(*inputs)
+    ((grid, kwargs, args),) = recorded  # the fused kernel in the plain order
+    assert _arg_kinds(args) == list(KB.fused_signature(cfg, d, "bfloat16").values())
+    assert kwargs["SHIFT"] is False and kwargs["PRE_STATS"] is True and kwargs["TMA_REDUCE"] is True
+    recorded.clear()
+    L.clear_plans()
+    monkeypatch.setattr(G, "FUSED_PLAIN_NONCAUSAL", ())
     L.backward(*inputs)
     assert len(recorded) == 2 and all("SHIFT" not in kw for _, kw, _ in recorded)  # dQ, then dK / dV
     L.clear_plans()

@@ -314,6 +314,26 @@ def test_fused_is_the_noncausal_d128_default(dtype, rng, monkeypatch):
     bshd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, g)]  # (B, S, H, D) storage
     assert all(torch.equal(a, b) for a, b in zip(first, _grads(*bshd), strict=True))
 
+def test_fused_takes_longer_keys_in_the_plain_order(rng, monkeypatch):
+    """Past half the SMs' worth of key blocks, the head dims of FUSED_PLAIN_NONCAUSAL keep the fused kernel in
+    the plain order (SHIFT off): float64 oracle, reruns with the same bits; the others take the pair."""
+    monkeypatch.setattr(G, "FUSED_NONCAUSAL", (64, 128))
+    monkeypatch.setattr(G, "FUSED_PLAIN_NONCAUSAL", (128,))
+    L.clear_plans()
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    for d in (64, 128):
+        block_n = G.bwd_kernels().FUSED_CONFIGS[d].block_n
+        q, g = (rng.randn(1, 4, 200, d, dtype=BF16) for _ in range(2))
+        k, v = (rng.randn(1, 2, sms // 2 * block_n + 1, d, dtype=BF16) for _ in range(2))
+        path = safeops.attention_backend(q, k, v, backward=True)[1]
+        assert ("fused Gluon" in path) is (d == 128), path
+        check_oracle(q, k, v, rng)
+        first = _grads(q, k, v, g)
+        for _ in range(10):
+            assert all(torch.equal(a, b) for a, b in zip(first, _grads(q, k, v, g), strict=True))
+    assert _shift_plans() == [False]
+
+
 @pytest.fixture
 def gluon_fused(monkeypatch):
     monkeypatch.setattr(G, "GLUON_FUSED", True)

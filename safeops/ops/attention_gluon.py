@@ -144,8 +144,8 @@ def settings() -> tuple:
     (its plans are dropped when any of it changes)."""
     return (_config.gluon_enabled(), _config.gluon_bwd_setting(), PERSISTENT, PERSISTENT_NONCAUSAL,
             L2_CHUNK_BYTES, reason, Plan, device_reason, bwd_reason, GLUON_DQ, dq_reason, GLUON_SINKS,
-            GLUON_WINDOW, GLUON_FUSED, FUSED_NONCAUSAL, fused_reason, GLUON_BWD_SEQ, SEQ_HEAD_DIMS,
-            GLUON_SOFTCAP)
+            GLUON_WINDOW, GLUON_FUSED, FUSED_NONCAUSAL, FUSED_PLAIN_NONCAUSAL, fused_reason, GLUON_BWD_SEQ,
+            SEQ_HEAD_DIMS, GLUON_SOFTCAP)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -419,20 +419,25 @@ SEQ_HEAD_DIMS = (128,)
 # The fused Gluon backward (``attn_bwd_fused_gluon_kernel``: dk, dv and dq in one kernel, dq added into an
 # fp32 buffer in a fixed order of key blocks; delta from a delta-only launch of the Triton dq kernel).
 # ``GLUON_FUSED`` makes it take every case it can (tests and benchmarks); by default it takes the non-causal
-# backward at the head dims of ``FUSED_NONCAUSAL`` where its shifted order applies (a head's key blocks at
-# most half the SMs: Sk <= 8448 on 132 SMs): there it measured 11-13% faster than the dK / dV + dQ pair on
-# the H200 (B4 H16 S4K, Llama-3-8B's 32 / 8 heads at S = 8K; bench/RESULTS.md). Longer keys (+13% at 16K,
-# measured before the half-SM bound), D=64 (+4% at S=4K, -3% at 16K) and causal (8-26% slower) keep the
-# pair.
+# backward at the head dims of ``FUSED_NONCAUSAL``: in the shifted order where it applies (a head's key
+# blocks at most half the SMs: Sk <= 8448 on 132 SMs), 11-13% faster than the dK / dV + dQ pair on the H200
+# (B4 H16 S4K, Llama-3-8B's 32 / 8 heads at S = 8K), and for longer keys at the head dims of
+# ``FUSED_PLAIN_NONCAUSAL`` in the plain order (Llama-3-8B's heads at S = 16K: +10% on an H100;
+# bench/RESULTS.md). D=64 (within +-3% of the pair on an H100 at S = 2K-8K) and causal (8-26% slower) keep
+# the pair.
 GLUON_FUSED = False
 FUSED_NONCAUSAL = (128,)
+# Head dims of FUSED_NONCAUSAL where the fused kernel also takes longer keys, in the plain order (a CTA waits
+# only for CTAs numbered before it, which a GPU starts first: no head needs to fit on the GPU at once).
+FUSED_PLAIN_NONCAUSAL = (128,)
 
 
 def fused_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_causal: bool, softcap,
                  wl: int, wr: int, grad_dtype: torch.dtype | None = None) -> str:
     """``""`` if the fused Gluon backward computes this backward's dq, dk and dv (``GLUON_FUSED`` on, or a
-    non-causal problem at a head dim of ``FUSED_NONCAUSAL`` whose key blocks fit the shifted order; and what
-    :func:`bwd_reason` asks of the inputs, at the head dims of ``FUSED_CONFIGS``), else why not."""
+    non-causal problem at a head dim of ``FUSED_NONCAUSAL`` whose key blocks fit the shifted order, or at one
+    of ``FUSED_PLAIN_NONCAUSAL``; and what :func:`bwd_reason` asks of the inputs, at the head dims of
+    ``FUSED_CONFIGS``), else why not."""
     mode = _config.gluon_bwd_mode()
     if mode == "off":
         return "the Gluon backward is off (SAFEOPS_GLUON_BWD=0 or SAFEOPS_GLUON=0)"
@@ -445,7 +450,7 @@ def fused_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, 
     K = bwd_kernels()
     why = _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, "on", False,
                       K.FUSED_CONFIGS)
-    if why or GLUON_FUSED:
+    if why or GLUON_FUSED or d in FUSED_PLAIN_NONCAUSAL:
         return why
     cfg = K.FUSED_CONFIGS[d]
     n_n, sms = triton.cdiv(k.shape[2], cfg.block_n), _num_sms(q.device.index)
