@@ -13,8 +13,9 @@ FLOPs: forward 4 * B * H * Sq * Sk * D (halved for causal), backward 2.5x the fo
   default until 2026-12-05) where the backward's dk / dv take the Gluon dK / dV kernel (the fused kernel,
   the non-causal D=128 default, switched off for it); "safeops" takes dq from the Gluon dQ kernel there;
 - safeops gluon fused (backward only): the fused Gluon backward (``attention_gluon.GLUON_FUSED``) where the
-  default does not take it (the default since 2026-12-06 for non-causal D=128 where a head's key blocks fit
-  on half the SMs): dk, dv and dq in one kernel, dq added in a fixed order of key blocks;
+  default does not take it (the default for non-causal D=128: since 2026-12-06 where a head's key blocks fit
+  on half the SMs, since 2026-12-07 at every key length): dk, dv and dq in one kernel, dq added in a fixed
+  order of key blocks;
 - safeops gluon bwd (backward only): the Gluon dK / dV kernel where the backward does not take it by default
   (``SAFEOPS_GLUON_BWD=1``; D=64 causal; D=64 without causal takes it by default since 2026-12-06);
 - safeops gluon softcap (forward only, with ``--softcap``): the Gluon forward's softcap build
