@@ -314,6 +314,7 @@ def test_fused_is_the_noncausal_d128_default(dtype, rng, monkeypatch):
     bshd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, g)]  # (B, S, H, D) storage
     assert all(torch.equal(a, b) for a, b in zip(first, _grads(*bshd), strict=True))
 
+
 def test_fused_takes_longer_keys_in_the_plain_order(rng, monkeypatch):
     """Past half the SMs' worth of key blocks, the head dims of FUSED_PLAIN_NONCAUSAL keep the fused kernel in
     the plain order (SHIFT off): float64 oracle, reruns with the same bits; the others take the pair."""
