@@ -409,11 +409,13 @@ def dq_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_
 # Packed sequences (``attention_varlen``) and a left window (causal or not) on the Gluon dK / dV and dQ
 # kernels: runtime arguments of the same kernels (one compile serves dense and packed calls, with and
 # without a window), at the head dims of SEQ_HEAD_DIMS. D=128: 1.25-1.28x the Triton backward on packed
-# documents and a 1K window, the same bits; D=64 measured 2-3% slower than the Triton kernels there, so
-# packed or windowed D=64 calls stay on Triton (bench/RESULTS.md). Packed statistics are re-laid for TMA
-# (_aligned_stats).
+# documents and a 1K window, the same bits. D=64 measured 2-3% slower than the Triton kernels there, but a
+# packed sequence must get the bits of the same sequence alone (contract section 6), which a dense D=64
+# call computes on the Gluon kernels; with GQA the Triton kernels' split sums give other last bits (GPU test
+# test_gqa_split_backward_bits), so packed and windowed D=64 calls take the Gluon kernels too
+# (bench/RESULTS.md). Packed statistics are re-laid for TMA (_aligned_stats).
 GLUON_BWD_SEQ = True
-SEQ_HEAD_DIMS = (128,)
+SEQ_HEAD_DIMS = (64, 128)
 
 
 # The fused Gluon backward (``attn_bwd_fused_gluon_kernel``: dk, dv and dq in one kernel, dq added into an
