@@ -429,8 +429,7 @@ def attention_backend(q, k, v, *, attn_mask=None, is_causal=False, scale=None, s
 
     ``backward=True`` answers for the backward instead, whatever the forward ran: ``"gluon"`` where dk / dv
     come from the warp-specialized Gluon kernel (CUDA, sm_90, bf16 / fp16, no mask or softcap, no window
-    with a right bound; head dim 128, dense or packed, with or without a left window; or 64, dense and
-    without a window); dq from
+    with a right bound; head dims 64 and 128, dense or packed, with or without a left window); dq from
     the Gluon dQ kernel, delta and the sinks' gradient from the Triton dq kernel), e.g. ``("gluon", "bf16
     causal D=128 on sm_90: Gluon dq, dk / dv")``, or, dense non-causal at head dim 128, all three from the
     fused Gluon kernel (``"... fused Gluon dq, dk / dv (dq added in a fixed order)"``); else ``"triton"``
