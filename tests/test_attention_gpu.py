@@ -484,6 +484,8 @@ def test_gqa_split_backward_bits(group, kernels, rng, monkeypatch):
 
     if kernels == "triton":
         monkeypatch.setenv("SAFEOPS_GLUON_BWD", "0")
+    else:
+        monkeypatch.delenv("SAFEOPS_GLUON_BWD", raising=False)
 
     hkv, d, lengths = 2, 64, [700, 1, 333]
     hq = hkv * group
