@@ -373,11 +373,10 @@ def test_backward_answers(monkeypatch):
     # D=64 packed takes the kernels a dense D=64 call takes (a packed sequence gets the bits of it alone).
     answer = safeops.attention_backend(p64, p64, p64, cu_seqlens_q=cu, cu_seqlens_k=cu, backward=True)
     assert answer == ("gluon", "bf16 non-causal D=64 on sm_90: Gluon dq, dk / dv")
-    seq_head_dims = G.SEQ_HEAD_DIMS
-    monkeypatch.setattr(G, "SEQ_HEAD_DIMS", (128,))
-    answer = safeops.attention_backend(p64, p64, p64, cu_seqlens_q=cu, cu_seqlens_k=cu, backward=True)
-    assert answer[0] == "triton" and answer[1].startswith("head dim 64 with packed (varlen) sequences")
-    monkeypatch.setattr(G, "SEQ_HEAD_DIMS", seq_head_dims)
+    with monkeypatch.context() as mp:
+        mp.setattr(G, "SEQ_HEAD_DIMS", (128,))
+        answer = safeops.attention_backend(p64, p64, p64, cu_seqlens_q=cu, cu_seqlens_k=cu, backward=True)
+        assert answer[0] == "triton" and answer[1].startswith("head dim 64 with packed (varlen) sequences")
     q64, k64, v64 = _qkv(d=64, dtype=torch.float16)
     # D=64: the Gluon kernels causal or not by default (as measured)
     assert safeops.attention_backend(q64, k64, v64, backward=True) == (
@@ -529,15 +528,14 @@ def test_gluon_backward_packed_and_window_launches(causal, monkeypatch, recorded
     assert G.bwd_reason(q, k, v, None, cu, causal, None, wl, options[10]) == ""
     q64, k64, v64 = q[..., :64], k[..., :64], v[..., :64]
     assert G.bwd_reason(q64, k64, v64, None, cu, causal, None, wl, options[10]) == ""
-    seq_head_dims = G.SEQ_HEAD_DIMS
-    monkeypatch.setattr(G, "SEQ_HEAD_DIMS", (128,))
-    assert G.bwd_reason(q64, k64, v64, None, cu, causal, None, wl, options[10]) == (
-        "head dim 64 with packed (varlen) sequences: the Triton backward (the Gluon one at head dims 128; "
-        "bench/RESULTS.md)")
-    assert G.bwd_reason(q64, k64, v64, None, None, causal, None, wl, options[10]) == (
-        "head dim 64 with a sliding window: the Triton backward (the Gluon one at head dims 128; "
-        "bench/RESULTS.md)")
-    monkeypatch.setattr(G, "SEQ_HEAD_DIMS", seq_head_dims)
+    with monkeypatch.context() as mp:
+        mp.setattr(G, "SEQ_HEAD_DIMS", (128,))
+        assert G.bwd_reason(q64, k64, v64, None, cu, causal, None, wl, options[10]) == (
+            "head dim 64 with packed (varlen) sequences: the Triton backward (the Gluon one at head dims "
+            "128; bench/RESULTS.md)")
+        assert G.bwd_reason(q64, k64, v64, None, None, causal, None, wl, options[10]) == (
+            "head dim 64 with a sliding window: the Triton backward (the Gluon one at head dims 128; "
+            "bench/RESULTS.md)")
     assert G.bwd_reason(q, k, v, None, None, False, None, wl, 5) == (
         "the Gluon backward does not take a sliding window with a right bound")
     assert G.fused_reason(q, k, v, None, cu, causal, None, wl, options[10]) != ""
