@@ -118,10 +118,20 @@ def _materialize(x, keep, scale, SCALE_MODE: tl.constexpr):
 def _logits(x_ptrs, mask_ptrs, valid, scale, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr,
             EVICT: tl.constexpr = NO_HINT):
     """Loads x and returns (fp32 x, z). EVICT: the loads' L2 eviction policy (a hint; no result changes)."""
-    x = to_f32(tl.load(x_ptrs, mask=valid, other=0.0, eviction_policy=EVICT))
+    x_raw = tl.load(x_ptrs, mask=valid, other=0.0, eviction_policy=EVICT)
+    mask_raw = valid
+    if HAS_MASK:
+        mask_raw = tl.load(mask_ptrs, mask=valid, other=0, eviction_policy=EVICT)
+    return _logits_of(x_raw, mask_raw, valid, scale, SCALE_MODE, HAS_MASK)
+
+
+@triton.jit
+def _logits_of(x_raw, mask_raw, valid, scale, SCALE_MODE: tl.constexpr, HAS_MASK: tl.constexpr):
+    """(fp32 x, z) from loaded x and mask values (`_logits` without the loads)."""
+    x = to_f32(x_raw)
     keep = valid
     if HAS_MASK:
-        keep = keep & (tl.load(mask_ptrs, mask=valid, other=0, eviction_policy=EVICT) != 0)
+        keep = keep & (mask_raw != 0)
     return x, _materialize(x, keep, scale, SCALE_MODE)
 
 
@@ -398,14 +408,34 @@ def _bwd_range_sum(g_base, x_base, m_base, limit, cols_per_split, scale, m_safe,
         valid = cols < limit
         x, z = _logits(x_base + _col_offsets(cols, sxn, WIDE), m_base + _col_offsets(cols, smn, WIDE),
                        valid, scale, SCALE_MODE, HAS_MASK, EVICT)
-        keep = z != NEG_INF
         g = to_f32(tl.load(g_base + _col_offsets(cols, sgn, WIDE), mask=valid, other=0.0,
                            eviction_policy=EVICT))
-        if KIND == 0:
-            acc += tl.where(keep, g * _probabilities(z, m_safe, inv_l), 0.0)
-        else:
-            acc += tl.where(keep, g, 0.0)
+        acc += _bwd_sum_terms(z, g, m_safe, inv_l, KIND)
     return tl.sum(acc, 0)
+
+
+@triton.jit
+def _bwd_sum_terms(z, g, m_safe, inv_l, KIND: tl.constexpr):
+    """Each column's term of the backward's row sum: g p (softmax) or g (log-softmax); 0 where excluded."""
+    keep = z != NEG_INF
+    if KIND == 0:
+        return tl.where(keep, g * _probabilities(z, m_safe, inv_l), 0.0)
+    else:
+        return tl.where(keep, g, 0.0)
+
+
+@triton.jit
+def _bwd_dz(z, g, m_safe, inv_l, s, g_row_value, KIND: tl.constexpr):
+    """d/dz of each column from the row sum ``s`` (``g_row_value``: logsumexp's incoming gradient, KIND 2,
+    which reads no per-column gradient); 0 where excluded."""
+    p = _probabilities(z, m_safe, inv_l)
+    if KIND == 2:
+        dz = g_row_value * p
+    elif KIND == 0:
+        dz = p * (g - s)
+    else:
+        dz = g - p * s
+    return tl.where(z != NEG_INF, dz, 0.0)
 
 
 @triton.jit
@@ -423,27 +453,26 @@ def _bwd_range_write(g_base, x_base, d_base, m_base, limit, cols_per_split, scal
         valid = cols < limit
         x, z = _logits(x_base + _col_offsets(cols, sxn, WIDE), m_base + _col_offsets(cols, smn, WIDE),
                        valid, scale, SCALE_MODE, HAS_MASK, EVICT)
-        keep = z != NEG_INF
-        p = _probabilities(z, m_safe, inv_l)
-        if KIND == 2:
-            dz = g_row_value * p
-        else:
+        g = g_row_value
+        if KIND != 2:
             g = to_f32(tl.load(g_base + _col_offsets(cols, sgn, WIDE), mask=valid, other=0.0,
-                           eviction_policy=EVICT))
-            if KIND == 0:
-                dz = p * (g - s)
-            else:
-                dz = g - p * s
-        dz = tl.where(keep, dz, 0.0)
-        if SCALE_MODE != 0:
-            dx = dz * scale
-        else:
-            dx = dz
-        tl.store(d_base + _col_offsets(cols, sdn, WIDE), cast(dx, d_base.dtype.element_ty), mask=valid,
+                               eviction_policy=EVICT))
+        dz = _bwd_dz(z, g, m_safe, inv_l, s, g_row_value, KIND)
+        tl.store(d_base + _col_offsets(cols, sdn, WIDE), _dx_of(dz, scale, SCALE_MODE, d_base), mask=valid,
                  eviction_policy=EVICT)
         if NEED_DSCALE:
-            dscale_acc += tl.where(keep, dz * x, 0.0)
+            dscale_acc += tl.where(z != NEG_INF, dz * x, 0.0)
     return tl.sum(dscale_acc, 0)
+
+
+@triton.jit
+def _dx_of(dz, scale, SCALE_MODE: tl.constexpr, d_base):
+    """dx = dz * scale (the scale's chain rule), rounded to dx's dtype."""
+    if SCALE_MODE != 0:
+        dx = dz * scale
+    else:
+        dx = dz
+    return cast(dx, d_base.dtype.element_ty)
 
 
 @triton.jit(do_not_specialize=ROW_STRIDES)
@@ -571,10 +600,31 @@ def softmax_bwd_finish_kernel(
 # The first walk reads x and the gradient with an evict-last hint and keeps each block's partial of the row
 # sum in a register vector, exactly as the partial kernel writes it with one block per range; the second
 # walk reads them again, from L2 (the launcher's grid is small enough to keep every program's row there),
-# and writes dx. A persistent grid (programs take rows pid, pid + nprog, ...); a row is computed the same way
-# whichever program takes it. The arithmetic is the two-launch path's with cols_per_split == BLOCK_N at
-# the same number of warps, with no workspace and no second launch.
+# and writes dx. Each walk issues a block's loads one block ahead, so they are in flight while the block
+# before is computed and reduced (the per-block reduction's barriers would otherwise hold every load back).
+# A persistent grid (programs take rows pid, pid + nprog, ...); a row is computed the same way whichever
+# program takes it. The arithmetic is the two-launch path's with cols_per_split == BLOCK_N at the same
+# number of warps, with no workspace and no second launch.
 # ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _block_loads(g_base, x_base, m_base, first, limit, sgn, sxn, smn, HAS_MASK: tl.constexpr,
+                 WIDE: tl.constexpr, BLOCK_N: tl.constexpr, EVICT: tl.constexpr):
+    """The loaded (not yet converted) x, gradient and mask of the block at column ``first`` of a row whose
+    bases are given; ``limit`` = the row's columns from ``first`` on (<= 0: nothing is read)."""
+    cols = tl.arange(0, BLOCK_N)
+    valid = cols < limit
+    first = first.to(tl.int64)
+    x_raw = tl.load(x_base + first * sxn + _col_offsets(cols, sxn, WIDE), mask=valid, other=0.0,
+                    eviction_policy=EVICT)
+    g_raw = tl.load(g_base + first * sgn + _col_offsets(cols, sgn, WIDE), mask=valid, other=0.0,
+                    eviction_policy=EVICT)
+    mask_raw = valid
+    if HAS_MASK:
+        mask_raw = tl.load(m_base + first * smn + _col_offsets(cols, smn, WIDE), mask=valid, other=0,
+                           eviction_policy=EVICT)
+    return x_raw, g_raw, mask_raw
 
 
 @triton.jit(do_not_specialize=ROW_STRIDES)
@@ -595,28 +645,45 @@ def softmax_bwd_loop_kernel(
     finish kernel writes them."""
     scale = _scale_of(scale_ptr, scale_value, SCALE_MODE)
     idx = tl.arange(0, SPLITS)
+    cols = tl.arange(0, BLOCK_N)
+    zero = tl.zeros((), tl.int32)
     row = tl.program_id(0)
     while row < n_rows:  # a loop variable that stays a tensor under the interpreter too
         m_safe = _safe_max(tl.load(row_max_ptr + row))
         inv_l = _inv_sum(tl.load(row_sum_ptr + row))
+        g_base = _range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, zero, sgn, GA)
+        x_base = _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, zero, sxn, XA)
+        m_base = _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, zero, smn, MA)
+        d_base = _range_base(dx_ptr, row, B1, B2, sd0, sd1, sd2, zero, sdn, DA)
+        # First walk: the row sum's per-block partials (`_bwd_range_sum` with one block per range).
+        x_raw, g_raw, mask_raw = _block_loads(g_base, x_base, m_base, zero, n_cols, sgn, sxn, smn, HAS_MASK,
+                                              WIDE, BLOCK_N, "evict_last")
         parts = tl.zeros((SPLITS,), tl.float32)
         for split in range(0, n_splits):
             first = split * BLOCK_N
-            part = _bwd_range_sum(_range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn, GA),
-                                  _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA),
-                                  _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA),
-                                  n_cols - first, BLOCK_N, scale, m_safe, inv_l, sgn, sxn, smn,
-                                  KIND, SCALE_MODE, HAS_MASK, WIDE, BLOCK_N, "evict_last")
-            parts = tl.where(idx == split, part, parts)
+            ahead = _block_loads(g_base, x_base, m_base, first + BLOCK_N, n_cols - first - BLOCK_N, sgn, sxn,
+                                 smn, HAS_MASK, WIDE, BLOCK_N, "evict_last")
+            x, z = _logits_of(x_raw, mask_raw, cols < n_cols - first, scale, SCALE_MODE, HAS_MASK)
+            acc = tl.zeros((BLOCK_N,), tl.float32)
+            acc += _bwd_sum_terms(z, to_f32(g_raw), m_safe, inv_l, KIND)
+            parts = tl.where(idx == split, tl.sum(acc, 0), parts)
+            x_raw, g_raw, mask_raw = ahead
         s = tl.sum(parts, 0)
+        # Second walk: dx (`_bwd_range_write` with one block per range).
+        x_raw, g_raw, mask_raw = _block_loads(g_base, x_base, m_base, zero, n_cols, sgn, sxn, smn, HAS_MASK,
+                                              WIDE, BLOCK_N, "evict_first")
         for split in range(0, n_splits):
             first = split * BLOCK_N
-            part = _bwd_range_write(_range_base(grad_ptr, row, B1, B2, sg0, sg1, sg2, first, sgn, GA),
-                                    _range_base(x_ptr, row, B1, B2, sx0, sx1, sx2, first, sxn, XA),
-                                    _range_base(dx_ptr, row, B1, B2, sd0, sd1, sd2, first, sdn, DA),
-                                    _range_base(mask_ptr, row, B1, B2, sm0, sm1, sm2, first, smn, MA),
-                                    n_cols - first, BLOCK_N, scale, m_safe, inv_l, s, 0.0, sgn, sxn, sdn, smn,
-                                    KIND, SCALE_MODE, HAS_MASK, NEED_DSCALE, WIDE, BLOCK_N, "evict_first")
+            ahead = _block_loads(g_base, x_base, m_base, first + BLOCK_N, n_cols - first - BLOCK_N, sgn, sxn,
+                                 smn, HAS_MASK, WIDE, BLOCK_N, "evict_first")
+            valid = cols < n_cols - first
+            x, z = _logits_of(x_raw, mask_raw, valid, scale, SCALE_MODE, HAS_MASK)
+            dz = _bwd_dz(z, to_f32(g_raw), m_safe, inv_l, s, 0.0, KIND)
+            d_ptrs = d_base + first.to(tl.int64) * sdn + _col_offsets(cols, sdn, WIDE)
+            tl.store(d_ptrs, _dx_of(dz, scale, SCALE_MODE, d_base), mask=valid, eviction_policy="evict_first")
             if NEED_DSCALE:
-                tl.store(dscale_ptr + row.to(tl.int64) * n_splits + split, part)
+                dscale_acc = tl.zeros((BLOCK_N,), tl.float32)
+                dscale_acc += tl.where(z != NEG_INF, dz * x, 0.0)
+                tl.store(dscale_ptr + row.to(tl.int64) * n_splits + split, tl.sum(dscale_acc, 0))
+            x_raw, g_raw, mask_raw = ahead
         row += tl.num_programs(0)

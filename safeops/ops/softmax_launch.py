@@ -58,11 +58,12 @@ SPLIT_BLOCK_N = {1: 4096, 2: 4096, 4: 2048}
 SPLIT_NUM_WARPS = {1: 4, 2: 4, 4: 4}
 SPLIT_MAXNREG: dict[int, int | None] = {1: None, 2: None, 4: None}
 # Backward rows up to these lengths (by element size), longer than one program holds, run the loop kernel:
-# one program walks a row twice, the second time from L2, in one launch. LOOP_PROGRAMS_PER_SM programs of
-# LOOP_NUM_WARPS warps per SM: few enough that every program's row stays in L2 between its two walks.
-# Longer rows, and the forward, measured no faster than the two-launch path (bench/RESULTS.md, softmax).
-LOOP_MAX_COLS_BWD = {1: 32768, 2: 32768, 4: 32768}
-LOOP_PROGRAMS_PER_SM = 2
+# one program walks a row twice, the second time from L2, in one launch. Programs of LOOP_NUM_WARPS warps,
+# as many per SM as LOOP_L2_BYTES_PER_SM holds rows of x and the gradient (at least one), so that every
+# program's row stays in L2 between its two walks. Longer rows (fp32 from 64K on), and the forward, measured
+# no faster than the two-launch path (bench/RESULTS.md, softmax).
+LOOP_MAX_COLS_BWD = {1: 65536, 2: 65536, 4: 32768}
+LOOP_L2_BYTES_PER_SM = 256 << 10
 LOOP_NUM_WARPS = 16
 
 
@@ -197,9 +198,11 @@ def _write_back(result: torch.Tensor, written: torch.Tensor | None) -> None:
         result.copy_(written)
 
 
-def _loop_grid(n_rows: int, device: torch.device) -> tuple[int]:
-    """The loop kernels' persistent grid (which program takes a row changes no result)."""
-    return (max(1, min(n_rows, LOOP_PROGRAMS_PER_SM * _multiprocessors(device))),)
+def _loop_grid(n_rows: int, row_bytes: int, device: torch.device) -> tuple[int]:
+    """The loop kernel's persistent grid (which program takes a row changes no result); ``row_bytes``: one
+    row of x and of the gradient."""
+    per_sm = max(1, LOOP_L2_BYTES_PER_SM // max(row_bytes, 1))
+    return (max(1, min(n_rows, per_sm * _multiprocessors(device))),)
 
 
 def _wide(rows: Rows) -> bool:
@@ -579,7 +582,8 @@ def _backward_split(k, kind, rows, grad_, x_, dx, mask_arg, has_mask, scale_mode
                   WIDE=_wide(rows), **al, SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n)
     if kind != 2 and rows.n_cols <= LOOP_MAX_COLS_BWD.get(x_.element_size(), 0):
         dscale_rows = x_.new_empty((rows.n_rows * sc.n_splits if need_dscale else 1,), dtype=torch.float32)
-        k.softmax_bwd_loop_kernel[_loop_grid(rows.n_rows, x_.device)](
+        row_bytes = rows.n_cols * (x_.element_size() + grad_.element_size())
+        k.softmax_bwd_loop_kernel[_loop_grid(rows.n_rows, row_bytes, x_.device)](
             grad_, x_, dx, mask_arg, scale_ptr, row_max, row_sum, dscale_rows,
             rows.n_rows, rows.n_cols, B1, B2,
             *rows.args("grad"), *rows.args("x"), *rows.args("dx"), *rows.args("mask"),
