@@ -108,6 +108,7 @@ VARIANTS = {
     "fused_ds_rs": Variant(fused=dict(ds_rs=True), head_dims=(128,)),
     "fused_together": Variant(fused=dict(st_dpt_together=True), head_dims=(128,)),
     "fused_together_ds_rs": Variant(fused=dict(st_dpt_together=True, ds_rs=True), head_dims=(128,)),
+    "fused_together_dqe": Variant(fused=dict(st_dpt_together=True, dq_early=True), head_dims=(128,)),
     # D=64: the TMA writer needs dQ split by head-dim columns (FUSED_CONFIGS[64] splits by keys).
     "fused64_tma": Variant(fused=dict(TMA, split_d=True), head_dims=(64,)),
     "fused64_tma_rs": Variant(fused=dict(TMA, split_d=True, row_stats=True), head_dims=(64,)),
