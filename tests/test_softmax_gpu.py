@@ -908,7 +908,8 @@ def test_loop_backward_matches_two_launch_bitwise(op, dtype, n, rng, monkeypatch
     monkeypatch.setattr(softmax_launch, "SPLIT_NUM_WARPS", {1: warps, 2: warps, 4: warps})
     elem = torch.empty((), dtype=dtype).element_size()
     expected = int(softmax_launch.rows_config(n, elem, backward=True) is None
-                   and n <= softmax_launch.LOOP_MAX_COLS_BWD.get(elem, 0))
+                   and n <= softmax_launch.LOOP_MAX_COLS_BWD.get(elem, 0)
+                   and 2 * n * elem <= softmax_launch.LOOP_L2_BYTES_PER_SM)
     for rows in (1, 3, 600):
         x = rng.randn((rows, n), dtype, std=3.0)
         g = rng.randn((rows, n), dtype)

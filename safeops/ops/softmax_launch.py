@@ -58,12 +58,15 @@ SPLIT_BLOCK_N = {1: 4096, 2: 4096, 4: 2048}
 SPLIT_NUM_WARPS = {1: 4, 2: 4, 4: 4}
 SPLIT_MAXNREG: dict[int, int | None] = {1: None, 2: None, 4: None}
 # Backward rows up to these lengths (by element size), longer than one program holds, run the loop kernel:
-# one program walks a row twice, the second time from L2, in one launch. Programs of LOOP_NUM_WARPS warps,
-# as many per SM as LOOP_L2_BYTES_PER_SM holds rows of x and the gradient (at least one), so that every
-# program's row stays in L2 between its two walks. Longer rows (fp32 from 64K on), and the forward, measured
-# no faster than the two-launch path (bench/RESULTS.md, softmax).
+# one program walks a row twice, the second time from L2, in one launch, where one row of x and the gradient
+# fits LOOP_L2_BYTES_PER_SM. Programs of LOOP_NUM_WARPS warps, as many per SM as that budget holds rows (at
+# least one, at most LOOP_MAX_PROGRAMS_PER_SM: what is resident at once at 16 warps and up to 64 registers),
+# so that every program's row stays in L2 between its two walks (132 x 256 KB = 33 MB of an H100 / H200's
+# 50 MB). Longer rows (fp32 from 64K on), and the forward, measured no faster than the two-launch path
+# (bench/RESULTS.md, softmax).
 LOOP_MAX_COLS_BWD = {1: 65536, 2: 65536, 4: 32768}
 LOOP_L2_BYTES_PER_SM = 256 << 10
+LOOP_MAX_PROGRAMS_PER_SM = 2
 LOOP_NUM_WARPS = 16
 
 
@@ -201,7 +204,7 @@ def _write_back(result: torch.Tensor, written: torch.Tensor | None) -> None:
 def _loop_grid(n_rows: int, row_bytes: int, device: torch.device) -> tuple[int]:
     """The loop kernel's persistent grid (which program takes a row changes no result); ``row_bytes``: one
     row of x and of the gradient."""
-    per_sm = max(1, LOOP_L2_BYTES_PER_SM // max(row_bytes, 1))
+    per_sm = min(LOOP_MAX_PROGRAMS_PER_SM, max(1, LOOP_L2_BYTES_PER_SM // max(row_bytes, 1)))
     return (max(1, min(n_rows, per_sm * _multiprocessors(device))),)
 
 
@@ -580,9 +583,10 @@ def _backward_split(k, kind, rows, grad_, x_, dx, mask_arg, has_mask, scale_mode
     sc = split_config(rows.n_cols, x_.element_size())
     common = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=has_mask, NEED_DSCALE=need_dscale,
                   WIDE=_wide(rows), **al, SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n)
-    if kind != 2 and rows.n_cols <= LOOP_MAX_COLS_BWD.get(x_.element_size(), 0):
+    row_bytes = rows.n_cols * (x_.element_size() + (grad_.element_size() if kind != 2 else 0))
+    if (kind != 2 and rows.n_cols <= LOOP_MAX_COLS_BWD.get(x_.element_size(), 0)
+            and row_bytes <= LOOP_L2_BYTES_PER_SM):
         dscale_rows = x_.new_empty((rows.n_rows * sc.n_splits if need_dscale else 1,), dtype=torch.float32)
-        row_bytes = rows.n_cols * (x_.element_size() + grad_.element_size())
         k.softmax_bwd_loop_kernel[_loop_grid(rows.n_rows, row_bytes, x_.device)](
             grad_, x_, dx, mask_arg, scale_ptr, row_max, row_sum, dscale_rows,
             rows.n_rows, rows.n_cols, B1, B2,
