@@ -144,6 +144,13 @@ NCU_CASES = {
     "attn-bwd-d128-fused-lpt-causal": lambda: _attention(128, True, causal=True, fused=True, tma_reduce=True,
                                                          finalize=False, num_stages=3, causal_lpt=True,
                                                          early_turn=True),
+    # D=64 in the branch fused64-default's form (dQ split by head-dim columns so the TMA writer applies, the
+    # shifted order, the row statistics): what keeps it level with the Gluon pair although it runs 5 products
+    # per block pair to the pair's 7. And the D=128 default with S^T and dP^T issued together (FA3's order).
+    "attn-bwd-d64-fused-tma-shift-rs": lambda: _attention(64, True, fused=True, tma_reduce=True,
+                                                          finalize=False, split_d=True, shift=True,
+                                                          early_turn=True, row_stats=True),
+    "attn-bwd-d128-together": lambda: _attention(128, True, fused=True, st_dpt_together=True),
     "cudnn-fwd-d64": lambda: _attention_cudnn(64, False),
     "cudnn-fwd-d128": lambda: _attention_cudnn(128, False),
     "cudnn-bwd-d128": lambda: _attention_cudnn(128, True),
