@@ -583,7 +583,7 @@ def _backward_split(k, kind, rows, grad_, x_, dx, mask_arg, has_mask, scale_mode
     sc = split_config(rows.n_cols, x_.element_size())
     common = dict(KIND=kind, SCALE_MODE=scale_mode, HAS_MASK=has_mask, NEED_DSCALE=need_dscale,
                   WIDE=_wide(rows), **al, SPLITS=triton.next_power_of_2(sc.n_splits), BLOCK_N=sc.block_n)
-    row_bytes = rows.n_cols * (x_.element_size() + (grad_.element_size() if kind != 2 else 0))
+    row_bytes = rows.n_cols * (x_.element_size() + grad_.element_size())
     if (kind != 2 and rows.n_cols <= LOOP_MAX_COLS_BWD.get(x_.element_size(), 0)
             and row_bytes <= LOOP_L2_BYTES_PER_SM):
         dscale_rows = x_.new_empty((rows.n_rows * sc.n_splits if need_dscale else 1,), dtype=torch.float32)
