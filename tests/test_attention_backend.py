@@ -423,19 +423,22 @@ def test_backward_answer_depends_on_no_size_or_layout(monkeypatch):
                 assert next(iter(answers))[0] == "gluon"
 
 
+@pytest.mark.parametrize(("hkv", "d"), [(4, 128), (2, 128), (2, 64)], ids=["mha", "gqa", "gqa-d64"])
 @pytest.mark.parametrize("sq", [150, 151, 1])
-def test_backward_launch_matches_the_compiled_signature(sq, monkeypatch, recorded):
+def test_backward_launch_matches_the_compiled_signature(sq, hkv, d, monkeypatch, recorded):
     """dk / dv through a Gluon launch whose arguments are, in order, of the types the offline test compiles
     (KB.signature) with its constexprs; dq from the (interpreted) Triton kernel (``GLUON_DQ`` off; on, the
     test below). Row statistics of a length that is not a multiple of 4 are padded copies (their row stride
-    must be 16-byte aligned for TMA)."""
+    must be 16-byte aligned for TMA). GQA (group 2) at D=64 (``G.SPLIT_HEAD_DIMS``): the split form, one
+    query head per CTA (``dkdv_split``), fp32 partials (B, Hkv x split, Sk, D) in place of dk / dv, summed
+    afterwards; at D=128 the whole group per CTA."""
     from safeops.kernels import attention_gluon_bwd as KB
 
     _on_hopper(monkeypatch)
     monkeypatch.setattr(G, "GLUON_DQ", False)
-    d = 128
+    split = L.dkdv_split(4 // hkv, 1) if d in G.SPLIT_HEAD_DIMS else 1
     q = torch.randn(2, sq, 4, d).to(BF16).transpose(1, 2)  # (B, S, H, D) memory
-    k, v = (torch.randn(2, 2, 120, d).to(BF16) for _ in range(2))
+    k, v = (torch.randn(2, hkv, 120, d).to(BF16) for _ in range(2))
     o = torch.randn(2, 4, sq, d).to(BF16)
     m = torch.randn(2, 4, sq)
     l = torch.rand(2, 4, sq) + 1
@@ -443,12 +446,17 @@ def test_backward_launch_matches_the_compiled_signature(sq, monkeypatch, recorde
     dq, dk, dv = L.backward(o, q, k, v, o, m, l, *options)
     ((grid, kwargs, args),) = recorded
     cfg = KB.BWD_CONFIGS[d]
-    assert _arg_kinds(args) == list(KB.signature(cfg, d, "bfloat16").values())
-    assert {n: kwargs[n] for n in KB.constexprs(cfg, True)} == KB.constexprs(cfg, True)
+    partial = split > 1
+    assert split == (2 if (hkv, d) == (2, 64) else 1)
+    assert _arg_kinds(args) == list(KB.signature(cfg, d, "bfloat16", partial).values())
+    assert {n: kwargs[n] for n in KB.constexprs(cfg, True, partial)} == KB.constexprs(cfg, True, partial)
     assert kwargs["num_warps"] == 4 and kwargs["enable_fp_fusion"] is False
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, m_desc, l_desc, delta_desc = args[:9]
     assert q_desc.base is q and k_desc.base is k and v_desc.base is v and do_desc.base is o  # in place
-    assert dk_desc.base is dk and dv_desc.base is dv
+    if partial:  # never stored through: k's and v's stand in
+        assert dk_desc.base is k and dv_desc.base is v
+    else:
+        assert dk_desc.base is dk and dv_desc.base is dv
     assert q_desc.shape == [2, 4, sq, d]
     assert all(a == b for a, b, n in zip(q_desc.strides, q.stride(), q.shape, strict=True) if n > 1)
     assert m_desc.shape == [2, 4, sq]
@@ -461,11 +469,21 @@ def test_backward_launch_matches_the_compiled_signature(sq, monkeypatch, recorde
     assert m_desc.strides[-1] == 1 and all(s % 4 == 0 for s in m_desc.strides[:-1])
     n_blocks = -(-120 // cfg.block_n)
     c1, _, scale_ds = L.constants(0.1, None)
-    assert args[9:18] == (c1, scale_ds, 4, 2, args[13], sq, 120, n_blocks, n_blocks * 2 * 2)
-    assert grid == (n_blocks * 2 * 2,)
-    # Dense, no window: an int32 stand-in for cu_seqlens, dk and dv (not read), varlen 0, NO_WINDOW.
-    assert args[18].dtype == args[19].dtype == torch.int32 and args[20] is dk and args[21] is dv
-    assert args[22:] == (0, KB.NO_WINDOW, 0, 0, 0, 0)
+    n_tiles = n_blocks * 2 * hkv * split
+    assert args[9:18] == (c1, scale_ds, 4, 4 // (hkv * split), args[13], sq, 120, n_blocks, n_tiles)
+    assert grid == (n_tiles,)
+    # Dense, no window: an int32 stand-in for cu_seqlens, varlen 0, NO_WINDOW; without the split dk and dv
+    # (not read; stored by TMA), with it the partials and their row and head strides (head index
+    # batch x heads + head), then the split.
+    assert args[18].dtype == args[19].dtype == torch.int32
+    if partial:
+        for part in args[20:22]:
+            assert part.dtype == torch.float32 and part.is_contiguous()
+            assert part.shape == (2, hkv * split, 120, d)
+        assert args[22:] == (0, KB.NO_WINDOW, d, 120 * d, d, 120 * d, split)
+    else:
+        assert args[20] is dk and args[21] is dv
+        assert args[22:] == (0, KB.NO_WINDOW, 0, 0, 0, 0, 1)
 
 
 def test_gluon_dq_launch_matches_the_compiled_signature(monkeypatch, recorded):
@@ -504,17 +522,19 @@ def test_gluon_dq_launch_matches_the_compiled_signature(monkeypatch, recorded):
     assert args[16].dtype == torch.int32 and args[18] is dq and args[20:] == (0, KB.NO_WINDOW, 0, 0, 0, 0)
 
 
+@pytest.mark.parametrize("d", [128, 64])
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
-def test_gluon_backward_packed_and_window_launches(causal, monkeypatch, recorded):
+def test_gluon_backward_packed_and_window_launches(causal, d, monkeypatch, recorded):
     """With ``attention_gluon.GLUON_BWD_SEQ`` on, a packed (varlen) backward with a left window takes the
     Gluon dQ and dK / dV kernels (the compiled signatures): descriptors over (1, H, T, D) views and the
     statistics over (1, H, T), cu_seqlens, the packed outputs with their row and head strides, varlen 1
-    and the window; the grid counts the longest sequence's blocks per sequence. Off, the path says why."""
+    and the window; the grid counts the longest sequence's blocks per sequence. Off, the path says why.
+    At D=64 (group 2) dK / dV take the GQA split: fp32 partials (T, Hkv x split, D), one query head per CTA."""
     from safeops.kernels import attention_gluon_bwd as KB
 
     _on_hopper(monkeypatch)
     monkeypatch.setattr(G, "GLUON_DQ", True)
-    d, lengths, wl = 128, [70, 0, 131], 40
+    lengths, wl = [70, 0, 131], 40
     tq = sum(lengths)
     cu = torch.tensor([0, 70, 70, 201], dtype=torch.int32)
     q, o, g = (torch.randn(tq, 4, d).to(BF16) for _ in range(3))
@@ -526,7 +546,7 @@ def test_gluon_backward_packed_and_window_launches(causal, monkeypatch, recorded
     assert why == "the Gluon backward does not take packed (varlen) sequences"
     monkeypatch.setattr(G, "GLUON_BWD_SEQ", True)
     assert G.bwd_reason(q, k, v, None, cu, causal, None, wl, options[10]) == ""
-    q64, k64, v64 = q[..., :64], k[..., :64], v[..., :64]
+    q64, k64, v64 = (t[..., :64] for t in (q, k, v)) if d == 128 else (q, k, v)
     assert G.bwd_reason(q64, k64, v64, None, cu, causal, None, wl, options[10]) == ""
     with monkeypatch.context() as mp:
         mp.setattr(G, "SEQ_HEAD_DIMS", (128,))
@@ -543,8 +563,10 @@ def test_gluon_backward_packed_and_window_launches(causal, monkeypatch, recorded
     (grid_q, _, args_q), (grid_k, kwargs_k, args_k) = recorded
     dcfg, cfg = KB.DQ_CONFIGS[d], KB.BWD_CONFIGS[d]
     assert _arg_kinds(args_q) == list(KB.dq_signature(dcfg, d, "bfloat16").values())
-    assert _arg_kinds(args_k) == list(KB.signature(cfg, d, "bfloat16").values())
-    assert {n: kwargs_k[n] for n in KB.constexprs(cfg, causal)} == KB.constexprs(cfg, causal)
+    split = 2 if d == 64 else 1  # group 2 at D=64: the split form, one query head per CTA
+    assert _arg_kinds(args_k) == list(KB.signature(cfg, d, "bfloat16", split > 1).values())
+    constexprs = KB.constexprs(cfg, causal, split > 1)
+    assert {n: kwargs_k[n] for n in constexprs} == constexprs
     q_desc, k_desc = args_k[0], args_k[1]
     assert q_desc.shape == [1, 4, tq, d] and k_desc.shape == [1, 2, tq, d]
     assert list(q_desc.strides[1:]) == [d, 4 * d, 1]
@@ -558,9 +580,16 @@ def test_gluon_backward_packed_and_window_launches(causal, monkeypatch, recorded
         assert torch.equal(got[:, :70], want[:, :70]) and torch.equal(got[:, 80:211], want[:, 70:])
         assert (got[:, 70:80] == 0).all() and (got[:, 211:] == 0).all()
     n_blocks = -(-131 // cfg.block_n)
-    assert args_k[14:18] == (tq, tq, n_blocks, n_blocks * 3 * 2) and grid_k == (n_blocks * 3 * 2,)
-    assert args_k[18] is cu and args_k[19] is cu and args_k[20] is dk and args_k[21] is dv
-    assert args_k[22:] == (1, wl, 2 * d, d, 2 * d, d)
+    assert args_k[12] == 2 // split  # query heads per CTA
+    n_tiles = n_blocks * 3 * 2 * split
+    assert args_k[14:18] == (tq, tq, n_blocks, n_tiles) and grid_k == (n_tiles,)
+    assert args_k[18] is cu and args_k[19] is cu
+    if split > 1:
+        assert all(p.shape == (tq, 2 * split, d) and p.dtype == torch.float32 for p in args_k[20:22])
+        assert args_k[22:] == (1, wl, 4 * d, d, 4 * d, d, 2)
+    else:
+        assert args_k[20] is dk and args_k[21] is dv
+        assert args_k[22:] == (1, wl, 2 * d, d, 2 * d, d, 1)
     n_m = -(-131 // dcfg.block_m)
     assert args_q[12:16] == (tq, tq, n_m, n_m * 3 * 4) and grid_q == (n_m * 3 * 4,)
     assert args_q[16] is cu and args_q[18] is dq and args_q[20:] == (1, wl, 4 * d, d, 4 * d, d)

@@ -140,6 +140,27 @@ def test_mha_same_bits_as_the_triton_kernel(d, causal, rng, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_gqa_split_same_bits_as_the_triton_kernel(causal, rng, monkeypatch):
+    """GQA at D=64 (``attention_gluon.SPLIT_HEAD_DIMS``): both dK / dV kernels split a kv head's query group
+    the same way (``dkdv_split``: one query head per CTA below a group of 4, two from 4 on), store fp32
+    partials and sum them in one fixed-order launch, so the path choice changes no bit here either (groups
+    2, 4, 8: splits 2, 2, 4)."""
+    d = 64
+    assert d in G.SPLIT_HEAD_DIMS
+    for hkv, group, sq, sk in ((2, 2, 300, 300), (1, 4, 1000, 777), (2, 8, 200, 333)):
+        assert L.dkdv_split(group, 1) == (group if group < 4 else group // 2)
+        q, g = (rng.randn(2, hkv * group, sq, d, dtype=BF16) for _ in range(2))
+        k, v = (rng.randn(2, hkv, sk, d, dtype=BF16) for _ in range(2))
+        monkeypatch.setenv("SAFEOPS_GLUON_BWD", "1")
+        _gluon_ran(monkeypatch, q, k, v, is_causal=causal)
+        gluon = _grads(q, k, v, g, is_causal=causal)
+        monkeypatch.setenv("SAFEOPS_GLUON_BWD", "0")
+        triton = _grads(q, k, v, g, is_causal=causal)
+        for name, a, b in zip("q k v".split(), gluon, triton, strict=True):
+            assert torch.equal(a, b), f"d{name}: the Gluon and the Triton dk/dv differ (group {group})"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
 def test_pipelined_d64_same_bits_as_unpipelined(causal, rng, monkeypatch):
     """The D=64 kernel's software pipelining (GluonBwdConfig.pipeline) issues the same products in the same
     order as the unpipelined loop: the same dq / dk / dv bits, GQA, partial blocks and Sq != Sk included."""

@@ -64,7 +64,9 @@ SPILL_CAP_BWD_D64 = 300
 def _spill_cap(c: tuple) -> int:
     if c[2] == 64 and c[0].startswith("fwd"):
         return SPILL_CAP_FWD_D64
-    return SPILL_CAP_BWD_D64 if c[2] == 64 and c[0] == "bwd" else SPILL_CAP[c[0]]
+    if c[0].startswith("bwd"):  # "bwd", "bwd+split" (the GQA split's fp32 partials)
+        return SPILL_CAP_BWD_D64 if c[2] == 64 else SPILL_CAP["bwd"]
+    return SPILL_CAP[c[0]]
 KERNEL_FILE = os.path.join(sm90.ROOT, "safeops", "kernels", "attention_gluon.py")
 BWD_KERNEL_FILE = os.path.join(sm90.ROOT, "safeops", "kernels", "attention_gluon_bwd.py")
 
@@ -150,8 +152,8 @@ _SCRIPT = textwrap.dedent(
         elif kind.startswith("bwd"):  # the backward's dK / dV: every tensor argument is a TMA descriptor
             cfg = KB.BWD_CONFIGS[d]
             fn = KB.attn_bwd_dkdv_gluon_kernel
-            constexprs = KB.constexprs(cfg, causal)
-            sig = KB.signature(cfg, d, dtype)
+            constexprs = KB.constexprs(cfg, causal, "+split" in kind)
+            sig = KB.signature(cfg, d, dtype, "+split" in kind)
             aligned = ()
             loader_regs = KB.LOADER_REGS
         elif kind.startswith("fused"):  # dK / dV and dQ in one kernel; dq_ptr / sem_ptr: fresh allocations
@@ -254,7 +256,7 @@ def _launchable(kind: str, d: int, causal: bool) -> bool:
 CONFIGS = [(kind, dtype, d, causal, varlen) for kind in FWD_KINDS for dtype in _dtypes(kind)
            for d in _dims(kind) for causal in (False, True) for varlen in (False, True)
            if _launchable(kind, d, causal)] + [
-    (kind, dtype, d, causal, False) for kind in ("bwd", "dq") for dtype in _dtypes(kind)
+    (kind, dtype, d, causal, False) for kind in ("bwd", "bwd+split", "dq") for dtype in _dtypes(kind)
     for d in _dims(kind) for causal in (False, True)] + [
     # The fused backward: the launchers take its D=128 configuration without causal in both dtypes
     # (attention_gluon.FUSED_NONCAUSAL); causal only with GLUON_FUSED.

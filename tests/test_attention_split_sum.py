@@ -1,4 +1,4 @@
-"""The GQA split's sum (``attention_launch._split_sum``, kernel ``attn_bwd_split_sum_kernel``).
+"""The GQA split's sum (``attention_launch.split_sum``, kernel ``attn_bwd_split_sum_kernel``).
 
 When the dk/dv kernel splits a kv head's query group over SPLIT programs, each writes an fp32 partial; one
 launch adds each kv head's SPLIT partials in a fixed order (j = 0, 1, ... from +0) and rounds once to dk's /
@@ -81,7 +81,7 @@ def _check(device, dtypes, seed):
             for zeros in (False, True):
                 dkp, dvp, dk, dvt = make_case(b, hkv, s, d, dv, split, dtype, device, varlen, layout,
                                               seed=seed + i, signed_zeros=zeros)
-                L._split_sum(dkp, dvp, dk, dvt, split, varlen, None)
+                L.split_sum(dkp, dvp, dk, dvt, split, varlen, None)
                 for name, got, part in (("dk", dk, dkp), ("dv", dvt, dvp)):
                     want = emulate(part, split, varlen, dtype)
                     label = f"{name} case {i} {dtype} zeros={zeros} seed={seed}"

@@ -28,7 +28,8 @@ row max) and ``l`` (row sum) kept apart:
 
 launched with ``enable_fp_fusion=False`` (a PTX test checks no f32 fma). P and dS enter the tensor cores in
 the input dtype. Each key's sums run over the query blocks in a fixed order (heads of the group, then query
-blocks ascending), no atomics: deterministic, and batch-invariant.
+blocks ascending), no atomics: deterministic, and batch-invariant. With the GQA split (``PARTIAL``) each CTA
+takes a slice of the group and stores fp32 partials that one later launch adds in slice order.
 """
 
 from dataclasses import dataclass
@@ -136,10 +137,11 @@ def block_shapes(cfg: GluonBwdConfig, head_dim: int) -> dict[str, list[int]]:
     return {"q": qb, "k": kb, "v": kb, "do": qb, "dk": kb, "dv": kb}
 
 
-def constexprs(cfg: GluonBwdConfig, causal: bool) -> dict:
+def constexprs(cfg: GluonBwdConfig, causal: bool, partial: bool = False) -> dict:
+    """``partial``: the GQA split's form (fp32 partials; ``kv_split`` > 1)."""
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
                 PIPELINE=cfg.pipeline, PRE_STATS=cfg.row_stats, THREAD_ARRIVE=cfg.thread_arrive,
-                TURNS=cfg.turns)
+                TURNS=cfg.turns, PARTIAL=partial)
 
 
 LAUNCH_OPTIONS = {"num_warps": 4}
@@ -154,8 +156,9 @@ def _desc_types(shapes: dict[str, list[int]], head_dim: int, dtype: str) -> dict
     return types
 
 
-def signature(cfg: GluonBwdConfig, head_dim: int, dtype: str) -> dict[str, str]:
-    """Runtime argument types as Triton's compiler spells them (offline compiles), in argument order."""
+def signature(cfg: GluonBwdConfig, head_dim: int, dtype: str, partial: bool = False) -> dict[str, str]:
+    """Runtime argument types as Triton's compiler spells them (offline compiles), in argument order
+    (``partial``: the GQA split's fp32 outputs)."""
     types = _desc_types(block_shapes(cfg, head_dim), head_dim, dtype)
     stat = [1, 1, cfg.block_m]
     layout = stat_layout(cfg)
@@ -164,6 +167,9 @@ def signature(cfg: GluonBwdConfig, head_dim: int, dtype: str) -> dict[str, str]:
     types.update(C1="fp32", scale_ds="fp32")
     types.update({name: "i32" for name in SIZE_ARGS})
     types.update(_seq_types(dtype))
+    types["kv_split"] = "i32"
+    if partial:
+        types.update(out0_ptr="*fp32", out1_ptr="*fp32")
     return {name: types[name] for name in attn_bwd_dkdv_gluon_kernel.arg_names if name in types}
 
 
@@ -277,10 +283,12 @@ def _kv_tile(tile, sizes, seq, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, CAU
 
 @gluon.jit
 def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
-              ORDERED: gl.constexpr, SHIFT: gl.constexpr = False, seq=None, SEQ: gl.constexpr = False):
+              ORDERED: gl.constexpr, SHIFT: gl.constexpr = False, seq=None, SEQ: gl.constexpr = False,
+              kv_split=1):
     """The TMA warp: the CTA's K and V once, then Q, dO and the row statistics of each step. ``SEQ`` (the
     dK / dV kernel): the CTA and its steps from :func:`_kv_tile` (packed sequences, the window); otherwise
-    (the fused kernel) from :func:`_tile_coords`, dense."""
+    (the fused kernel) from :func:`_tile_coords`, dense. ``kv_split`` (the dK / dV kernel's GQA split): the
+    CTA's head is one of ``kv_split`` slices of a kv head's query group; K and V are the kv head's."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
     C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
@@ -308,10 +316,10 @@ def _producer(bufs, sizes, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_W
         start = _shift_start(n_block, n_m, n_n_blocks, SHIFT)
     mbarrier.expect(kv_ready, 2 * NUM_WG * k_desc.block_type.nbytes)
     for w in gl.static_range(NUM_WG):
-        tma.async_copy_global_to_shared(k_desc, [b, hk, k_start + n0 + w * BLOCK_N_WG, 0], kv_ready,
-                                        k_smem.index(w))
-        tma.async_copy_global_to_shared(v_desc, [b, hk, k_start + n0 + w * BLOCK_N_WG, 0], kv_ready,
-                                        v_smem.index(w))
+        tma.async_copy_global_to_shared(k_desc, [b, hk // kv_split, k_start + n0 + w * BLOCK_N_WG, 0],
+                                        kv_ready, k_smem.index(w))
+        tma.async_copy_global_to_shared(v_desc, [b, hk // kv_split, k_start + n0 + w * BLOCK_N_WG, 0],
+                                        kv_ready, v_smem.index(w))
     c = 0
     for g in range(group):
         h = hk * group + g
@@ -574,8 +582,10 @@ def _store_rows(ptr, x, row0, n_rows, head, stride_row, stride_head):
 @gluon.jit
 def _consumer(w: gl.constexpr, bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_WG: gl.constexpr, PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr,
-              THREAD_ARRIVE: gl.constexpr, turn, TURNS: gl.constexpr):
-    """Consumer warpgroup ``w``: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63."""
+              THREAD_ARRIVE: gl.constexpr, turn, TURNS: gl.constexpr, PARTIAL: gl.constexpr):
+    """Consumer warpgroup ``w``: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63. ``PARTIAL`` (the GQA split):
+    stored in fp32 to head ``batch x heads + head`` of the partials (``dk_ptr`` / ``dv_ptr`` with their row
+    and head strides), rows past the sequence's keys dropped."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
      q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
     C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks, n_tiles = sizes
@@ -632,7 +642,11 @@ def _consumer(w: gl.constexpr, bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGE
     n0, bc, b, hk, q_start, k_start, rows_q, rows_k, lo, hi = _kv_tile(
         gl.program_id(0), sizes, seq, NUM_WG * BLOCK_N_WG, BLOCK_M, CAUSAL)
     k0 = n0 + w * BLOCK_N_WG
-    if varlen != 0 and k0 + BLOCK_N_WG > rows_k:
+    if PARTIAL:
+        n_v = n_heads // group
+        _store_rows(dk_ptr, dk, k_start + k0, rows_k - k0, bc * n_v + hk, dk_sr, dk_sh)
+        _store_rows(dv_ptr, dv, k_start + k0, rows_k - k0, bc * n_v + hk, dv_sr, dv_sh)
+    elif varlen != 0 and k0 + BLOCK_N_WG > rows_k:
         # The warpgroup's keys reach past its sequence's end: only its own rows are stored.
         _store_rows(dk_ptr, dk.to(dtype), k_start + k0, rows_k - k0, hk, dk_sr, dk_sh)
         _store_rows(dv_ptr, dv.to(dtype), k_start + k0, rows_k - k0, hk, dv_sr, dv_sh)
@@ -650,36 +664,36 @@ def _consumer(w: gl.constexpr, bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGE
 @gluon.jit
 def _consumer0(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, turn,
-               TURNS: gl.constexpr):
+               TURNS: gl.constexpr, PARTIAL: gl.constexpr):
     _consumer(0, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, THREAD_ARRIVE, turn,
-              TURNS)
+              TURNS, PARTIAL)
 
 
 @gluon.jit
 def _consumer1(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, turn,
-               TURNS: gl.constexpr):
+               TURNS: gl.constexpr, PARTIAL: gl.constexpr):
     _consumer(1, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, THREAD_ARRIVE, turn,
-              TURNS)
+              TURNS, PARTIAL)
 
 
 @gluon.jit
 def _consumer2(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, turn,
-               TURNS: gl.constexpr):
+               TURNS: gl.constexpr, PARTIAL: gl.constexpr):
     _consumer(2, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, THREAD_ARRIVE, turn,
-              TURNS)
+              TURNS, PARTIAL)
 
 
-@gluon.jit(do_not_specialize=SIZE_ARGS + SEQ_ARGS)
+@gluon.jit(do_not_specialize=SIZE_ARGS + SEQ_ARGS + ["kv_split"])
 def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, m_desc, l_desc, delta_desc,
                                C1, scale_ds, n_heads, group, head_group, seqlen_q, seqlen_k, n_n_blocks,
                                n_tiles, cu_q_ptr, cu_k_ptr, out0_ptr, out1_ptr, varlen, window_left,
                                out0_stride_row, out0_stride_head, out1_stride_row, out1_stride_head,
-                               CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+                               kv_split, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                                NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PIPELINE: gl.constexpr,
                                PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr = False,
-                               TURNS: gl.constexpr = 0):
+                               TURNS: gl.constexpr = 0, PARTIAL: gl.constexpr = False):
     """dk, dv of key block / kv head ``program_id(0)`` of ``n_tiles`` = n_n_blocks x batch x kv heads.
     Descriptors over (B, H, S, D): q / do (B, Hq, Sq, D), k / v / dk / dv (B, Hkv, Sk, D); m, l, delta
     (B, Hq, Sq) contiguous fp32; kv head = q head // group. ``varlen`` != 0: packed sequences, the
@@ -687,7 +701,11 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     sequence b is rows cu_q[b]:cu_q[b+1] of q and cu_k[b]:cu_k[b+1] of k; out0 / out1 = dk / dv (packed,
     with their row and head strides: a sequence's last key block is stored by masked stores). Dense calls
     pass any pointers there. ``window_left``: query i sees key j only if i <= j + window_left (NO_WINDOW:
-    every key)."""
+    every key). ``PARTIAL`` (GQA split): each kv head's query group is split over ``kv_split`` CTAs per key
+    block (``group`` and ``n_tiles`` count the slices: ``group`` query heads per CTA, ``n_tiles`` =
+    n_n_blocks x batch x kv heads x kv_split), each storing fp32 dK / dV partials to out0 / out1: head
+    ``kv head x kv_split + slice`` of (B, Hkv x kv_split, Sk, D) dense (the head stride passed spans a
+    batch's heads) or (T, Hkv x kv_split, D) packed, summed afterwards in a fixed order."""
     gl.static_assert(NUM_WG == 2 or NUM_WG == 3)
     gl.static_assert(NUM_STAGES >= 2 or not PIPELINE)  # a pipelined step holds the previous step's slot
     gl.static_assert(TURNS == 0 or not PIPELINE)
@@ -722,19 +740,21 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     # (The argument tuples are written out: a tuple assigned to a name turns its constexprs into tensors.)
     if NUM_WG == 2:
         gl.warp_specialize([(_consumer0, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                          THREAD_ARRIVE, turn, TURNS)),
+                                          THREAD_ARRIVE, turn, TURNS, PARTIAL)),
                             (_consumer1, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                          THREAD_ARRIVE, turn, TURNS)),
-                            (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, False, False, seq, True))],
+                                          THREAD_ARRIVE, turn, TURNS, PARTIAL)),
+                            (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, False, False, seq, True,
+                                         kv_split))],
                            [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([(_consumer0, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                          THREAD_ARRIVE, turn, TURNS)),
+                                          THREAD_ARRIVE, turn, TURNS, PARTIAL)),
                             (_consumer1, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                          THREAD_ARRIVE, turn, TURNS)),
+                                          THREAD_ARRIVE, turn, TURNS, PARTIAL)),
                             (_consumer2, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                          THREAD_ARRIVE, turn, TURNS)),
-                            (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, False, False, seq, True))],
+                                          THREAD_ARRIVE, turn, TURNS, PARTIAL)),
+                            (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, False, False, seq, True,
+                                         kv_split))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 
 

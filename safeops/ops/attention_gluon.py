@@ -560,17 +560,37 @@ def _stat_view(t: torch.Tensor) -> torch.Tensor:
     return padded[..., :s]
 
 
+# GQA on the Gluon dK / dV kernel: one CTA per (key block, kv head) walks the whole query group, so with few
+# kv heads the grid is short and, causal, the first key blocks' CTAs (every query sees them) set the time:
+# TinyLlama's 32 / 4 heads at S=4K, D=64, are 128 CTAs for 132 SMs, each up to 8 heads x 32 query blocks.
+# At the head dims of SPLIT_HEAD_DIMS the group is split as the Triton kernel splits it (dkdv_split: two
+# query heads per CTA from a group of 4 on, one below), fp32 partials summed afterwards in a fixed order
+# (the same bits as the Triton kernels). H100, B1 32 / 4 heads S=4K D=64: backward 1.134 -> 0.637 ms causal,
+# 1.276 -> 1.089 ms without; D=128 (Llama-3-8B's 32 / 8 heads at S = 8K / 16K causal, B4 16 / 4 heads S=4K)
+# measured 0-5% slower split, so it stays whole there (bench/RESULTS.md, 2026-12-07).
+SPLIT_HEAD_DIMS = (64,)
+
+
 class BwdPlan:
     """The Gluon dK / dV launch of one backward signature (shapes, strides, dtypes, alignment, options)."""
 
     __slots__ = ("cfg", "block_shapes", "layouts", "stat_layout", "args", "launch", "copy", "scratch",
-                 "varlen", "window_left", "dummy")
+                 "varlen", "window_left", "dummy", "split")
 
     @staticmethod
-    def _kernel(K, d: int, causal: bool, sk: int, device: torch.device):
-        """(configuration, kernel, constexprs) of head dim ``d`` (``sk`` keys on ``device``)."""
+    def _kernel(K, d: int, causal: bool, sk: int, device: torch.device, partial: bool = False):
+        """(configuration, kernel, constexprs) of head dim ``d`` (``sk`` keys on ``device``; ``partial``: the
+        GQA split's form)."""
         cfg = K.BWD_CONFIGS[d]
-        return cfg, K.attn_bwd_dkdv_gluon_kernel, K.constexprs(cfg, causal)
+        return cfg, K.attn_bwd_dkdv_gluon_kernel, K.constexprs(cfg, causal, partial)
+
+    @staticmethod
+    def _split(group: int, kv_elements: int, d: int) -> int:
+        """CTAs per (key block, kv head): at the head dims of ``SPLIT_HEAD_DIMS`` the GQA split of the Triton
+        dk/dv kernel (``attention_launch.dkdv_split``; the same bits), else 1."""
+        from .attention_launch import dkdv_split
+
+        return dkdv_split(group, kv_elements) if d in SPLIT_HEAD_DIMS else 1
 
     def __init__(self, q, k, v, grad, causal: bool, c1: float, scale_ds: float, cu_q=None, max_q: int = 0,
                  max_k: int = 0, window_left: int = -1):
@@ -589,7 +609,8 @@ class BwdPlan:
             batch, hq, sq, d = q.shape
             hkv, sk = k.shape[1], k.shape[2]
             max_q, max_k = sq, sk
-        cfg, kernel, constexprs = self._kernel(K, d, causal, max_k, q.device)
+        split = self.split = self._split(hq // hkv, k.numel() + v.numel(), d)
+        cfg, kernel, constexprs = self._kernel(K, d, causal, max_k, q.device, split > 1)
         self.cfg = cfg
         dtype = "bfloat16" if q.dtype == torch.bfloat16 else "float16"
         shapes = K.block_shapes(cfg, d)
@@ -598,15 +619,18 @@ class BwdPlan:
         self.stat_layout = K.stat_layout(cfg)
         self.copy = tuple(not _tma_ok(t, varlen) for t in (q, k, v, grad))
         dk_like = torch.empty_like(k, device="meta")
-        self.scratch = not (dk_like.stride(-1) == 1 and all(
+        # (With the split the partials are written by plain stores and summed into dk / dv by a Triton
+        # launch that takes any strides: no scratch.)
+        self.scratch = split == 1 and not (dk_like.stride(-1) == 1 and all(
             s > 0 and s % (16 // k.element_size()) == 0 for s in _view4(dk_like, varlen)[1][:-1]))
         n_n_blocks = triton.cdiv(max_k, cfg.block_n)
-        n_tiles = n_n_blocks * batch * hkv
+        n_tiles = n_n_blocks * batch * hkv * split
         if n_tiles >= 2**31:
             raise ValueError(f"k: {n_tiles} key tiles, more than the 2**31 - 1 the launch grid allows")
-        qdo_bytes = 2 * (hq // hkv) * max(max_q, 1) * d * q.element_size()  # one kv head's Q and dO
-        head_group = max(1, min(batch * hkv, L2_CHUNK_BYTES // qdo_bytes))
-        self.args = (c1, scale_ds, hq, hq // hkv, head_group, sq, sk, n_n_blocks, n_tiles)
+        per = hq // (hkv * split)  # query heads per CTA
+        qdo_bytes = 2 * per * max(max_q, 1) * d * q.element_size()  # one CTA's Q and dO
+        head_group = max(1, min(batch * hkv * split, L2_CHUNK_BYTES // qdo_bytes))
+        self.args = (c1, scale_ds, hq, per, head_group, sq, sk, n_n_blocks, n_tiles)
         kwargs = dict(constexprs, **K.LAUNCH_OPTIONS, enable_fp_fusion=_config.fp_fusion)
         self.launch = KernelLaunch(kernel, (n_tiles,), kwargs)
 
@@ -625,8 +649,11 @@ class BwdPlan:
             m, l, delta = _aligned_stats((m, l, delta), cu_q)
 
         tensors = [_copy(t) if c else t for t, c in zip((q, k, v, grad), self.copy, strict=True)]
-        dk_ = torch.empty(k.shape, dtype=k.dtype, device=k.device) if self.scratch else dk
-        dv_ = torch.empty(v.shape, dtype=v.dtype, device=v.device) if self.scratch else dv
+        if self.split > 1:  # the dk / dv descriptors are never stored through: k's and v's stand in
+            dk_, dv_ = tensors[1], tensors[2]
+        else:
+            dk_ = torch.empty(k.shape, dtype=k.dtype, device=k.device) if self.scratch else dk
+            dv_ = torch.empty(v.shape, dtype=v.dtype, device=v.device) if self.scratch else dv
         tensors += [dk_, dv_]
         descs = [TensorDescriptor(t, *_view4(t, self.varlen), block, layout) for t, block, layout
                  in zip(tensors, self.block_shapes, self.layouts, strict=True)]
@@ -637,11 +664,36 @@ class BwdPlan:
     def __call__(self, q, k, v, grad, m, l, delta, dk, dv, cu_q=None, cu_k=None) -> None:
         """Writes dk and dv (k's and v's shapes and dtype; any layout)."""
         descs, dk_, dv_ = self._descriptors(q, k, v, grad, m, l, delta, dk, dv, cu_q)
+        if self.split > 1:
+            self._split_call(descs, k, v, dk, dv, cu_q, cu_k)
+            return
         self.launch(*descs, *self.args,
-                    *_seq_args(self.varlen, cu_q, cu_k, dk_, dv_, self.window_left, self.dummy))
+                    *_seq_args(self.varlen, cu_q, cu_k, dk_, dv_, self.window_left, self.dummy), 1)
         if dk_ is not dk:
             dk.copy_(dk_)
             dv.copy_(dv_)
+
+
+    def _split_call(self, descs, k, v, dk, dv, cu_q, cu_k) -> None:
+        """The GQA split: fp32 partials, slice j of kv head h at head h x split + j of (B, Hkv x split, Sk,
+        D) dense / (T, Hkv x split, D) packed, then one Triton launch adding each head's slices in order j =
+        0, 1, ... and rounding once into dk / dv (the Triton dk/dv kernel's split sum)."""
+        from .attention_launch import split_sum
+
+        split = self.split
+        if self.varlen:
+            parts = [torch.empty(t.shape[0], t.shape[1] * split, t.shape[2], dtype=torch.float32,
+                                 device=t.device) for t in (k, v)]
+            strides = [s for p in parts for s in (p.stride(0), p.stride(1))]
+            seq = (cu_q, cu_k, *parts, 1)
+        else:  # head index batch x heads + head: the head stride spans a batch's heads (contiguous)
+            parts = [torch.empty(t.shape[0], t.shape[1] * split, *t.shape[2:], dtype=torch.float32,
+                                 device=t.device) for t in (k, v)]
+            strides = [s for p in parts for s in (p.stride(2), p.stride(1))]
+            seq = (self.dummy, self.dummy, *parts, 0)
+        wl = self.window_left if self.window_left >= 0 else bwd_kernels().NO_WINDOW
+        self.launch(*descs, *self.args, *seq, wl, *strides, split)
+        split_sum(parts[0], parts[1], dk, dv, split, self.varlen, None)
 
 
 class DqPlan:
@@ -707,12 +759,16 @@ class FusedPlan(BwdPlan):
     __slots__ = ("n_m_blocks", "scale_ds", "acc_block", "acc_layout")
 
     @staticmethod
-    def _kernel(K, d: int, causal: bool, sk: int, device: torch.device):
+    def _kernel(K, d: int, causal: bool, sk: int, device: torch.device, partial: bool = False):
         cfg = K.FUSED_CONFIGS[d]
         # (The SM count is read only when the shifted order is asked for.)
         shift = cfg.shift and not causal and K.fused_shift(cfg, causal, triton.cdiv(sk, cfg.block_n),
                                                             _num_sms(device.index))
         return cfg, K.attn_bwd_fused_gluon_kernel, K.fused_constexprs(cfg, causal, shift)
+
+    @staticmethod
+    def _split(group: int, kv_elements: int, d: int) -> int:
+        return 1  # one CTA per (key block, kv head): its dq additions run in a fixed order of key blocks
 
     def __init__(self, q, k, v, grad, causal: bool, c1: float, scale_ds: float):
         super().__init__(q, k, v, grad, causal, c1, scale_ds)

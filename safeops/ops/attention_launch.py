@@ -365,7 +365,7 @@ SPLIT_SUM_BLOCK_R = 32
 SPLIT_SUM_WARPS = 8
 
 
-def _split_sum(dk_part, dv_part, dk, dv, split: int, varlen: bool, record: list | None) -> None:
+def split_sum(dk_part, dv_part, dk, dv, split: int, varlen: bool, record: list | None) -> None:
     """dk / dv = the fp32 partials of each kv head's SPLIT programs (heads h * split .. h * split + split - 1
     of dk_part / dv_part), added in a fixed order and rounded once to dk's / dv's dtype: one launch. Rows are
     (batch, kv head, position); a packed tensor is one batch of T positions (``_bhs``: batch stride 0)."""
@@ -504,7 +504,7 @@ def _dkdv_triton(p: _Problem, q_, k_, v_, g_, dk, dv, dk_, dv_, row_max, row_sum
         record=record,
     )
     if split > 1:
-        _split_sum(dkp, dvp, dk_, dv_, split, p.varlen, record)
+        split_sum(dkp, dvp, dk_, dv_, split, p.varlen, record)
 
 
 def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q, max_k,
