@@ -529,7 +529,8 @@ def test_gluon_backward_packed_and_window_launches(causal, d, monkeypatch, recor
     Gluon dQ and dK / dV kernels (the compiled signatures): descriptors over (1, H, T, D) views and the
     statistics over (1, H, T), cu_seqlens, the packed outputs with their row and head strides, varlen 1
     and the window; the grid counts the longest sequence's blocks per sequence. Off, the path says why.
-    At D=64 (group 2) dK / dV take the GQA split: fp32 partials (T, Hkv x split, D), one query head per CTA."""
+    At D=64 (group 2) dK / dV take the GQA split: fp32 partials (T, Hkv x split, D), one query head per
+    CTA."""
     from safeops.kernels import attention_gluon_bwd as KB
 
     _on_hopper(monkeypatch)
