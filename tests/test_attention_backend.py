@@ -522,6 +522,56 @@ def test_gluon_dq_launch_matches_the_compiled_signature(monkeypatch, recorded):
     assert args[16].dtype == torch.int32 and args[18] is dq and args[20:] == (0, KB.NO_WINDOW, 0, 0, 0, 0)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["pair", "fused"])
+def test_gluon_backward_plan_replays_the_general_launches(fused, monkeypatch, recorded):
+    """A backward whose dq comes from a Gluon kernel keeps a plan (``_GluonBwdPlan``): the second call of the
+    same signature skips the general path and makes the same launches with its own tensors -- the
+    delta-only Triton dq launch (interpreted here: delta is checked), then the kept Gluon plans (the dQ and
+    dK / dV pair, D=64 GQA with the split; or the fused kernel, non-causal D=128)."""
+    _on_hopper(monkeypatch)
+    monkeypatch.setattr(G, "GLUON_DQ", True)
+    d, hkv, causal = (128, 4, False) if fused else (64, 1, True)
+    if not fused:
+        monkeypatch.setattr(G, "FUSED_NONCAUSAL", ())
+    sq = 130
+
+    def inputs():
+        q = torch.randn(1, 4, sq, d).to(BF16)
+        k, v = (torch.randn(1, hkv, 90, d).to(BF16) for _ in range(2))
+        o, g = (torch.randn(1, 4, sq, d).to(BF16) for _ in range(2))
+        return q, k, v, o, g, torch.randn(1, 4, sq), torch.rand(1, 4, sq) + 1
+
+    options = (None, 0, None, None, sq, 90, causal, 0.1, None, -1, 0 if causal else -1, 0)
+    general_calls = []
+    general = L._backward_general
+    monkeypatch.setattr(L, "_backward_general", lambda *a, **kw: general_calls.append(1) or general(*a, **kw))
+    calls = []
+    for _ in range(2):
+        q, k, v, o, g, m, l = inputs()
+        n = len(recorded)
+        dq, dk, dv = L.backward(g, q, k, v, o, m, l, *options)
+        calls.append(((q, k, v, o, g), recorded[n:]))
+    assert len(general_calls) == 1  # the second call replayed the plan
+    (plan,) = L._bwd_plans.values()
+    assert type(plan) is L._GluonBwdPlan and (plan.fused is not None) == fused
+    (_, first), ((q, k, v, o, g), second) = calls
+    assert len(first) == len(second) == (1 if fused else 2)
+    for (grid_a, kw_a, args_a), (grid_b, kw_b, args_b) in zip(first, second, strict=True):
+        assert grid_a == grid_b and kw_a is kw_b  # the same kept launch
+        assert _arg_kinds(args_a) == _arg_kinds(args_b)
+        scalars = [[a for a in args if not isinstance(a, torch.Tensor) and not hasattr(a, "base")]
+                   for args in (args_a, args_b)]
+        assert scalars[0] == scalars[1]
+        assert all(x.base is t for x, t in zip(args_b[:4], (q, k, v, g), strict=True))
+    if not fused:
+        assert type(plan.dkdv) is G.BwdPlan and plan.dkdv.split == 2  # group 4 at D=64
+    # delta from the replayed delta-only launch (the Gluon kernels read it: dQ's argument 7, the fused
+    # kernel's descriptor 8, a padded copy when Sq is not a multiple of 4)
+    delta = second[0][2][8].base[..., :sq] if fused else second[0][2][7]
+    expected = (o.double() * g.double()).sum(-1)
+    torch.testing.assert_close(delta.double(), expected, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("d", [128, 64])
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
 def test_gluon_backward_packed_and_window_launches(causal, d, monkeypatch, recorded):
@@ -756,8 +806,9 @@ def test_gluon_fused_shift_only_where_a_head_fits(monkeypatch, recorded, sms, sh
 
 def test_backward_settings_edge_cases(monkeypatch, recorded):
     """A bad SAFEOPS_GLUON_BWD fails the backward's path choice only (forwards run); a forced Triton backward
-    configuration keeps dq off the Gluon kernel too; a backward whose dq the Gluon kernel computes keeps no
-    Triton plan (which would replay only the delta launch); clear_plans() drops the Gluon plans."""
+    configuration keeps dq off the Gluon kernel too; a backward whose dq the Gluon kernel computes keeps a
+    Gluon backward plan (the delta launch and the Gluon launches, never the delta launch alone);
+    clear_plans() drops the Gluon plans."""
     _on_hopper(monkeypatch)
     monkeypatch.setattr(G, "GLUON_DQ", True)
     monkeypatch.setattr(G, "FUSED_NONCAUSAL", ())  # the dK / dV + dQ pair, not the fused kernel
@@ -778,7 +829,7 @@ def test_backward_settings_edge_cases(monkeypatch, recorded):
         L.backward(g, q, k, v, o, m, l, *options)
     kernels = [kw.get("CONSUMER_REGS") is not None and "NUM_WG" in kw for _, kw, _ in recorded]
     assert len(recorded) == 4 and all(kernels)
-    assert all(p is L._GENERAL for p in L._bwd_plans.values())
+    assert [type(p) for p in L._bwd_plans.values()] == [L._GluonBwdPlan]
     assert L._gluon_bwd_plans
     L.clear_plans()
     assert not L._gluon_bwd_plans and not L._gluon_plans

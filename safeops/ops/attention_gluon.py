@@ -145,7 +145,7 @@ def settings() -> tuple:
     return (_config.gluon_enabled(), _config.gluon_bwd_setting(), PERSISTENT, PERSISTENT_NONCAUSAL,
             L2_CHUNK_BYTES, reason, Plan, device_reason, bwd_reason, GLUON_DQ, dq_reason, GLUON_SINKS,
             GLUON_WINDOW, GLUON_FUSED, FUSED_NONCAUSAL, FUSED_PLAIN_NONCAUSAL, fused_reason, GLUON_BWD_SEQ,
-            SEQ_HEAD_DIMS, GLUON_SOFTCAP)
+            SEQ_HEAD_DIMS, GLUON_SOFTCAP, SPLIT_HEAD_DIMS)
 
 
 # ------------------------------------------------------------------------------------------------------

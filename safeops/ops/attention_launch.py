@@ -555,16 +555,22 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
         **_launch_options(qc), record=record,
     )
     if fused:
-        _gluon_launch(_gluon.FusedPlan, (q_, k_, v_, g_), (dq_, dk_, dv_), is_causal, c1, scale_ds)(
-            q_, k_, v_, g_, row_max, row_sum, delta, dq_, dk_, dv_)
+        plan = _gluon_launch(_gluon.FusedPlan, (q_, k_, v_, g_), (dq_, dk_, dv_), is_causal, c1, scale_ds)
+        plan(q_, k_, v_, g_, row_max, row_sum, delta, dq_, dk_, dv_)
+        if record is not None:
+            record.append((_GLUON, plan, (q_, k_, v_, g_, dq_, dk_, dv_)))
     elif gluon_dq:
-        _gluon_launch(_gluon.DqPlan, (q_, k_, v_, g_), (dq_,), is_causal, c1, scale_ds, seq)(
-            q_, k_, v_, g_, row_max, row_sum, delta, dq_, cu_q, cu_k)
+        plan = _gluon_launch(_gluon.DqPlan, (q_, k_, v_, g_), (dq_,), is_causal, c1, scale_ds, seq)
+        plan(q_, k_, v_, g_, row_max, row_sum, delta, dq_, cu_q, cu_k)
+        if record is not None:
+            record.append((_GLUON, plan, (q_, k_, v_, g_, dq_)))
     if fused:
         pass  # dk / dv came with dq
     elif not gluon_bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype):
-        _gluon_launch(_gluon.BwdPlan, (q_, k_, v_, g_), (dk_, dv_), is_causal, c1, scale_ds, seq)(
-            q_, k_, v_, g_, row_max, row_sum, delta, dk_, dv_, cu_q, cu_k)
+        plan = _gluon_launch(_gluon.BwdPlan, (q_, k_, v_, g_), (dk_, dv_), is_causal, c1, scale_ds, seq)
+        plan(q_, k_, v_, g_, row_max, row_sum, delta, dk_, dv_, cu_q, cu_k)
+        if record is not None:
+            record.append((_GLUON, plan, (q_, k_, v_, g_, dk_, dv_)))
     else:
         _dkdv_triton(p, q_, k_, v_, g_, dk, dv, dk_, dv_, row_max, row_sum, delta, st, common, block_d,
                      c1, c2, scale_ds, record)
@@ -589,7 +595,9 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
 # with the same arguments, so the kernels and their bits are the same (a plan with TMA loads sets Triton's
 # per-thread scratch allocator first, as the general path does). Layouts the plan does not cover (inputs
 # that need a copy to unit head-dim stride, empty tensors) run the general path on every call. A forward
-# the Gluon kernel takes (``gluon_reason``) is kept as an ``attention_gluon.Plan`` instead. Editing
+# the Gluon kernel takes (``gluon_reason``) is kept as an ``attention_gluon.Plan`` instead, and a backward
+# whose dq a Gluon kernel computes as a ``_GluonBwdPlan`` (the delta-only Triton launch, then the kept
+# Gluon plans): the general path's checks and path choices cost ~80 us of host time per call (H100 host). Editing
 # a config table in place is not seen: call ``clear_plans()`` after that.
 
 _GENERAL = "general"
@@ -668,6 +676,18 @@ class _FwdPlan:
 class _BwdPlan:
     __slots__ = ("dkdv", "dkdv_scalars", "dq", "dq_scalars", "split", "part_shape",
                  "sum", "sum_scalars", "mask_bool", "varlen", "grad_dtype", "tma")
+
+
+# A record entry of a Gluon backward plan the general path ran: (_GLUON, plan, the tensors it was given).
+_GLUON = "gluon"
+
+
+class _GluonBwdPlan:
+    """The backward's launches where the Gluon kernels compute dq (the dK / dV + dQ pair, or the fused
+    kernel): the delta-only launch of the Triton dq kernel, then the kept Gluon plans, called as the general
+    path calls them."""
+
+    __slots__ = ("delta", "delta_scalars", "fused", "dq", "dkdv", "varlen", "tma")
 
 
 def _forward_plan(q, k, v, mask, cu_q, out_dtype, sinks, result, record) -> _FwdPlan | str:
@@ -819,9 +839,49 @@ def forward(q, k, v, mask, mask_kind, cu_q, cu_k, max_q, max_k, is_causal, scale
     return out, row_max, row_sum
 
 
-def _backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype, sinks, result, record
-                   ) -> _BwdPlan | str:
+def _gluon_backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype, sinks, result, record
+                         ) -> _GluonBwdPlan | str:
+    """The plan of a backward whose dq came from a Gluon kernel (``record``: the delta-only Triton launch,
+    then the Gluon plans with their tensors), if every tensor the general path passed is the call's own (no
+    copy, no scratch output); else ``_GENERAL``."""
     dq, dk, dv = result[:3]
+    (kernel, grid, args_q, kw_q), *gluon = record
+    if mask is not None or grad_dtype is not None or not gluon or any(r[0] != _GLUON for r in gluon):
+        return _GENERAL
+    scalars = _split_args(args_q[:12] + args_q[14:], 12)
+    inputs = (q, k, v, grad)
+    if (scalars is None or not all(a is t for a, t in zip(args_q[:4], inputs, strict=True))
+            or args_q[4] is not out or args_q[5] is not dq or args_q[6] is not row_max
+            or args_q[7] is not row_sum or args_q[12] is not sinks
+            or (args_q[13] is None) != (sinks is None)):
+        return _GENERAL
+    plans = [r[1] for r in gluon]
+    expected = ([(_gluon.FusedPlan, (dq, dk, dv))] if len(gluon) == 1 else
+                [(_gluon.DqPlan, (dq,)), (_gluon.BwdPlan, (dk, dv))])
+    if len(expected) != len(gluon):
+        return _GENERAL
+    for (_, plan, tensors), (cls, outputs) in zip(gluon, expected, strict=True):
+        if type(plan) is not cls or len(tensors) != 4 + len(outputs) or not all(
+                a is t for a, t in zip(tensors, inputs + outputs, strict=True)):
+            return _GENERAL
+    plan = _GluonBwdPlan()
+    plan.tma = bool(kw_q.get("USE_TMA"))
+    plan.delta = _launcher(kernel, grid, kw_q, q.device)
+    plan.delta_scalars = scalars
+    plan.fused = plans[0] if len(plans) == 1 else None
+    plan.dq, plan.dkdv = (None, None) if len(plans) == 1 else plans
+    plan.varlen = cu_q is not None
+    return plan
+
+
+def _backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype, sinks, result, record
+                   ) -> _BwdPlan | _GluonBwdPlan | str:
+    dq, dk, dv = result[:3]
+    if record and record[0][3].get("DELTA_ONLY"):  # dq from a Gluon kernel
+        return _gluon_backward_plan(grad, q, k, v, out, row_max, row_sum, mask, cu_q, grad_dtype, sinks,
+                                    result, record)
+    if any(r[0] == _GLUON for r in record):  # Gluon dK / dV beside the Triton dq kernel
+        return _GENERAL
     if len(record) == 3:  # dq (and delta), dk/dv, the split's sum
         record, sum_launch = record[:2], record[2]
     elif len(record) == 2:
@@ -901,6 +961,23 @@ def backward(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, 
         return _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_q, cu_k, max_q,
                                  max_k, is_causal, scale, softcap, wl, wr, precision, grad_dtype=grad_dtype,
                                  sinks=sinks)
+    if plan.__class__ is _GluonBwdPlan:
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        delta = torch.empty_like(row_max)
+        dsink_rows = None if sinks is None else torch.empty_like(row_max)
+        if plan.tma:
+            ensure_tma_allocator()
+        cq, ck = (cu_q, cu_k) if plan.varlen else (q, q)
+        plan.delta(q, k, v, grad, out, dq, row_max, row_sum, delta, q, cq, ck, sinks, dsink_rows,
+                   *plan.delta_scalars)
+        if plan.fused is not None:
+            plan.fused(q, k, v, grad, row_max, row_sum, delta, dq, dk, dv)
+        else:
+            plan.dq(q, k, v, grad, row_max, row_sum, delta, dq, cu_q, cu_k)
+            plan.dkdv(q, k, v, grad, row_max, row_sum, delta, dk, dv, cu_q, cu_k)
+        if sinks is not None:
+            return dq, dk, dv, sinks_gradient(dsink_rows, plan.varlen)
+        return dq, dk, dv
     device = q.device
     if grad_dtype is None:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
