@@ -597,8 +597,9 @@ def _backward_general(grad, q, k, v, out, row_max, row_sum, mask, mask_kind, cu_
 # that need a copy to unit head-dim stride, empty tensors) run the general path on every call. A forward
 # the Gluon kernel takes (``gluon_reason``) is kept as an ``attention_gluon.Plan`` instead, and a backward
 # whose dq a Gluon kernel computes as a ``_GluonBwdPlan`` (the delta-only Triton launch, then the kept
-# Gluon plans): the general path's checks and path choices cost ~80 us of host time per call (H100 host). Editing
-# a config table in place is not seen: call ``clear_plans()`` after that.
+# Gluon plans; the general path's checks, path choices and plan lookups cost ~110 us of host time per call
+# on the H100 machine's host). Editing a config table in place is not seen: call ``clear_plans()`` after
+# that.
 
 _GENERAL = "general"
 _PLANS_MAX = 1024
