@@ -63,6 +63,10 @@ SHAPES = {
     "b2h16s8k-d64-dense": (2, 16, 16, 8192, 64, False),
     "b8h16s2k-d64-dense": (8, 16, 16, 2048, 64, False),
     "b16h16s1k-d128-dense": (16, 16, 16, 1024, 128, False),
+    # GQA with few kv heads: TinyLlama's 32 / 4 heads (bench/model.py's layer), a 16 / 4 group at D=128.
+    "tinyllama-s4k": (1, 32, 4, 4096, 64, True),
+    "tinyllama-s4k-dense": (1, 32, 4, 4096, 64, False),
+    "b4s4k-gqa4-d128-causal": (4, 16, 4, 4096, 128, True),
     "b4s4k-d128-causal-w1k": (4, 16, 16, 4096, 128, True, 1024),
     "b4s4k-d64-w1k": (4, 16, 16, 4096, 64, False, 1024),
     "docs16k-d128-causal": (1, 16, 16, sum(DOCS), 128, True, -1, DOCS),
@@ -81,6 +85,8 @@ class Variant:
     head_dims: tuple = (64, 128)
     seq: bool = False  # attention_gluon.GLUON_BWD_SEQ: packed sequences and windows on the Gluon kernels
     fused_noncausal: tuple | None = None  # attention_gluon.FUSED_NONCAUSAL, if not the shipped one
+    split_head_dims: tuple | None = None  # attention_gluon.SPLIT_HEAD_DIMS (the dK / dV GQA split)
+    heads_per_program: int | None = None  # attention_launch.DKDV_HEADS_PER_PROGRAM (the split's slices)
 
 
 # The named fused variants below start from the plain order without the row statistics (the D=128 default
@@ -110,6 +116,10 @@ VARIANTS = {
     "fused_together_ds_rs": Variant(fused=dict(st_dpt_together=True, ds_rs=True), head_dims=(128,)),
     "fused_together_dqe": Variant(fused=dict(st_dpt_together=True, dq_early=True), head_dims=(128,)),
     # D=64: the TMA writer needs dQ split by head-dim columns (FUSED_CONFIGS[64] splits by keys).
+    # The dK / dV kernel's GQA split (pair only): off, at every head dim, one query head per CTA.
+    "no_split": Variant(fused_noncausal=(), split_head_dims=()),
+    "split_all": Variant(fused_noncausal=(), split_head_dims=(64, 128)),
+    "split_all_1": Variant(fused_noncausal=(), split_head_dims=(64, 128), heads_per_program=1),
     "fused64_tma": Variant(fused=dict(TMA, split_d=True), head_dims=(64,)),
     "fused64_tma_rs": Variant(fused=dict(TMA, split_d=True, row_stats=True), head_dims=(64,)),
     "fused64_tma_dqe_rs": Variant(fused=dict(TMA, split_d=True, dq_early=True, row_stats=True),
@@ -140,6 +150,10 @@ def applied(variant: Variant, d: int):
         stack.enter_context(mock.patch.object(G, "GLUON_BWD_SEQ", variant.seq))
         if variant.fused_noncausal is not None:
             stack.enter_context(mock.patch.object(G, "FUSED_NONCAUSAL", variant.fused_noncausal))
+        if variant.split_head_dims is not None:
+            stack.enter_context(mock.patch.object(G, "SPLIT_HEAD_DIMS", variant.split_head_dims))
+        if variant.heads_per_program is not None:
+            stack.enter_context(mock.patch.object(L, "DKDV_HEADS_PER_PROGRAM", variant.heads_per_program))
         if variant.fused is not None:
             cfg = dataclasses.replace(KB.FUSED_CONFIGS[d], **variant.fused)
             stack.enter_context(mock.patch.dict(KB.FUSED_CONFIGS, {d: cfg}))
