@@ -529,6 +529,7 @@ def test_gluon_backward_plan_replays_the_general_launches(fused, monkeypatch, re
     delta-only Triton dq launch (interpreted here: delta is checked), then the kept Gluon plans (the dQ and
     dK / dV pair, D=64 GQA with the split; or the fused kernel, non-causal D=128)."""
     _on_hopper(monkeypatch)
+    L.kernels(), G.bwd_kernels()  # loaded: a plan made before a module's first use is dropped once
     monkeypatch.setattr(G, "GLUON_DQ", True)
     d, hkv, causal = (128, 4, False) if fused else (64, 1, True)
     if not fused:
@@ -570,6 +571,44 @@ def test_gluon_backward_plan_replays_the_general_launches(fused, monkeypatch, re
     delta = second[0][2][8].base[..., :sq] if fused else second[0][2][7]
     expected = (o.double() * g.double()).sum(-1)
     torch.testing.assert_close(delta.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_gluon_backward_plan_replays_packed_with_sinks(monkeypatch, recorded):
+    """The kept Gluon backward plan of a packed (varlen) D=64 GQA call with a left window and sinks: the
+    second call replays it, passing cu_seqlens and the window to the Gluon launches as the general path did,
+    and the sinks' gradient (from the replayed delta-only Triton launch, interpreted here) has the general
+    path's bits."""
+    _on_hopper(monkeypatch)
+    L.kernels(), G.bwd_kernels()
+    monkeypatch.setattr(G, "GLUON_DQ", True)
+    d, wl = 64, 40
+    cu = torch.tensor([0, 70, 71, 202], dtype=torch.int32)
+    q, o, g = (torch.randn(202, 8, d).to(BF16) for _ in range(3))
+    k, v = (torch.randn(202, 2, d).to(BF16) for _ in range(2))
+    m, l = torch.randn(8, 202), torch.rand(8, 202) + 1
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.5, -0.5, 0.25, 3.0])
+    options = (None, 0, cu, cu, 131, 131, True, 0.1, None, wl, 0, 0)
+    general_calls = []
+    general = L._backward_general
+    monkeypatch.setattr(L, "_backward_general", lambda *a, **kw: general_calls.append(1) or general(*a, **kw))
+    results, launches = [], []
+    for _ in range(2):
+        n = len(recorded)
+        results.append(L.backward(g, q, k, v, o, m, l, *options, sinks=sinks))
+        launches.append(recorded[n:])
+    assert len(general_calls) == 1
+    (plan,) = L._bwd_plans.values()
+    assert type(plan) is L._GluonBwdPlan and plan.varlen and plan.dkdv.split == 2  # group 4: 2 heads / CTA
+    for (grid_a, kw_a, args_a), (grid_b, kw_b, args_b) in zip(*launches, strict=True):
+        assert grid_a == grid_b and kw_a is kw_b and _arg_kinds(args_a) == _arg_kinds(args_b)
+        # The packed arguments: cu_seqlens (twice), the outputs, varlen, the window, the outputs' strides.
+        i = next(j for j, x in enumerate(args_b) if x is cu)
+        seq_a, seq_b = args_a[i:i + 10], args_b[i:i + 10]
+        assert seq_a[0] is cu and seq_b[1] is cu and seq_b[4:6] == (1, wl)
+        assert [x for x in seq_a if not isinstance(x, torch.Tensor)] == [
+            x for x in seq_b if not isinstance(x, torch.Tensor)]
+    assert len(results[0]) == len(results[1]) == 4
+    assert torch.equal(results[0][3], results[1][3])  # the sinks' gradient, general path vs plan
 
 
 @pytest.mark.parametrize("d", [128, 64])

@@ -145,7 +145,18 @@ def settings() -> tuple:
     return (_config.gluon_enabled(), _config.gluon_bwd_setting(), PERSISTENT, PERSISTENT_NONCAUSAL,
             L2_CHUNK_BYTES, reason, Plan, device_reason, bwd_reason, GLUON_DQ, dq_reason, GLUON_SINKS,
             GLUON_WINDOW, GLUON_FUSED, FUSED_NONCAUSAL, FUSED_PLAIN_NONCAUSAL, fused_reason, GLUON_BWD_SEQ,
-            SEQ_HEAD_DIMS, GLUON_SOFTCAP, SPLIT_HEAD_DIMS)
+            SEQ_HEAD_DIMS, GLUON_SOFTCAP, SPLIT_HEAD_DIMS, _bwd_tables())
+
+
+def _bwd_tables() -> tuple:
+    """The Gluon backward module's configuration tables (by identity) and head-dim switches: replacing one
+    drops the kept plans, as for this module's switches (editing a table in place is not seen, as for the
+    Triton tables). Empty until the module is loaded (the first time a backward asks for the Gluon path)."""
+    K = _bwd_kernels
+    if K is None:
+        return ()
+    return (id(K.BWD_CONFIGS), id(K.DQ_CONFIGS), id(K.FUSED_CONFIGS), K.AUTO_HEAD_DIMS,
+            K.AUTO_HEAD_DIMS_NONCAUSAL)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -411,9 +422,11 @@ def dq_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_
 # without a window), at the head dims of SEQ_HEAD_DIMS. D=128: 1.25-1.28x the Triton backward on packed
 # documents and a 1K window, the same bits. D=64 measured 2-3% slower than the Triton kernels there, but a
 # packed sequence must get the bits of the same sequence alone (contract section 6), which a dense D=64
-# call computes on the Gluon kernels; with GQA the Triton kernels' split sums give other last bits (GPU test
-# test_gqa_split_backward_bits), so packed and windowed D=64 calls take the Gluon kernels too
-# (bench/RESULTS.md). Packed statistics are re-laid for TMA (_aligned_stats).
+# call computes on the Gluon kernels; with GQA the Triton kernels' split sums gave other last bits then
+# (GPU test test_gqa_split_backward_bits), so packed and windowed D=64 calls take the Gluon kernels too
+# (bench/RESULTS.md). Since the Gluon dK / dV kernel splits GQA groups as the Triton one does (D=64,
+# SPLIT_HEAD_DIMS, 2026-12-07) that reason is gone; the choice stands until packed D=64 is measured again.
+# Packed statistics are re-laid for TMA (_aligned_stats).
 GLUON_BWD_SEQ = True
 SEQ_HEAD_DIMS = (64, 128)
 
@@ -662,7 +675,8 @@ class BwdPlan:
         return descs, dk_, dv_
 
     def __call__(self, q, k, v, grad, m, l, delta, dk, dv, cu_q=None, cu_k=None) -> None:
-        """Writes dk and dv (k's and v's shapes and dtype; any layout)."""
+        """Writes dk and dv (k's and v's shapes and dtype; any layout, with the split one of unit stride
+        along the head dim, as the launcher's ``_scratch`` gives)."""
         descs, dk_, dv_ = self._descriptors(q, k, v, grad, m, l, delta, dk, dv, cu_q)
         if self.split > 1:
             self._split_call(descs, k, v, dk, dv, cu_q, cu_k)
