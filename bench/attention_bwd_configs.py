@@ -67,6 +67,7 @@ SHAPES = {
     "tinyllama-s4k": (1, 32, 4, 4096, 64, True),
     "tinyllama-s4k-dense": (1, 32, 4, 4096, 64, False),
     "b4s4k-gqa4-d128-causal": (4, 16, 4, 4096, 128, True),
+    "b1s4k-gqa8-d128-causal": (1, 32, 4, 4096, 128, True),  # 128 CTAs unsplit, as TinyLlama's at D=64
     "b4s4k-d128-causal-w1k": (4, 16, 16, 4096, 128, True, 1024),
     "b4s4k-d64-w1k": (4, 16, 16, 4096, 64, False, 1024),
     "docs16k-d128-causal": (1, 16, 16, sum(DOCS), 128, True, -1, DOCS),
