@@ -36,7 +36,9 @@ checks told this is a GPU). ``--cast`` runs only these tables.
 attention function as the model calls it (module, mask and keyword arguments captured from a small
 LlamaForCausalLM), ``safeops.attention`` forward and forward + backward through autograd, the registered
 ops, their implementations, and the launcher's forward and backward (cached plans, and the general path that
-makes every decision again). On the GPU: torch's SDPA (and transformers' sdpa function) as the yardstick at
+makes every decision again); with ``--cpu`` a second table runs the same layers on the Gluon route (the
+sm_90 default: the device check answering as on an H100 / H200, the Gluon plans' launches no-ops, their
+TMA descriptors still built). On the GPU: torch's SDPA (and transformers' sdpa function) as the yardstick at
 S = 256 (host-bound), then host vs GPU time per call at S = 4096, and a bit check of the plans against the
 general path. With ``--cpu``: the GPU route's Python on CPU tensors (S = 32; launches replaced by no-ops,
 the launcher's GPU-only branches told it is a GPU).
@@ -687,6 +689,21 @@ def attention_cpu(calls: int, s: int = 32) -> None:
              lambda: softmax_ops.eager_fast_path(qn, kn, vn, None, None, None)),
             ("  pieces: _config.use_triton (reads the env)", lambda: safeops._config.use_triton(qn)),
         ], calls, 10)
+    # The Gluon route (the sm_90 default): the device check answering as on an H100 / H200, the Gluon plans'
+    # KernelLaunch calls no-ops (their TMA descriptors are still built; Triton's launcher, which encodes them,
+    # is not run).
+    from safeops.ops import attention_gluon as G
+
+    gluon_patches = patches + [(G, "device_reason", lambda device: ""), (G, "_arch", lambda index: "sm_90"),
+                               (G, "_num_sms", lambda index: 132)]
+    with _gpu_route_on_cpu(gluon_patches):
+        L.clear_plans()
+        q, k, v, leaves = _llama_qkv("cpu", s, requires_grad=True)
+        print("attention, the Gluon route's Python on the CPU (as on sm_90; launches replaced by no-ops): "
+              f"forward {G.reason(q, k, v, None, None, True, None, -1, 0) or 'Gluon'}, backward "
+              f"{safeops.attention_backend(q, k, v, is_causal=True, backward=True)[1]}")
+        _print(_attention_cases(q, k, v, leaves, g, hf, "gluon: "), calls, 10)
+        L.clear_plans()
 
 
 def attention_gpu(calls: int) -> None:
