@@ -520,11 +520,37 @@ def describe_bwd(q: torch.Tensor, is_causal: bool, gluon_dq: bool = False, fused
     return f"{dtype} {causal} D={q.shape[-1]} on {_arch(q.device.index)}: {kernels}"
 
 
+def _desc(cache: dict, slot: int, t: torch.Tensor, block: list[int], layout, varlen: bool,
+          stat: bool = False):
+    """The TMA descriptor of tensor ``t`` in position ``slot`` of a backward plan's launch: ``_view4``'s view
+    (``stat``: a row statistic's, :func:`_stat_desc`). The first descriptor of each (slot, shape, strides)
+    is built with TensorDescriptor's checks and kept in ``cache`` without its tensor; later ones copy it with
+    the new base (as the forward ``Plan`` does: ~1 us instead of several), if that base is 16-byte aligned
+    (else TensorDescriptor's checks run and raise)."""
+    key = (slot, t.shape, t.stride())
+    kept = cache.get(key)
+    if kept is None or t.data_ptr() % 16:
+        if stat:
+            desc = _stat_desc(t, block, layout, varlen)
+        else:
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+            desc = TensorDescriptor(t, *_view4(t, varlen), block, layout)
+        if len(cache) < 64:  # a plan's slots take a few shapes (packed statistics: one per total length)
+            cache[key] = (type(desc), {**desc.__dict__, "base": None})  # a plan keeps no call's tensors
+        return desc
+    cls, fields = kept
+    desc = object.__new__(cls)
+    desc.__dict__.update(fields)
+    desc.base = t
+    return desc
+
+
 def _stat_desc(t: torch.Tensor, block: list[int], layout, varlen: bool):
-    """The TMA descriptor of a row statistic: (B, H, S) dense, (H, T) packed (as (1, H, T))."""
+    """The TMA descriptor of a row statistic: (B, H, S) dense, (H, T) packed (as (1, H, T)); ``t`` as
+    :func:`_stat_view` gives it."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    t = _stat_view(t)
     shape = list(t.shape)
     strides = list(t.stride())
     if varlen:
@@ -588,7 +614,7 @@ class BwdPlan:
     """The Gluon dK / dV launch of one backward signature (shapes, strides, dtypes, alignment, options)."""
 
     __slots__ = ("cfg", "block_shapes", "layouts", "stat_layout", "args", "launch", "copy", "scratch",
-                 "varlen", "window_left", "dummy", "split")
+                 "varlen", "window_left", "dummy", "split", "descs")
 
     @staticmethod
     def _kernel(K, d: int, causal: bool, sk: int, device: torch.device, partial: bool = False):
@@ -615,6 +641,7 @@ class BwdPlan:
         varlen = self.varlen = cu_q is not None
         self.window_left = window_left
         self.dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
+        self.descs: dict = {}
         if varlen:
             batch, hq, d = cu_q.numel() - 1, q.shape[1], q.shape[2]
             hkv, sq, sk = k.shape[1], q.shape[0], k.shape[0]
@@ -652,8 +679,6 @@ class BwdPlan:
         """(the TMA descriptors of q, k, v, dO, dk, dv, m, l, delta; where dk and dv are written). With the
         configuration's ``row_stats`` the m and l descriptors cover each row's base and 1 / l instead;
         packed statistics are re-laid by :func:`_aligned_stats`."""
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
         if self.cfg.row_stats:  # computed once here, not at every step of the kernel
             from .attention_launch import row_stats
 
@@ -668,10 +693,12 @@ class BwdPlan:
             dk_ = torch.empty(k.shape, dtype=k.dtype, device=k.device) if self.scratch else dk
             dv_ = torch.empty(v.shape, dtype=v.dtype, device=v.device) if self.scratch else dv
         tensors += [dk_, dv_]
-        descs = [TensorDescriptor(t, *_view4(t, self.varlen), block, layout) for t, block, layout
-                 in zip(tensors, self.block_shapes, self.layouts, strict=True)]
+        cache, varlen = self.descs, self.varlen
+        descs = [_desc(cache, i, t, block, layout, varlen) for i, (t, block, layout)
+                 in enumerate(zip(tensors, self.block_shapes, self.layouts, strict=True))]
         stat_block = [1, 1, self.cfg.block_m]
-        descs += [_stat_desc(t, stat_block, self.stat_layout, self.varlen) for t in (m, l, delta)]
+        descs += [_desc(cache, 6 + i, _stat_view(t), stat_block, self.stat_layout, varlen, True)
+                  for i, t in enumerate((m, l, delta))]
         return descs, dk_, dv_
 
     def __call__(self, q, k, v, grad, m, l, delta, dk, dv, cu_q=None, cu_k=None) -> None:
@@ -714,7 +741,7 @@ class DqPlan:
     """The Gluon dQ launch of one backward signature (shapes, strides, dtypes, alignment, options)."""
 
     __slots__ = ("block_shapes", "layouts", "args", "launch", "copy", "scratch", "varlen", "window_left",
-                 "dummy")
+                 "dummy", "descs")
 
     def __init__(self, q, k, v, grad, causal: bool, c1: float, scale_ds: float, cu_q=None, max_q: int = 0,
                  max_k: int = 0, window_left: int = -1):
@@ -725,6 +752,7 @@ class DqPlan:
         varlen = self.varlen = cu_q is not None
         self.window_left = window_left
         self.dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
+        self.descs: dict = {}
         if varlen:  # seqlen_q: the statistics' head stride (Tq)
             batch, hq, d = cu_q.numel() - 1, q.shape[1], q.shape[2]
             hkv, sq, sk = k.shape[1], q.shape[0], k.shape[0]
@@ -752,13 +780,11 @@ class DqPlan:
     def __call__(self, q, k, v, grad, m, l, delta, dq, cu_q=None, cu_k=None) -> None:
         """Writes dq (q's shape and dtype; any layout) from contiguous fp32 m, l and delta ((B, H, S) dense,
         (H, T) packed)."""
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
         tensors = [_copy(t) if c else t for t, c in zip((q, k, v, grad), self.copy, strict=True)]
         dq_ = torch.empty(q.shape, dtype=q.dtype, device=q.device) if self.scratch else dq
         tensors.append(dq_)
-        descs = [TensorDescriptor(t, *_view4(t, self.varlen), block, layout) for t, block, layout
-                 in zip(tensors, self.block_shapes, self.layouts, strict=True)]
+        descs = [_desc(self.descs, i, t, block, layout, self.varlen) for i, (t, block, layout)
+                 in enumerate(zip(tensors, self.block_shapes, self.layouts, strict=True))]
         self.launch(*descs, m, l, delta, *self.args,
                     *_seq_args(self.varlen, cu_q, cu_k, dq_, dq_, self.window_left, self.dummy))
         if dq_ is not dq:
