@@ -564,7 +564,7 @@ def test_gluon_backward_plan_replays_the_general_launches(fused, monkeypatch, re
                    for args in (args_a, args_b)]
         assert scalars[0] == scalars[1]
         assert all(x.base is t for x, t in zip(args_b[:4], (q, k, v, g), strict=True))
-        # The second call's descriptors are the first's kept fields with the new bases (attention_gluon._desc).
+        # The second call's descriptors: the first's kept fields with the new bases (attention_gluon._desc).
         descs = [(a, b) for a, b in zip(args_a, args_b, strict=True) if hasattr(b, "base")]
         assert descs and all(a is not b and {**a.__dict__, "base": None} == {**b.__dict__, "base": None}
                              for a, b in descs)
