@@ -200,7 +200,7 @@ class Plan:
     builds the descriptors and launches."""
 
     __slots__ = ("varlen", "copy", "o_scratch", "stat_shape", "empty", "block_shapes", "layouts", "args",
-                 "launch", "templates", "window", "has_sinks", "c2")
+                 "launch", "descs", "window", "has_sinks", "c2")
 
     def __init__(self, q, k, v, cu_q, max_q: int, max_k: int, causal: bool, c1: float, *,
                  persistent: bool | None = None, config=None, sinks: bool = False, window_left: int = -1,
@@ -228,7 +228,8 @@ class Plan:
         o_like = torch.empty_like(q, device="meta")  # the output's layout (q's, as the op's fake gives it)
         self.o_scratch = not (o_like.stride(-1) == 1 and all(
             s > 0 and s % (16 // q.element_size()) == 0 for s in _view4(o_like, varlen)[1][:-1]))
-        self.launch = self.templates = None
+        self.launch = None
+        self.descs: dict = {}  # kept TMA descriptors (_desc)
         if self.empty:
             return
         cfg = config or K.FWD_CONFIGS[d]
@@ -255,24 +256,9 @@ class Plan:
         self.launch = KernelLaunch(K.attn_fwd_gluon_kernel, grid, kwargs)
 
     def _descriptors(self, tensors) -> list:
-        """The four TMA descriptors over ``tensors`` (q, k, v, o as launched). The first call builds them
-        with TensorDescriptor's checks and keeps them without their tensors; later calls, whose tensors have
-        the same shapes, strides and alignment, copy them with the new base."""
-        if self.templates is None:
-            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-            descs = [TensorDescriptor(t, *_view4(t, self.varlen), block, layout) for t, block, layout
-                     in zip(tensors, self.block_shapes, self.layouts, strict=True)]
-            # Fields without the base: a plan must not keep a call's tensors alive.
-            self.templates = [(type(d), {**d.__dict__, "base": None}) for d in descs]
-            return descs
-        descs = []
-        for (cls, fields), t in zip(self.templates, tensors, strict=True):
-            desc = object.__new__(cls)  # the checked fields, without __init__'s checks again (~1 us, not 10)
-            desc.__dict__.update(fields)
-            desc.base = t
-            descs.append(desc)
-        return descs
+        """The four TMA descriptors over ``tensors`` (q, k, v, o as launched), through :func:`_desc`."""
+        return [_desc(self.descs, i, t, block, layout, self.varlen) for i, (t, block, layout)
+                in enumerate(zip(tensors, self.block_shapes, self.layouts, strict=True))]
 
     def __call__(self, q, k, v, cu_q=None, cu_k=None, sinks=None):
         """``sinks``: the (Hq,) fp32 sink logits of a plan made with ``sinks=True``, else None."""
@@ -520,14 +506,14 @@ def describe_bwd(q: torch.Tensor, is_causal: bool, gluon_dq: bool = False, fused
     return f"{dtype} {causal} D={q.shape[-1]} on {_arch(q.device.index)}: {kernels}"
 
 
-def _desc(cache: dict, slot: int, t: torch.Tensor, block: list[int], layout, varlen: bool,
-          stat: bool = False):
-    """The TMA descriptor of tensor ``t`` in position ``slot`` of a backward plan's launch: ``_view4``'s view
-    (``stat``: a row statistic's, :func:`_stat_desc`). The first descriptor of each (slot, shape, strides)
-    is built with TensorDescriptor's checks and kept in ``cache`` without its tensor; later ones copy it with
-    the new base (as the forward ``Plan`` does: ~1 us instead of several), if that base is 16-byte aligned
-    (else TensorDescriptor's checks run and raise)."""
-    key = (slot, t.shape, t.stride())
+def _desc(cache: dict, key, t: torch.Tensor, block: list[int], layout, varlen: bool, stat: bool = False):
+    """The TMA descriptor of tensor ``t`` in a plan's launch: ``_view4``'s view (``stat``: a row statistic's,
+    :func:`_stat_desc`). The first descriptor of each ``key`` is built with TensorDescriptor's checks and
+    kept in ``cache`` without its tensor (a plan must not keep a call's tensors alive); later ones copy its
+    fields with the new base (~1 us instead of several), if that base is 16-byte aligned (else
+    TensorDescriptor's checks run and raise). ``key``: the argument's position where the plan's own key
+    fixes the tensor's shape and strides; with the shape and strides too where it does not (packed
+    statistics, re-laid to a length that depends on the sequences)."""
     kept = cache.get(key)
     if kept is None or t.data_ptr() % 16:
         if stat:
@@ -537,7 +523,7 @@ def _desc(cache: dict, slot: int, t: torch.Tensor, block: list[int], layout, var
 
             desc = TensorDescriptor(t, *_view4(t, varlen), block, layout)
         if len(cache) < 64:  # a plan's slots take a few shapes (packed statistics: one per total length)
-            cache[key] = (type(desc), {**desc.__dict__, "base": None})  # a plan keeps no call's tensors
+            cache[key] = (type(desc), {**desc.__dict__, "base": None})
         return desc
     cls, fields = kept
     desc = object.__new__(cls)
@@ -697,8 +683,9 @@ class BwdPlan:
         descs = [_desc(cache, i, t, block, layout, varlen) for i, (t, block, layout)
                  in enumerate(zip(tensors, self.block_shapes, self.layouts, strict=True))]
         stat_block = [1, 1, self.cfg.block_m]
-        descs += [_desc(cache, 6 + i, _stat_view(t), stat_block, self.stat_layout, varlen, True)
-                  for i, t in enumerate((m, l, delta))]
+        stats = [_stat_view(t) for t in (m, l, delta)]
+        descs += [_desc(cache, (6 + i, t.shape, t.stride()), t, stat_block, self.stat_layout, varlen, True)
+                  for i, t in enumerate(stats)]
         return descs, dk_, dv_
 
     def __call__(self, q, k, v, grad, m, l, delta, dk, dv, cu_q=None, cu_k=None) -> None:
@@ -714,27 +701,18 @@ class BwdPlan:
             dk.copy_(dk_)
             dv.copy_(dv_)
 
-
     def _split_call(self, descs, k, v, dk, dv, cu_q, cu_k) -> None:
         """The GQA split: fp32 partials, slice j of kv head h at head h x split + j of (B, Hkv x split, Sk,
         D) dense / (T, Hkv x split, D) packed, then one Triton launch adding each head's slices in order j =
         0, 1, ... and rounding once into dk / dv (the Triton dk/dv kernel's split sum)."""
-        from .attention_launch import split_sum
+        from .attention_launch import split_partials, split_sum
 
-        split = self.split
-        if self.varlen:
-            parts = [torch.empty(t.shape[0], t.shape[1] * split, t.shape[2], dtype=torch.float32,
-                                 device=t.device) for t in (k, v)]
-            strides = [s for p in parts for s in (p.stride(0), p.stride(1))]
-            seq = (cu_q, cu_k, *parts, 1)
-        else:  # head index batch x heads + head: the head stride spans a batch's heads (contiguous)
-            parts = [torch.empty(t.shape[0], t.shape[1] * split, *t.shape[2:], dtype=torch.float32,
-                                 device=t.device) for t in (k, v)]
-            strides = [s for p in parts for s in (p.stride(2), p.stride(1))]
-            seq = (self.dummy, self.dummy, *parts, 0)
-        wl = self.window_left if self.window_left >= 0 else bwd_kernels().NO_WINDOW
-        self.launch(*descs, *self.args, *seq, wl, *strides, split)
-        split_sum(parts[0], parts[1], dk, dv, split, self.varlen, None)
+        parts = [split_partials(t, self.split) for t in (k, v)]
+        seq = _seq_args(self.varlen, cu_q, cu_k, *parts, self.window_left, self.dummy)
+        if not self.varlen:  # head index batch x heads + head: the head stride spans a batch's heads
+            seq = seq[:6] + tuple(s for p in parts for s in (p.stride(2), p.stride(1)))
+        self.launch(*descs, *self.args, *seq, self.split)
+        split_sum(parts[0], parts[1], dk, dv, self.split, self.varlen, None)
 
 
 class DqPlan:

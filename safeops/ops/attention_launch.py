@@ -365,6 +365,14 @@ SPLIT_SUM_BLOCK_R = 32
 SPLIT_SUM_WARPS = 8
 
 
+def split_partials(t: torch.Tensor, split: int) -> torch.Tensor:
+    """The GQA split's fp32 partials of dk or dv (``t``: k / v or dk / dv): ``split`` heads per kv head along
+    dimension 1, of (B, Hkv, S, D) dense or (T, Hkv, D) packed."""
+    shape = list(t.shape)
+    shape[1] *= split
+    return torch.empty(shape, dtype=torch.float32, device=t.device)
+
+
 def split_sum(dk_part, dv_part, dk, dv, split: int, varlen: bool, record: list | None) -> None:
     """dk / dv = the fp32 partials of each kv head's SPLIT programs (heads h * split .. h * split + split - 1
     of dk_part / dv_part), added in a fixed order and rounded once to dk's / dv's dtype: one launch. Rows are
@@ -489,10 +497,7 @@ def _dkdv_triton(p: _Problem, q_, k_, v_, g_, dk, dv, dk_, dv_, row_max, row_sum
     split = dkdv_split(p.hq // p.hkv, k_.numel() + v_.numel())
     dkp, dvp = dk_, dv_
     if split > 1:  # fp32 partials per slice of each kv head's query group, summed below
-        dkp, dvp = (torch.empty(*t.shape[:-2], t.shape[-2] * split, t.shape[-1], dtype=torch.float32,
-                                device=t.device) if p.varlen else
-                    torch.empty(t.shape[0], t.shape[1] * split, *t.shape[2:], dtype=torch.float32,
-                                device=t.device) for t in (dk, dv))
+        dkp, dvp = split_partials(dk, split), split_partials(dv, split)
     n_bh = p.batch * p.hkv * split
     _launch(kernels().attn_bwd_dkdv_kernel, _backward_grid(_cdiv(p.max_k, kv.block_n), n_bh, p.masked),
         q_, k_, v_, g_, dkp, dvp, row_max, row_sum, delta, p.mask_arg, p.cu_q, p.cu_k,
