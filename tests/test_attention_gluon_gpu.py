@@ -164,6 +164,45 @@ def test_gluon_off_runs_the_triton_forward(rng, monkeypatch):
                for a, b in zip(on, off, strict=True))
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_kept_tensor_maps_give_tritons_launcher_bits(d, rng, monkeypatch):
+    """Direct launches of the Gluon kernels keep their encoded TMA tensor maps (safeops.ops._launch,
+    Triton 3.6's launcher); forward and backward give the bits of launches through JITFunction.run (which
+    encodes every descriptor afresh), for new tensors, and for new contents at addresses already seen."""
+    from safeops.ops import _launch
+
+    def step(q, k, v, g):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        o = safeops.attention(q, k, v, is_causal=True)
+        return (o, *torch.autograd.grad(o, (q, k, v), g))
+
+    def inputs():
+        return (rng.randn(2, 8, 777, d, dtype=BF16), *(rng.randn(2, 2, 777, d, dtype=BF16) for _ in range(2)),
+                rng.randn(2, 8, 777, d, dtype=BF16))
+
+    draws = [inputs() for _ in range(3)]
+    monkeypatch.setattr(_launch, "DIRECT", False)
+    expected = [step(*x) for x in draws]
+    L.clear_plans()
+    monkeypatch.setattr(_launch, "DIRECT", True)
+    for _ in range(2):
+        for x, want in zip(draws, expected, strict=True):
+            for a, b in zip(step(*x), want, strict=True):
+                assert torch.equal(a, b)
+    plan = next(p for p in L._fwd_plans.values() if isinstance(p, G.Plan))
+    assert plan.launch._maps, "Triton 3.6's launcher not recognized: the tensor maps are encoded per launch"
+    # The same addresses with other contents (the caching allocator hands them out again).
+    for x in draws:
+        for t in x:
+            t.copy_(torch.roll(t, 1, dims=2))
+    monkeypatch.setattr(_launch, "DIRECT", False)
+    again = [step(*x) for x in draws]
+    monkeypatch.setattr(_launch, "DIRECT", True)
+    for x, want in zip(draws, again, strict=True):
+        for a, b in zip(step(*x), want, strict=True):
+            assert torch.equal(a, b)
+
+
 # (B, Hq, Hkv, Sq, Sk): GQA with partial blocks, MQA with Sq != Sk (both ways), one short row block.
 SHAPES = [(2, 4, 2, 300, 300), (1, 2, 1, 200, 333), (1, 4, 1, 333, 77), (3, 2, 2, 1, 129)]
 

@@ -333,6 +333,136 @@ def test_kernel_launch_guard_off_without_direct_launches(stub_runtime, monkeypat
     assert [e[0] for e in kernel.log] == ["jit"] * 3 and _launch.guard_fallbacks == before
 
 
+# A stand-in for Triton 3.6's launcher of a kernel with TMA descriptor arguments (driver.py's
+# ``wrap_handle_tensordesc`` and ``make_tensordesc_arg``, written here in the same shape): KernelLaunch keeps
+# the encoded tensor maps and calls the generated launcher with the list the wrapper would build.
+_FAKE_DRIVER = """
+_BASE_ARGS_FORMAT_LEN = 13
+encoded = []
+
+
+def make_tensordesc_arg(arg, metadata):
+    encoded.append((arg.base.data_ptr(), tuple(arg.shape), tuple(arg.strides), metadata["swizzle"]))
+    return [("map", arg.base.data_ptr(), tuple(arg.shape), tuple(arg.strides), metadata["swizzle"]),
+            *arg.shape, *arg.strides]
+
+
+def wrap_handle_tensordesc(launcher, tensordesc_indices, tensordesc_meta):
+    def inner(*args):
+        final_args = list(args[:_BASE_ARGS_FORMAT_LEN])
+        tensordesc_idx = 0
+        for i, arg in enumerate(args[_BASE_ARGS_FORMAT_LEN:]):
+            if i in tensordesc_indices:
+                final_args.extend(make_tensordesc_arg(arg, tensordesc_meta[tensordesc_idx]))
+                tensordesc_idx += 1
+            else:
+                final_args.append(arg)
+        return launcher(*final_args)
+
+    return inner
+"""
+
+
+class _Desc:
+    def __init__(self, t, padding="zero"):
+        self.base, self.shape, self.strides, self.padding = t, list(t.shape), list(t.stride()), padding
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    module = types.ModuleType("safeops_test_fake_driver")
+    exec(compile(_FAKE_DRIVER, "<fake driver>", "exec"), module.__dict__)
+    monkeypatch.setitem(__import__("sys").modules, module.__name__, module)
+    return module
+
+
+class _DescLauncher:
+    """Triton 3.6's CudaLauncher, as far as KernelLaunch reads it: ``launch`` is the wrapper; calling it
+    goes through the wrapper (JITFunction.run's path)."""
+
+    def __init__(self, module, raw, indices, metas, scratch=0):
+        self.launch = module.wrap_handle_tensordesc(raw, indices, metas)
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+
+    def __call__(self, g0, g1, g2, stream, function, *args):
+        self.launch(g0, g1, g2, stream, function, False, True, None, None, *args)
+
+
+class _DescKernel(_Kernel):
+    """A kernel (x_desc, n, y_desc, BLOCK) whose compiled launcher is a _DescLauncher recording what reaches
+    the generated launcher (``raw_calls``)."""
+
+    params = [_Param("x_desc"), _Param("n"), _Param("y_desc"), _Param("BLOCK")]
+    METAS = [{"swizzle": 1}, {"swizzle": 2}]
+
+    def __init__(self, module, scratch=0):
+        super().__init__()
+        self.raw_calls: list = []
+        self.module, self.scratch = module, scratch
+
+    def binder(self, x_desc, n, y_desc, BLOCK=None, **options):
+        return {"x_desc": x_desc, "n": n, "y_desc": y_desc, "BLOCK": BLOCK}, [], options
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("jit",))
+            compiled = types.SimpleNamespace(function="fn", packed_metadata="packed",
+                                             launch_metadata=lambda *a: ("metadata",))
+            compiled.run = _DescLauncher(self.module, lambda *a: self.raw_calls.append(a), {0, 2}, self.METAS,
+                                         self.scratch)
+            compiled.run(*grid, 1, 1, 0, "fn", "packed", None, None, None, *args, kwargs.get("BLOCK"))
+            return compiled
+        return run
+
+
+def test_descriptor_kernels_launch_with_kept_tensor_maps(stub_runtime, fake_driver):
+    """A direct launch of a kernel with TMA descriptor arguments passes the generated launcher exactly the
+    list Triton's wrapper builds, and encodes each (position, base address, shape, strides) only once."""
+    kernel = _DescKernel(fake_driver)
+    launch = _launch.KernelLaunch(kernel, (3,), {"BLOCK": 64})
+    a, b, c = torch.zeros(4, 8), torch.zeros(4, 8), torch.zeros(2, 8)
+    launch(_Desc(a), 5, _Desc(b))  # through JITFunction.run
+    assert kernel.log == [("jit",)] and launch._maps, "Triton 3.6's structure: the tensor maps are kept"
+    fake_driver.encoded.clear()
+    calls = [(a, b), (a, b), (b, a), (a, c), (a, b), (c, c)]
+    for x, y in calls:
+        launch(_Desc(x), 5, _Desc(y))
+    assert kernel.log == [("jit",)]  # every later launch was direct
+    direct_encodes = list(fake_driver.encoded)
+    # Triton's wrapper, encoding afresh at every call: the same lists reach the generated launcher.
+    expected: list = []
+    wrapper = fake_driver.wrap_handle_tensordesc(lambda *a: expected.append(a), {0, 2}, kernel.METAS)
+    base = (3, 1, 1, 0, "fn", False, True, None, None, "packed", None, None, None)
+    for x, y in [(a, b)] + calls:
+        wrapper(*base, _Desc(x), 5, _Desc(y), 64)
+    assert kernel.raw_calls == expected
+    # One encode per new (position, address, shape, strides), in launch order.
+    def enc(t, swizzle):
+        return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), swizzle)
+    assert direct_encodes == [enc(a, 1), enc(b, 2), enc(b, 1), enc(a, 2), enc(c, 2), enc(c, 1)]
+
+
+def test_descriptor_kernels_with_scratch_or_another_shape_keep_tritons_path(stub_runtime, fake_driver):
+    """A launcher that needs global scratch, or a wrapper of another shape, is called as before."""
+    kernel = _DescKernel(fake_driver, scratch=128)
+    launch = _launch.KernelLaunch(kernel, (1,), {"BLOCK": 64})
+    a = torch.zeros(4, 8)
+    launch(_Desc(a), 1, _Desc(a))
+    launch(_Desc(a), 1, _Desc(a))
+    assert not launch._maps and len(kernel.raw_calls) == 2
+    assert kernel.raw_calls[0] == kernel.raw_calls[1]
+    assert _launch._tensor_map_launcher(types.SimpleNamespace(launch=lambda *a: None), 4) is None
+    launcher = _DescLauncher(fake_driver, print, {0, 2}, _DescKernel.METAS)
+    assert _launch._tensor_map_launcher(launcher, 4) is not None
+    assert _launch._tensor_map_launcher(launcher, 2) is None  # a descriptor position past the arguments
+    fake_driver._BASE_ARGS_FORMAT_LEN = 14  # another launcher layout
+    assert _launch._tensor_map_launcher(launcher, 4) is None
+    fake_driver._BASE_ARGS_FORMAT_LEN = 13
+    fake_driver.make_tensordesc_arg = lambda arg, metadata, device: None  # Triton 3.9's signature
+    assert _launch._tensor_map_launcher(launcher, 4) is None
+
+
 # --------------------------------------------------------------------------------------------------
 # GPU: the same pairs on the compiled kernels (plans keep them and launch them directly)
 # --------------------------------------------------------------------------------------------------

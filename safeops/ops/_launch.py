@@ -19,6 +19,16 @@ list is checked once against what Triton's own binder produces; when anything th
 
 Set ``safeops.ops._launch.DIRECT = False`` to launch every kernel through ``JITFunction.run``.
 
+Kernels that take host-side TMA descriptors (the Gluon attention kernels) cost more per launch: Triton
+3.6's launcher encodes every descriptor into a CUDA tensor map (``make_tensordesc_arg``: Python, then the
+driver's encode) at every launch, and loops in Python over every argument to splice them in. A tensor map is
+a pure function of the base address, shape, strides, padding and the kernel's descriptor metadata, so a
+direct launch keeps the maps it encoded, per argument position, keyed by those values (a training loop
+meets the same addresses step after step), and calls the generated C launcher itself with the list Triton's
+wrapper would build (:func:`_tensor_map_launcher` recognizes that wrapper by its structure; anything else,
+and any launch that needs global or profiling scratch, keeps Triton's path). ``TENSOR_MAPS = False`` turns
+this off for launches kept from then on.
+
 A cheap guard backs the callers' keys up: a direct launch first compares the dtypes of its tensor arguments
 (the pointers' element types the kernel was compiled for) with the first launch's; on any difference it
 launches through ``JITFunction.run`` instead, which specializes for what it is given (same bits as a
@@ -42,6 +52,9 @@ except ImportError:  # an older Triton: every hook slot that is not None counts 
 
 # Launch compiled kernels directly once a KernelLaunch has made its first launch (see the module docstring).
 DIRECT = True
+# Keep the encoded TMA tensor maps of kernels with descriptor arguments (see the module docstring); read when
+# a launch first keeps its compiled kernel.
+TENSOR_MAPS = True
 # Direct launches refused by the dtype guard (launched through JITFunction.run instead); should stay 0.
 guard_fallbacks = 0
 _dtype_of = attrgetter("dtype")
@@ -94,7 +107,8 @@ class KernelLaunch:
     (the guard: one dtype comparison per tensor argument on the direct path).
     """
 
-    __slots__ = ("kernel", "grid", "kwargs", "_tail", "_compiled", "_direct_ok", "_tensors", "_dtypes")
+    __slots__ = ("kernel", "grid", "kwargs", "_tail", "_compiled", "_direct_ok", "_tensors", "_dtypes",
+                 "_maps")
 
     def __init__(self, kernel, grid: tuple, kwargs: dict):
         self.kernel = kernel
@@ -105,6 +119,7 @@ class KernelLaunch:
         self._direct_ok = not isinstance(kernel, InterpretedFunction)
         self._tensors = None  # args -> tuple of the tensor arguments (by the first launch's positions)
         self._dtypes: tuple = ()  # their dtypes at the first launch: what the kept kernel was compiled for
+        self._maps: dict = {}  # current device -> _TensorMaps of a kernel with TMA descriptor arguments
 
     def __call__(self, *args) -> None:
         global guard_fallbacks
@@ -123,7 +138,14 @@ class KernelLaunch:
                     full = (*args, *self._tail)
                     stream = stream_of(device)
                     enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-                    if _no_hook(enter) and _no_hook(leave):
+                    maps = self._maps.get(device) if self._maps else None
+                    if maps is not None:
+                        if _no_hook(enter) and _no_hook(leave):
+                            maps.launch(g0, g1, g2, stream, compiled, None, None, None, full)
+                        else:
+                            metadata = compiled.launch_metadata(self.grid, stream, *full)
+                            maps.launch(g0, g1, g2, stream, compiled, metadata, enter, leave, full)
+                    elif _no_hook(enter) and _no_hook(leave):
                         # Nothing would read the launch metadata: no hooks, no metadata (see _no_hook).
                         run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None,
                             *full)
@@ -166,9 +188,76 @@ class KernelLaunch:
             self._tensors = _picker(positions)
             self._dtypes = dtypes
             self._compiled[device] = (compiled, run, g[0], g[1], g[2])
+            maps = _tensor_map_launcher(run, len(full)) if TENSOR_MAPS else None
+            if maps is not None:
+                self._maps[device] = maps
         except Exception:  # noqa: BLE001 - an unknown Triton: every launch goes through JITFunction.run
             self._direct_ok = False
             self._compiled.clear()
+
+
+class _TensorMaps:
+    """The direct launch of a kernel with TMA descriptor arguments: Triton 3.6's generated launcher, called
+    with the argument list its Python wrapper (``wrap_handle_tensordesc``) builds, each descriptor replaced
+    by its encoded tensor map, shape and strides (``make_tensordesc_arg``'s list), kept per argument position
+    and (base address, shape, strides, padding) in ``caches``."""
+
+    __slots__ = ("raw", "cooperative", "pdl", "positions", "metas", "encode", "caches")
+    CACHE_MAX = 256  # encoded maps kept per position (a 32-layer model's activations, with room)
+
+    def __init__(self, raw, cooperative, pdl, positions: tuple, metas: tuple, encode):
+        self.raw, self.cooperative, self.pdl = raw, cooperative, pdl
+        self.positions, self.metas, self.encode = positions, metas, encode
+        self.caches = tuple({} for _ in positions)
+
+    def launch(self, g0, g1, g2, stream, compiled, metadata, enter, leave, full: tuple) -> None:
+        out = [g0, g1, g2, stream, compiled.function, self.cooperative, self.pdl, None, None,
+               compiled.packed_metadata, metadata, enter, leave]
+        start = 0
+        for pos, meta, cache in zip(self.positions, self.metas, self.caches, strict=True):
+            out += full[start:pos]
+            desc = full[pos]
+            key = (desc.base.data_ptr(), *desc.shape, *desc.strides, desc.padding)
+            encoded = cache.get(key)
+            if encoded is None:
+                encoded = self.encode(desc, meta)
+                if len(cache) >= self.CACHE_MAX:
+                    cache.clear()
+                cache[key] = encoded
+            out += encoded
+            start = pos + 1
+        out += full[start:]
+        self.raw(*out)
+
+
+def _tensor_map_launcher(run, n_args: int) -> _TensorMaps | None:
+    """A :class:`_TensorMaps` for ``run`` (a compiled kernel's launcher) when it is Triton 3.6's
+    ``CudaLauncher`` of a kernel with TMA descriptor arguments lowered to tensor maps, needing no global or
+    profiling scratch; else None (the launch goes through ``run`` as before)."""
+    try:
+        wrapper = run.launch
+        code, cells = wrapper.__code__, wrapper.__closure__
+        if code.co_name != "inner" or cells is None:
+            return None
+        free = dict(zip(code.co_freevars, (c.cell_contents for c in cells), strict=True))
+        if set(free) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
+            return None
+        import sys
+
+        module = sys.modules.get(wrapper.__module__)
+        encode = getattr(module, "make_tensordesc_arg", None)
+        if (encode is None or getattr(module, "_BASE_ARGS_FORMAT_LEN", None) != 13
+                or encode.__code__.co_argcount != 2):
+            return None
+        positions = tuple(sorted(free["tensordesc_indices"]))
+        metas = tuple(free["tensordesc_meta"])
+        if (not positions or len(metas) != len(positions) or any(m is None for m in metas)
+                or positions[-1] >= n_args or run.global_scratch_size or run.profile_scratch_size):
+            return None
+        return _TensorMaps(free["launcher"], run.launch_cooperative_grid, run.launch_pdl, positions, metas,
+                           encode)
+    except Exception:  # noqa: BLE001 - another Triton: launch through its own launcher
+        return None
 
 
 def _picker(positions: tuple):
