@@ -68,6 +68,10 @@ SHAPES = {
     "tinyllama-s4k-dense": (1, 32, 4, 4096, 64, False),
     "b4s4k-gqa4-d128-causal": (4, 16, 4, 4096, 128, True),
     "b1s4k-gqa8-d128-causal": (1, 32, 4, 4096, 128, True),  # 128 CTAs unsplit, as TinyLlama's at D=64
+    "b2s4k-gqa8-d128-causal": (2, 32, 4, 4096, 128, True),  # 256 CTAs unsplit
+    "b1s8k-gqa8-d128-causal": (1, 32, 4, 8192, 128, True),  # 256, longer
+    "b1s16k-gqa8-d128-causal": (1, 32, 4, 16384, 128, True),  # 512
+    "b1s4k-mqa-d128-causal": (1, 32, 1, 4096, 128, True),  # 32
     "b4s4k-d128-causal-w1k": (4, 16, 16, 4096, 128, True, 1024),
     "b4s4k-d64-w1k": (4, 16, 16, 4096, 64, False, 1024),
     "docs16k-d128-causal": (1, 16, 16, sum(DOCS), 128, True, -1, DOCS),

@@ -743,7 +743,10 @@ def attention_gpu(calls: int) -> None:
 
 
 def _check_attention_plans(dev: str, s: int = 1024) -> None:
-    """The cached launcher gives the uncached launcher's bits (forward and backward)."""
+    """A repeated call (kept plans, direct launches) gives the first call's bits, forward and backward: the
+    first call after the plans are cleared decides every launch (the path choice, the general path), the
+    later ones replay what it kept."""
+    from safeops.ops import attention_gluon as G
     from safeops.ops import attention_launch as L
 
     if not hasattr(L, "_forward_general"):
@@ -752,21 +755,28 @@ def _check_attention_plans(dev: str, s: int = 1024) -> None:
     for causal, window in ((True, -1), (False, -1), (True, 100)):
         q, k, v, _ = _llama_qkv(dev, s)
         options = (None, 0, None, None, s, s, causal, 0.125, None, window, 0 if causal else -1, 0)
-        ref = L._forward_general(q, k, v, *options)
+        L.clear_plans()
+        ref = L.forward(q, k, v, *options)
+        g = torch.randn_like(ref[0])
+        dref = L.backward(g, q, k, v, *ref, *options)
         for _ in range(2):
             out = L.forward(q, k, v, *options)
-        g = torch.randn_like(ref[0])
-        dref = L._backward_general(g, q, k, v, *ref, *options)
-        for _ in range(2):
             dgot = L.backward(g, q, k, v, *ref, *options)
         same = all(torch.equal(a, b) for a, b in zip((*ref, *dref), (*out, *dgot), strict=True))
         verdict = "identical" if same else "DIFFER"
         plans = [p for table in L._tables() for p in table.values() if p is not L._GENERAL]
-        names = ("run", "delta", "dkdv", "dq")
-        runs = [getattr(p, name) for p in plans for name in names if hasattr(p, name)]
-        direct = sum(isinstance(r, _launch.KernelLaunch) and bool(r._compiled) for r in runs)
-        print(f"  causal {causal} window {window}: cached plan bits {verdict} to the uncached launcher; "
-              f"plan launches compiled-direct {direct}/{len(runs)}", flush=True)
+        launches = []
+        for p in plans + list(L._gluon_bwd_plans.values()):
+            for name in ("run", "delta", "dkdv", "dq", "launch"):
+                r = getattr(p, name, None)
+                if isinstance(r, (G.Plan, G.BwdPlan, G.DqPlan)):
+                    continue  # counted through the Gluon plans' own table
+                if isinstance(r, _launch.KernelLaunch):
+                    launches.append(r)
+        direct = sum(bool(r._compiled) for r in launches)
+        maps = sum(bool(r._maps) for r in launches)
+        print(f"  causal {causal} window {window}: kept plans' bits {verdict} to the first call's; launches "
+              f"compiled-direct {direct}/{len(launches)}, with kept tensor maps {maps}", flush=True)
 
 
 def _ce_cases(x: torch.Tensor, t: torch.Tensor) -> list:
