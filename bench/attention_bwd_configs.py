@@ -71,6 +71,8 @@ SHAPES = {
     "b2s4k-gqa8-d128-causal": (2, 32, 4, 4096, 128, True),  # 256 CTAs unsplit
     "b1s8k-gqa8-d128-causal": (1, 32, 4, 8192, 128, True),  # 256, longer
     "b1s16k-gqa8-d128-causal": (1, 32, 4, 16384, 128, True),  # 512
+    "b4s4k-gqa8-d128-causal": (4, 32, 4, 4096, 128, True),  # 512, batched
+    "b8s4k-gqa8-d128-causal": (8, 32, 4, 4096, 128, True),  # 1024
     "b1s4k-mqa-d128-causal": (1, 32, 1, 4096, 128, True),  # 32
     "b4s4k-d128-causal-w1k": (4, 16, 16, 4096, 128, True, 1024),
     "b4s4k-d64-w1k": (4, 16, 16, 4096, 64, False, 1024),
