@@ -443,6 +443,28 @@ def test_descriptor_kernels_launch_with_kept_tensor_maps(stub_runtime, fake_driv
     assert direct_encodes == [enc(a, 1), enc(b, 2), enc(b, 1), enc(a, 2), enc(c, 2), enc(c, 1)]
 
 
+def test_descriptor_kernels_pass_metadata_and_hooks_while_a_hook_is_set(stub_runtime, fake_driver):
+    """With a launch hook set, the kept-maps launch passes the compiled kernel's launch metadata and both
+    hook slots, where Triton's wrapper would put them, and the same descriptor entries."""
+    hooks = _launch._runtime["value"][2]
+    kernel = _DescKernel(fake_driver)
+    launch = _launch.KernelLaunch(kernel, (2,), {"BLOCK": 32})
+    a, b = torch.zeros(4, 8), torch.zeros(2, 8)
+    launch(_Desc(a), 7, _Desc(b))
+    seen = []
+    hooks.launch_enter_hook = seen.append
+    launch(_Desc(a), 7, _Desc(b))
+    hooks.launch_enter_hook = None
+    launch(_Desc(a), 7, _Desc(b))
+    assert kernel.log == [("jit",)]
+    expected: list = []
+    wrapper = fake_driver.wrap_handle_tensordesc(lambda *x: expected.append(x), {0, 2}, kernel.METAS)
+    for metadata, enter in ((("metadata",), seen.append), (None, None)):
+        wrapper(2, 1, 1, 0, "fn", False, True, None, None, "packed", metadata, enter, None,
+                _Desc(a), 7, _Desc(b), 32)
+    assert kernel.raw_calls[1:] == expected
+
+
 def test_descriptor_kernels_with_scratch_or_another_shape_keep_tritons_path(stub_runtime, fake_driver):
     """A launcher that needs global scratch, or a wrapper of another shape, is called as before."""
     kernel = _DescKernel(fake_driver, scratch=128)

@@ -30,7 +30,8 @@ and any launch that needs global or profiling scratch, keeps Triton's path). ``T
 this off for launches kept from then on.
 
 A cheap guard backs the callers' keys up: a direct launch first compares the dtypes of its tensor arguments
-(the pointers' element types the kernel was compiled for) with the first launch's; on any difference it
+(the pointers' element types the kernel was compiled for; a TMA descriptor's base is covered by the
+callers' keys only) with the first launch's; on any difference it
 launches through ``JITFunction.run`` instead, which specializes for what it is given (same bits as a
 correct key would give), and counts it in ``guard_fallbacks`` (a caller's key then misses a dtype: a bug to
 fix there; the GPU tests check the count stays 0).
