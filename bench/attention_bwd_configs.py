@@ -74,6 +74,8 @@ SHAPES = {
     "b4s4k-gqa8-d128-causal": (4, 32, 4, 4096, 128, True),  # 512, batched
     "b8s4k-gqa8-d128-causal": (8, 32, 4, 4096, 128, True),  # 1024
     "b1s4k-mqa-d128-causal": (1, 32, 1, 4096, 128, True),  # 32
+    "b1s4k-gqa8-d128-dense": (1, 32, 4, 4096, 128, False),  # the fused kernel's GQA (no split) vs the pair's
+    "b1s4k-mqa-d128-dense": (1, 32, 1, 4096, 128, False),
     "b4s4k-d128-causal-w1k": (4, 16, 16, 4096, 128, True, 1024),
     "b4s4k-d64-w1k": (4, 16, 16, 4096, 64, False, 1024),
     "docs16k-d128-causal": (1, 16, 16, sum(DOCS), 128, True, -1, DOCS),
