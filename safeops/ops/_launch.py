@@ -39,6 +39,7 @@ fix there; the GPU tests check the count stays 0).
 
 from __future__ import annotations
 
+import sys
 from operator import attrgetter, itemgetter
 
 import torch
@@ -139,20 +140,17 @@ class KernelLaunch:
                     full = (*args, *self._tail)
                     stream = stream_of(device)
                     enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+                    if _no_hook(enter) and _no_hook(leave):
+                        # Nothing would read the launch metadata: no hooks, no metadata (see _no_hook).
+                        metadata = enter = leave = None
+                    else:
+                        metadata = compiled.launch_metadata(self.grid, stream, *full)
                     maps = self._maps.get(device) if self._maps else None
                     if maps is not None:
-                        if _no_hook(enter) and _no_hook(leave):
-                            maps.launch(g0, g1, g2, stream, compiled, None, None, None, full)
-                        else:
-                            metadata = compiled.launch_metadata(self.grid, stream, *full)
-                            maps.launch(g0, g1, g2, stream, compiled, metadata, enter, leave, full)
-                    elif _no_hook(enter) and _no_hook(leave):
-                        # Nothing would read the launch metadata: no hooks, no metadata (see _no_hook).
-                        run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                            *full)
+                        maps.launch(g0, g1, g2, stream, compiled, metadata, enter, leave, full)
                     else:
-                        run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata,
-                            compiled.launch_metadata(self.grid, stream, *full), enter, leave, *full)
+                        run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, metadata, enter,
+                            leave, *full)
                     return
                 # Not what the kept kernel was compiled for: JITFunction.run specializes (nothing kept).
                 guard_fallbacks += 1
@@ -243,8 +241,6 @@ def _tensor_map_launcher(run, n_args: int) -> _TensorMaps | None:
         free = dict(zip(code.co_freevars, (c.cell_contents for c in cells), strict=True))
         if set(free) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
             return None
-        import sys
-
         module = sys.modules.get(wrapper.__module__)
         encode = getattr(module, "make_tensordesc_arg", None)
         if (encode is None or getattr(module, "_BASE_ARGS_FORMAT_LEN", None) != 13
