@@ -95,6 +95,7 @@ class Variant:
     seq: bool = False  # attention_gluon.GLUON_BWD_SEQ: packed sequences and windows on the Gluon kernels
     fused_noncausal: tuple | None = None  # attention_gluon.FUSED_NONCAUSAL, if not the shipped one
     split_head_dims: tuple | None = None  # attention_gluon.SPLIT_HEAD_DIMS (the dK / dV GQA split)
+    split_min_group: dict | None = None  # attention_gluon.SPLIT_MIN_GROUP (the smallest group split per D)
     heads_per_program: int | None = None  # attention_launch.DKDV_HEADS_PER_PROGRAM (the split's slices)
 
 
@@ -127,8 +128,10 @@ VARIANTS = {
     # D=64: the TMA writer needs dQ split by head-dim columns (FUSED_CONFIGS[64] splits by keys).
     # The dK / dV kernel's GQA split (pair only): off, at every head dim, one query head per CTA.
     "no_split": Variant(fused_noncausal=(), split_head_dims=()),
-    "split_all": Variant(fused_noncausal=(), split_head_dims=(64, 128)),
-    "split_all_1": Variant(fused_noncausal=(), split_head_dims=(64, 128), heads_per_program=1),
+    "split_all": Variant(fused_noncausal=(), split_head_dims=(64, 128), split_min_group={}),
+    "split_all_1": Variant(fused_noncausal=(), split_head_dims=(64, 128), split_min_group={},
+                           heads_per_program=1),
+    "split_d64_only": Variant(split_head_dims=(64,)),  # the default before 2026-12-07's D=128 rule
     "fused64_tma": Variant(fused=dict(TMA, split_d=True), head_dims=(64,)),
     "fused64_tma_rs": Variant(fused=dict(TMA, split_d=True, row_stats=True), head_dims=(64,)),
     "fused64_tma_dqe_rs": Variant(fused=dict(TMA, split_d=True, dq_early=True, row_stats=True),
@@ -161,6 +164,8 @@ def applied(variant: Variant, d: int):
             stack.enter_context(mock.patch.object(G, "FUSED_NONCAUSAL", variant.fused_noncausal))
         if variant.split_head_dims is not None:
             stack.enter_context(mock.patch.object(G, "SPLIT_HEAD_DIMS", variant.split_head_dims))
+        if variant.split_min_group is not None:
+            stack.enter_context(mock.patch.object(G, "SPLIT_MIN_GROUP", variant.split_min_group))
         if variant.heads_per_program is not None:
             stack.enter_context(mock.patch.object(L, "DKDV_HEADS_PER_PROGRAM", variant.heads_per_program))
         if variant.fused is not None:

@@ -423,20 +423,36 @@ def test_backward_answer_depends_on_no_size_or_layout(monkeypatch):
                 assert next(iter(answers))[0] == "gluon"
 
 
+def test_gluon_split_rule_reads_heads_and_head_dim_only():
+    """The Gluon dK / dV kernel's GQA split (``G.split_of``): at D=64 every group (the Triton kernel's
+    ``dkdv_split``), at D=128 groups of 8 or more (smaller ones measured slower split), none at D=256 (not in
+    ``SPLIT_HEAD_DIMS``); the memory cap as dkdv_split's. Its arguments are the group, the elements of k and v
+    (the cap) and the head dim: nothing about the batch or the sequence lengths."""
+    import inspect
+
+    assert [G.split_of(g, 1, 64) for g in (1, 2, 4, 8)] == [1, 2, 2, 4]
+    assert [G.split_of(g, 1, 128) for g in (1, 2, 4, 6, 8, 16, 32)] == [1, 1, 1, 1, 4, 8, 16]
+    assert [G.split_of(g, 1, 256) for g in (2, 8, 32)] == [1, 1, 1]
+    cap = L.DKDV_SPLIT_MAX_BYTES
+    assert G.split_of(8, cap // 4 // 4 + 1, 128) == L.dkdv_split(8, cap // 4 // 4 + 1) == 2
+    assert list(inspect.signature(G.split_of).parameters) == ["group", "kv_elements", "d"]
+
+
 @pytest.mark.parametrize(("hkv", "d"), [(4, 128), (2, 128), (2, 64)], ids=["mha", "gqa", "gqa-d64"])
 @pytest.mark.parametrize("sq", [150, 151, 1])
 def test_backward_launch_matches_the_compiled_signature(sq, hkv, d, monkeypatch, recorded):
     """dk / dv through a Gluon launch whose arguments are, in order, of the types the offline test compiles
     (KB.signature) with its constexprs; dq from the (interpreted) Triton kernel (``GLUON_DQ`` off; on, the
     test below). Row statistics of a length that is not a multiple of 4 are padded copies (their row stride
-    must be 16-byte aligned for TMA). GQA (group 2) at D=64 (``G.SPLIT_HEAD_DIMS``): the split form, one
-    query head per CTA (``dkdv_split``), fp32 partials (B, Hkv x split, Sk, D) in place of dk / dv, summed
-    afterwards; at D=128 the whole group per CTA."""
+    must be 16-byte aligned for TMA). GQA (group 2) at D=64 (``G.split_of``): the split form, one query head
+    per CTA (``dkdv_split``), fp32 partials (B, Hkv x split, Sk, D) in place of dk / dv, summed afterwards; at
+    D=128 (below ``G.SPLIT_MIN_GROUP``) the whole group per CTA."""
     from safeops.kernels import attention_gluon_bwd as KB
 
     _on_hopper(monkeypatch)
     monkeypatch.setattr(G, "GLUON_DQ", False)
-    split = L.dkdv_split(4 // hkv, 1) if d in G.SPLIT_HEAD_DIMS else 1
+    split = G.split_of(4 // hkv, 1, d)
+    assert split == (2 if (hkv, d) == (2, 64) else 1)
     q = torch.randn(2, sq, 4, d).to(BF16).transpose(1, 2)  # (B, S, H, D) memory
     k, v = (torch.randn(2, hkv, 120, d).to(BF16) for _ in range(2))
     o = torch.randn(2, 4, sq, d).to(BF16)

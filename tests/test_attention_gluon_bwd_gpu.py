@@ -161,6 +161,29 @@ def test_gqa_split_same_bits_as_the_triton_kernel(causal, rng, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_d128_split_of_large_groups(causal, rng, monkeypatch):
+    """D=128 splits groups of 8 or more (``G.split_of``: GQA 16 / 2 heads in 4 slices, MQA 16 / 1 in 8): the
+    float64 oracle, the same bits over reruns and for a batch element alone or among others; a group of 4 is
+    left whole."""
+    for hq, hkv, split in ((16, 2, 4), (16, 1, 8), (8, 2, 1)):
+        L.clear_plans()
+        q = rng.randn(3, hq, 333, 128, dtype=BF16)
+        k, v = (rng.randn(3, hkv, 300, 128, dtype=BF16) for _ in range(2))
+        _gluon_ran(monkeypatch, q, k, v, is_causal=causal)
+        check_oracle(q, k, v, rng, is_causal=causal)
+        plans = [p for p in L._gluon_bwd_plans.values() if p.__class__ is G.BwdPlan]
+        assert plans and {p.split for p in plans} == {split}, (hq, hkv)
+        g = rng.randn(3, hq, 333, 128, dtype=BF16)
+        first = _grads(q, k, v, g, is_causal=causal)
+        for _ in range(3):
+            for a, b in zip(first, _grads(q, k, v, g, is_causal=causal), strict=True):
+                assert torch.equal(a, b)
+        alone = _grads(q[1:2], k[1:2], v[1:2], g[1:2], is_causal=causal)
+        for name, a, b in zip("qkv", first, alone, strict=True):
+            assert torch.equal(a[1:2], b), f"d{name}: batch element 1 alone differs ({hq} / {hkv} heads)"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
 def test_pipelined_d64_same_bits_as_unpipelined(causal, rng, monkeypatch):
     """The D=64 kernel's software pipelining (GluonBwdConfig.pipeline) issues the same products in the same
     order as the unpipelined loop: the same dq / dk / dv bits, GQA, partial blocks and Sq != Sk included."""
@@ -563,13 +586,16 @@ def _packed_grads(seqs, gs, **options):
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("options", SEQ_OPTIONS.values(), ids=SEQ_OPTIONS.keys())
-def test_seq_packed_equals_dense_values(d, options, rng, gluon_bwd_seq):
+@pytest.mark.parametrize("heads", [(4, 2), (16, 2)], ids=["group2", "group8"])
+def test_seq_packed_equals_dense_values(d, options, heads, rng, gluon_bwd_seq):
     """Each packed sequence's gradients are those of the same sequence alone in a dense call (its rows past
     the sequence's end, which a packed tile also loads, selected away; its last blocks stored by masked
-    stores): lengths around the 64- / 128-row blocks, an empty sequence, one row, GQA."""
+    stores): lengths around the 64- / 128-row blocks, an empty sequence, one row, GQA (groups of 2 and 8:
+    the dK / dV split at both head dims for the latter)."""
+    hq, hkv = heads
     lengths = [300, 1, 0, 1029, 64, 129, 65]
-    seqs = [[rng.randn(1, h, n, d, dtype=BF16) for h in (4, 2, 2)] for n in lengths]
-    gs = [rng.randn(1, 4, n, d, dtype=BF16) for n in lengths]
+    seqs = [[rng.randn(1, h, n, d, dtype=BF16) for h in (hq, hkv, hkv)] for n in lengths]
+    gs = [rng.randn(1, hq, n, d, dtype=BF16) for n in lengths]
     (dq, dk, dv), cu = _packed_grads(seqs, gs, **options)
     for b, (s, g) in enumerate(zip(seqs, gs, strict=True)):
         if lengths[b] == 0:

@@ -259,9 +259,6 @@ CONFIGS = [(kind, dtype, d, causal, varlen) for kind in FWD_KINDS for dtype in _
     (kind, dtype, d, causal, False) for kind in ("bwd", "bwd+split", "dq") for dtype in _dtypes(kind)
     for d in _dims(kind) for causal in (False, True)
     if kind != "bwd+split" or d in G.SPLIT_HEAD_DIMS] + [
-    # The GQA split at D=128: no launcher chooses it (attention_gluon.SPLIT_HEAD_DIMS; measured slower), a
-    # benchmark variant (bench/attention_bwd_configs.py split_all) does.
-    ("bwd+split", "bfloat16", 128, True, False)] + [
     # The fused backward: the launchers take its D=128 configuration without causal in both dtypes
     # (attention_gluon.FUSED_NONCAUSAL); causal only with GLUON_FUSED.
     ("fused", dtype, 128, causal, False) for dtype in K.DTYPES for causal in (False, True)

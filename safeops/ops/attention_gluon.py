@@ -145,7 +145,8 @@ def settings() -> tuple:
     return (_config.gluon_enabled(), _config.gluon_bwd_setting(), PERSISTENT, PERSISTENT_NONCAUSAL,
             L2_CHUNK_BYTES, reason, Plan, device_reason, bwd_reason, GLUON_DQ, dq_reason, GLUON_SINKS,
             GLUON_WINDOW, GLUON_FUSED, FUSED_NONCAUSAL, FUSED_PLAIN_NONCAUSAL, fused_reason, GLUON_BWD_SEQ,
-            SEQ_HEAD_DIMS, GLUON_SOFTCAP, SPLIT_HEAD_DIMS, _bwd_tables())
+            SEQ_HEAD_DIMS, GLUON_SOFTCAP, SPLIT_HEAD_DIMS, tuple(sorted(SPLIT_MIN_GROUP.items())),
+            _bwd_tables())
 
 
 def _bwd_tables() -> tuple:
@@ -588,12 +589,29 @@ def _stat_view(t: torch.Tensor) -> torch.Tensor:
 # GQA on the Gluon dK / dV kernel: one CTA per (key block, kv head) walks the whole query group, so with few
 # kv heads the grid is short and, causal, the first key blocks' CTAs (every query sees them) set the time:
 # TinyLlama's 32 / 4 heads at S=4K, D=64, are 128 CTAs for 132 SMs, each up to 8 heads x 32 query blocks.
-# At the head dims of SPLIT_HEAD_DIMS the group is split as the Triton kernel splits it (dkdv_split: two
-# query heads per CTA from a group of 4 on, one below), fp32 partials summed afterwards in a fixed order
-# (the same bits as the Triton kernels). H100, B1 32 / 4 heads S=4K D=64: backward 1.134 -> 0.637 ms causal,
-# 1.276 -> 1.089 ms without; D=128 (Llama-3-8B's 32 / 8 heads at S = 8K / 16K causal, B4 16 / 4 heads S=4K)
-# measured 0-5% slower split, so it stays whole there (bench/RESULTS.md, 2026-12-07).
-SPLIT_HEAD_DIMS = (64,)
+# At the head dims of SPLIT_HEAD_DIMS, from a query group of SPLIT_MIN_GROUP[d] heads on (2 where d is not
+# listed), the group is split as the Triton kernel splits it (dkdv_split: two query heads per CTA from a
+# group of 4 on, one below), fp32 partials summed afterwards in a fixed order (at D=64 the same bits as the
+# Triton kernels). The rule reads only the head counts and the head dim, never the batch or the sequence
+# lengths, so a sequence's gradients do not depend on its neighbours (contract section 6). H100 (bench/
+# RESULTS.md, 2026-12-07): D=64, B1 32 / 4 heads S=4K: backward 1.134 -> 0.637 ms causal, 1.276 -> 1.089 ms
+# without. D=128 with groups of 8 or more: +8% to +29% where the unsplit grid is 128-256 CTAs (B1-B2 32 / 4
+# heads, S = 4K-8K, causal), -0.3% to -2% at 512-1024 (B4 / B8 S=4K, B1 S=16K), 3.8x with MQA (32 / 1 heads);
+# with groups of 4 it lost 3-8% (Llama-3-8B's 32 / 8 heads, B4 16 / 4 heads), so those stay whole.
+SPLIT_HEAD_DIMS = (64, 128)
+SPLIT_MIN_GROUP = {128: 8}
+
+
+def split_of(group: int, kv_elements: int, d: int) -> int:
+    """CTAs per (key block, kv head) of the Gluon dK / dV kernel for a query group of ``group`` heads at head
+    dim ``d`` (``kv_elements``: the elements of k and v, for the partials' memory cap): the Triton dk/dv
+    kernel's split (``attention_launch.dkdv_split``) where ``SPLIT_HEAD_DIMS`` and ``SPLIT_MIN_GROUP`` say
+    so, else 1."""
+    from .attention_launch import dkdv_split
+
+    if d not in SPLIT_HEAD_DIMS or group < SPLIT_MIN_GROUP.get(d, 2):
+        return 1
+    return dkdv_split(group, kv_elements)
 
 
 class BwdPlan:
@@ -603,19 +621,16 @@ class BwdPlan:
                  "varlen", "window_left", "dummy", "split", "descs")
 
     @staticmethod
+    def _split(group: int, kv_elements: int, d: int) -> int:
+        """CTAs per (key block, kv head): :func:`split_of`."""
+        return split_of(group, kv_elements, d)
+
+    @staticmethod
     def _kernel(K, d: int, causal: bool, sk: int, device: torch.device, partial: bool = False):
         """(configuration, kernel, constexprs) of head dim ``d`` (``sk`` keys on ``device``; ``partial``: the
         GQA split's form)."""
         cfg = K.BWD_CONFIGS[d]
         return cfg, K.attn_bwd_dkdv_gluon_kernel, K.constexprs(cfg, causal, partial)
-
-    @staticmethod
-    def _split(group: int, kv_elements: int, d: int) -> int:
-        """CTAs per (key block, kv head): at the head dims of ``SPLIT_HEAD_DIMS`` the GQA split of the Triton
-        dk/dv kernel (``attention_launch.dkdv_split``; the same bits), else 1."""
-        from .attention_launch import dkdv_split
-
-        return dkdv_split(group, kv_elements) if d in SPLIT_HEAD_DIMS else 1
 
     def __init__(self, q, k, v, grad, causal: bool, c1: float, scale_ds: float, cu_q=None, max_q: int = 0,
                  max_k: int = 0, window_left: int = -1):
