@@ -97,6 +97,7 @@ class Variant:
     split_head_dims: tuple | None = None  # attention_gluon.SPLIT_HEAD_DIMS (the dK / dV GQA split)
     split_min_group: dict | None = None  # attention_gluon.SPLIT_MIN_GROUP (the smallest group split per D)
     heads_per_program: int | None = None  # attention_launch.DKDV_HEADS_PER_PROGRAM (the split's slices)
+    gluon_dq: bool = True  # attention_gluon.GLUON_DQ: off, dq comes from the Triton dq kernel
 
 
 # The named fused variants below start from the plain order without the row statistics (the D=128 default
@@ -131,6 +132,7 @@ VARIANTS = {
     "split_all": Variant(fused_noncausal=(), split_head_dims=(64, 128), split_min_group={}),
     "split_all_1": Variant(fused_noncausal=(), split_head_dims=(64, 128), split_min_group={},
                            heads_per_program=1),
+    "triton_dq": Variant(gluon_dq=False),  # the pair's dq from the Triton dq kernel (dK / dV still Gluon)
     "split_d64_only": Variant(split_head_dims=(64,)),  # the default before 2026-12-07's D=128 rule
     "fused64_tma": Variant(fused=dict(TMA, split_d=True), head_dims=(64,)),
     "fused64_tma_rs": Variant(fused=dict(TMA, split_d=True, row_stats=True), head_dims=(64,)),
@@ -160,6 +162,7 @@ def applied(variant: Variant, d: int):
         stack.enter_context(mock.patch.dict(os.environ, variant.env))
         stack.enter_context(mock.patch.object(G, "GLUON_FUSED", variant.fused is not None))
         stack.enter_context(mock.patch.object(G, "GLUON_BWD_SEQ", variant.seq))
+        stack.enter_context(mock.patch.object(G, "GLUON_DQ", variant.gluon_dq))
         if variant.fused_noncausal is not None:
             stack.enter_context(mock.patch.object(G, "FUSED_NONCAUSAL", variant.fused_noncausal))
         if variant.split_head_dims is not None:
