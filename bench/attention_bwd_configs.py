@@ -98,6 +98,7 @@ class Variant:
     split_min_group: dict | None = None  # attention_gluon.SPLIT_MIN_GROUP (the smallest group split per D)
     heads_per_program: int | None = None  # attention_launch.DKDV_HEADS_PER_PROGRAM (the split's slices)
     gluon_dq: bool = True  # attention_gluon.GLUON_DQ: off, dq comes from the Triton dq kernel
+    dq: dict | None = None  # changes to the Gluon dQ kernel's configuration
 
 
 # The named fused variants below start from the plain order without the row statistics (the D=128 default
@@ -133,6 +134,7 @@ VARIANTS = {
     "split_all_1": Variant(fused_noncausal=(), split_head_dims=(64, 128), split_min_group={},
                            heads_per_program=1),
     "triton_dq": Variant(gluon_dq=False),  # the pair's dq from the Triton dq kernel (dK / dV still Gluon)
+    "dq_n64": Variant(dq=dict(block_n=64), head_dims=(64,)),  # the D=64 dQ kernel on 64-key blocks
     "split_d64_only": Variant(split_head_dims=(64,)),  # the default before 2026-12-07's D=128 rule
     "fused64_tma": Variant(fused=dict(TMA, split_d=True), head_dims=(64,)),
     "fused64_tma_rs": Variant(fused=dict(TMA, split_d=True, row_stats=True), head_dims=(64,)),
@@ -174,6 +176,9 @@ def applied(variant: Variant, d: int):
         if variant.fused is not None:
             cfg = dataclasses.replace(KB.FUSED_CONFIGS[d], **variant.fused)
             stack.enter_context(mock.patch.dict(KB.FUSED_CONFIGS, {d: cfg}))
+        if variant.dq is not None:
+            cfg = dataclasses.replace(KB.DQ_CONFIGS[d], **variant.dq)
+            stack.enter_context(mock.patch.dict(KB.DQ_CONFIGS, {d: cfg}))
         if variant.bwd is not None:
             cfg = dataclasses.replace(KB.BWD_CONFIGS[d], **variant.bwd)
             stack.enter_context(mock.patch.dict(KB.BWD_CONFIGS, {d: cfg}))
