@@ -76,6 +76,10 @@ SHAPES = {
     "b1s4k-mqa-d128-causal": (1, 32, 1, 4096, 128, True),  # 32
     "b1s4k-gqa8-d128-dense": (1, 32, 4, 4096, 128, False),  # the fused kernel's GQA (no split) vs the pair's
     "b1s4k-mqa-d128-dense": (1, 32, 1, 4096, 128, False),
+    "b4s4k-mqa-d128-dense": (4, 32, 1, 4096, 128, False),
+    "b1s4k-gqa16-d128-dense": (1, 32, 2, 4096, 128, False),
+    "b4s4k-gqa16-d128-dense": (4, 32, 2, 4096, 128, False),
+    "b4s4k-gqa8-d128-dense": (4, 32, 4, 4096, 128, False),
     "b4s4k-d128-causal-w1k": (4, 16, 16, 4096, 128, True, 1024),
     "b4s4k-d64-w1k": (4, 16, 16, 4096, 64, False, 1024),
     "docs16k-d128-causal": (1, 16, 16, sum(DOCS), 128, True, -1, DOCS),
@@ -94,6 +98,7 @@ class Variant:
     head_dims: tuple = (64, 128)
     seq: bool = False  # attention_gluon.GLUON_BWD_SEQ: packed sequences and windows on the Gluon kernels
     fused_noncausal: tuple | None = None  # attention_gluon.FUSED_NONCAUSAL, if not the shipped one
+    fused_max_group: int | None = None  # attention_gluon.FUSED_MAX_GROUP, if not the shipped one
     split_head_dims: tuple | None = None  # attention_gluon.SPLIT_HEAD_DIMS (the dK / dV GQA split)
     split_min_group: dict | None = None  # attention_gluon.SPLIT_MIN_GROUP (the smallest group split per D)
     heads_per_program: int | None = None  # attention_launch.DKDV_HEADS_PER_PROGRAM (the split's slices)
@@ -129,6 +134,7 @@ VARIANTS = {
     "fused_together_dqe": Variant(fused=dict(st_dpt_together=True, dq_early=True), head_dims=(128,)),
     # D=64: the TMA writer needs dQ split by head-dim columns (FUSED_CONFIGS[64] splits by keys).
     # The dK / dV kernel's GQA split (pair only): off, at every head dim, one query head per CTA.
+    "fused_any_group": Variant(fused_max_group=1 << 20),  # the fused kernel whatever the query group
     "no_split": Variant(fused_noncausal=(), split_head_dims=()),
     "split_all": Variant(fused_noncausal=(), split_head_dims=(64, 128), split_min_group={}),
     "split_all_1": Variant(fused_noncausal=(), split_head_dims=(64, 128), split_min_group={},
@@ -167,6 +173,8 @@ def applied(variant: Variant, d: int):
         stack.enter_context(mock.patch.object(G, "GLUON_DQ", variant.gluon_dq))
         if variant.fused_noncausal is not None:
             stack.enter_context(mock.patch.object(G, "FUSED_NONCAUSAL", variant.fused_noncausal))
+        if variant.fused_max_group is not None:
+            stack.enter_context(mock.patch.object(G, "FUSED_MAX_GROUP", variant.fused_max_group))
         if variant.split_head_dims is not None:
             stack.enter_context(mock.patch.object(G, "SPLIT_HEAD_DIMS", variant.split_head_dims))
         if variant.split_min_group is not None:

@@ -372,15 +372,19 @@ def test_backward_answers(monkeypatch):
     p64 = p[..., :64]
     # D=64 packed takes the kernels a dense D=64 call takes (a packed sequence gets the bits of it alone).
     answer = safeops.attention_backend(p64, p64, p64, cu_seqlens_q=cu, cu_seqlens_k=cu, backward=True)
-    assert answer == ("gluon", "bf16 non-causal D=64 on sm_90: Gluon dq, dk / dv")
+    assert answer == ("gluon", "bf16 non-causal D=64 on sm_90: Gluon dk / dv, Triton dq")
     with monkeypatch.context() as mp:
         mp.setattr(G, "SEQ_HEAD_DIMS", (128,))
         answer = safeops.attention_backend(p64, p64, p64, cu_seqlens_q=cu, cu_seqlens_k=cu, backward=True)
         assert answer[0] == "triton" and answer[1].startswith("head dim 64 with packed (varlen) sequences")
     q64, k64, v64 = _qkv(d=64, dtype=torch.float16)
-    # D=64: the Gluon kernels causal or not by default (as measured)
+    # D=64: the Gluon dK / dV kernel causal or not by default, dq from the Triton dq kernel (as measured)
     assert safeops.attention_backend(q64, k64, v64, backward=True) == (
-        "gluon", "fp16 non-causal D=64 on sm_90: Gluon dq, dk / dv")
+        "gluon", "fp16 non-causal D=64 on sm_90: Gluon dk / dv, Triton dq")
+    assert safeops.attention_backend(q64, k64, v64, is_causal=True, backward=True) == (
+        "gluon", "fp16 causal D=64 on sm_90: Gluon dk / dv, Triton dq")
+    assert "DQ_HEAD_DIMS" in G.dq_reason(q64, k64, v64, None, None, True, None, -1, 0)
+    monkeypatch.setattr(G, "DQ_HEAD_DIMS", (64, 128))  # the Gluon dQ kernel at D=64 too
     assert safeops.attention_backend(q64, k64, v64, is_causal=True, backward=True) == (
         "gluon", "fp16 causal D=64 on sm_90: Gluon dq, dk / dv")
     monkeypatch.setattr(G.bwd_kernels(), "AUTO_HEAD_DIMS", (128,))  # a head dim left to the Triton kernels
@@ -395,6 +399,7 @@ def test_backward_answers(monkeypatch):
     assert safeops.attention_backend(q64, k64, v64, backward=True) == (
         "gluon", "fp16 non-causal D=64 on sm_90: Gluon dk / dv, Triton dq")
     monkeypatch.setattr(G, "GLUON_DQ", True)
+    monkeypatch.setattr(G, "DQ_HEAD_DIMS", (64, 128))  # the Gluon dQ kernel at D=64 too
     monkeypatch.setenv("SAFEOPS_GLUON", "0")
     assert safeops.attention_backend(q, k, v, backward=True) == (
         "triton", "SAFEOPS_GLUON=0 keeps dk / dv on the Triton kernel")
@@ -509,6 +514,7 @@ def test_gluon_dq_launch_matches_the_compiled_signature(monkeypatch, recorded):
 
     _on_hopper(monkeypatch)
     monkeypatch.setattr(G, "GLUON_DQ", True)
+    monkeypatch.setattr(G, "DQ_HEAD_DIMS", (64, 128))  # the Gluon dQ kernel at D=64 too
     monkeypatch.setattr(G, "FUSED_NONCAUSAL", ())  # the dK / dV + dQ pair, not the fused kernel
     d, sq = 128, 130
     q = torch.randn(1, 4, sq, d).to(BF16)
@@ -547,6 +553,7 @@ def test_gluon_backward_plan_replays_the_general_launches(fused, monkeypatch, re
     _on_hopper(monkeypatch)
     L.kernels(), G.bwd_kernels()  # loaded: a plan made before a module's first use is dropped once
     monkeypatch.setattr(G, "GLUON_DQ", True)
+    monkeypatch.setattr(G, "DQ_HEAD_DIMS", (64, 128))  # the Gluon dQ kernel at D=64 too
     d, hkv, causal = (128, 4, False) if fused else (64, 1, True)
     if not fused:
         monkeypatch.setattr(G, "FUSED_NONCAUSAL", ())
@@ -601,6 +608,7 @@ def test_gluon_backward_plan_replays_packed_with_sinks(monkeypatch, recorded):
     _on_hopper(monkeypatch)
     L.kernels(), G.bwd_kernels()
     monkeypatch.setattr(G, "GLUON_DQ", True)
+    monkeypatch.setattr(G, "DQ_HEAD_DIMS", (64, 128))  # the Gluon dQ kernel at D=64 too
     d, wl = 64, 40
     cu = torch.tensor([0, 70, 71, 202], dtype=torch.int32)
     q, o, g = (torch.randn(202, 8, d).to(BF16) for _ in range(3))
@@ -644,6 +652,7 @@ def test_gluon_backward_packed_and_window_launches(causal, d, monkeypatch, recor
 
     _on_hopper(monkeypatch)
     monkeypatch.setattr(G, "GLUON_DQ", True)
+    monkeypatch.setattr(G, "DQ_HEAD_DIMS", (64, 128))  # the Gluon dQ kernel at D=64 too
     lengths, wl = [70, 0, 131], 40
     tq = sum(lengths)
     cu = torch.tensor([0, 70, 70, 201], dtype=torch.int32)
@@ -870,6 +879,7 @@ def test_backward_settings_edge_cases(monkeypatch, recorded):
     clear_plans() drops the Gluon plans."""
     _on_hopper(monkeypatch)
     monkeypatch.setattr(G, "GLUON_DQ", True)
+    monkeypatch.setattr(G, "DQ_HEAD_DIMS", (64, 128))  # the Gluon dQ kernel at D=64 too
     monkeypatch.setattr(G, "FUSED_NONCAUSAL", ())  # the dK / dV + dQ pair, not the fused kernel
     q, k, v = _qkv(d=128, hq=2, hkv=2, sq=64, sk=64)
     o, g = torch.randn(1, 2, 64, 128).to(BF16), torch.randn(1, 2, 64, 128).to(BF16)
@@ -966,9 +976,22 @@ def test_fused_backward_by_default_where_measured(monkeypatch):
         "gluon", "bf16 causal D=128 on sm_90: Gluon dq, dk / dv")
     assert "non-causal head dims 128 only" in G.fused_reason(q, k, k, None, None, True, None, -1, 0)
     q64, k64 = torch.zeros(1, 4, 256, 64, dtype=BF16), torch.zeros(1, 2, 256, 64, dtype=BF16)
-    assert safeops.attention_backend(q64, k64, k64, backward=True)[1].endswith(": Gluon dq, dk / dv")
+    assert safeops.attention_backend(q64, k64, k64, backward=True)[1].endswith(": Gluon dk / dv, Triton dq")
     mask = torch.zeros(256, 256, dtype=torch.bool)
     assert not safeops.attention_backend(q, k, k, attn_mask=mask, backward=True)[1].startswith("bf16")
+    # Query groups past FUSED_MAX_GROUP (8) take the pair: 8 query heads on 1 kv head fused, 9 to 32 not,
+    # whatever the batch.
+    assert G.FUSED_MAX_GROUP == 8
+    for b, hq, hkv in [(1, 8, 1), (3, 16, 2), (1, 9, 1), (2, 32, 1), (1, 32, 2)]:
+        qg, kg = torch.zeros(b, hq, 256, 128, dtype=BF16), torch.zeros(b, hkv, 256, 128, dtype=BF16)
+        answer = safeops.attention_backend(qg, kg, kg, backward=True)
+        if hq // hkv <= 8:
+            assert answer == ("gluon", fused), (b, hq, hkv)
+        else:
+            assert answer == ("gluon", "bf16 non-causal D=128 on sm_90: Gluon dq, dk / dv"), (b, hq, hkv)
+            assert G.fused_reason(qg, kg, kg, None, None, False, None, -1, -1) == (
+                f"a query group of {hq // hkv} heads: the fused Gluon backward takes groups of at most 8 "
+                "(attention_gluon.FUSED_MAX_GROUP)")
     monkeypatch.setenv("SAFEOPS_GLUON_FUSED", "0")  # the pair instead, read on every call
     assert safeops.attention_backend(q, k, k, backward=True) == (
         "gluon", "bf16 non-causal D=128 on sm_90: Gluon dq, dk / dv")

@@ -85,7 +85,7 @@ def test_path_and_reasons(rng, monkeypatch):
     q64 = q[..., :64].contiguous()
     assert safeops.attention_backend(q64, q64, q64, backward=True)[0] == "gluon"  # D=64 non-causal
     assert safeops.attention_backend(q64, q64, q64, is_causal=True, backward=True) == (
-        "gluon", "bf16 causal D=64 on sm_90: Gluon dq, dk / dv")
+        "gluon", "bf16 causal D=64 on sm_90: Gluon dk / dv, Triton dq")
     mask = torch.ones(300, 300, dtype=torch.bool, device=DEV)
     assert safeops.attention_backend(q, k, v, attn_mask=mask, backward=True) == (
         "triton", "the Gluon backward does not take an attention mask")
@@ -299,6 +299,7 @@ def test_sinks(rng):
 @pytest.fixture
 def gluon_dq(monkeypatch):
     monkeypatch.setattr(G, "GLUON_DQ", True)
+    monkeypatch.setattr(G, "DQ_HEAD_DIMS", (64, 128))  # the Gluon dQ kernel at D=64 too
     L.clear_plans()
 
 
@@ -357,6 +358,29 @@ def test_fused_is_the_noncausal_d128_default(dtype, rng, monkeypatch):
     assert all(torch.equal(a[2:], b) for a, b in zip(first, alone, strict=True))
     bshd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, g)]  # (B, S, H, D) storage
     assert all(torch.equal(a, b) for a, b in zip(first, _grads(*bshd), strict=True))
+
+
+def test_fused_leaves_groups_past_its_limit_to_the_split_pair(rng, monkeypatch):
+    """The shipped non-causal D=128 default: a query group of 8 takes the fused kernel, groups of 16 and MQA
+    (past ``FUSED_MAX_GROUP``) the dK / dV + dQ pair with the group split, whatever the batch: float64 oracle,
+    the same bits over reruns and for a batch element alone."""
+    monkeypatch.setattr(G, "FUSED_NONCAUSAL", (128,))
+    for hq, hkv, split in ((8, 1, None), (16, 2, 4), (16, 1, 8)):
+        L.clear_plans()
+        q, g = (rng.randn(3, hq, 260, 128, dtype=BF16) for _ in range(2))
+        k, v = (rng.randn(3, hkv, 390, 128, dtype=BF16) for _ in range(2))
+        check_oracle(q, k, v, rng)
+        kinds = {p.__class__ for p in L._gluon_bwd_plans.values()}
+        if split is None:
+            assert kinds == {G.FusedPlan}, (hq, hkv, kinds)
+        else:
+            plans = [p for p in L._gluon_bwd_plans.values() if p.__class__ is G.BwdPlan]
+            assert plans and {p.split for p in plans} == {split} and G.FusedPlan not in kinds, (hq, hkv)
+        first = _grads(q, k, v, g)
+        for _ in range(3):
+            assert all(torch.equal(a, b) for a, b in zip(first, _grads(q, k, v, g), strict=True))
+        alone = _grads(q[1:2], k[1:2], v[1:2], g[1:2])
+        assert all(torch.equal(a[1:2], b) for a, b in zip(first, alone, strict=True)), (hq, hkv)
 
 
 def test_fused_takes_longer_keys_in_the_plain_order(rng, monkeypatch):

@@ -143,10 +143,10 @@ def settings() -> tuple:
     """What the path choice and the Gluon plans depend on beyond ``attention_launch.forward``'s plan keys
     (its plans are dropped when any of it changes)."""
     return (_config.gluon_enabled(), _config.gluon_bwd_setting(), PERSISTENT, PERSISTENT_NONCAUSAL,
-            L2_CHUNK_BYTES, reason, Plan, device_reason, bwd_reason, GLUON_DQ, dq_reason, GLUON_SINKS,
-            GLUON_WINDOW, GLUON_FUSED, FUSED_NONCAUSAL, FUSED_PLAIN_NONCAUSAL, fused_reason, GLUON_BWD_SEQ,
-            SEQ_HEAD_DIMS, GLUON_SOFTCAP, SPLIT_HEAD_DIMS, tuple(sorted(SPLIT_MIN_GROUP.items())),
-            _bwd_tables())
+            L2_CHUNK_BYTES, reason, Plan, device_reason, bwd_reason, GLUON_DQ, DQ_HEAD_DIMS, dq_reason,
+            GLUON_SINKS, GLUON_WINDOW, GLUON_FUSED, FUSED_NONCAUSAL, FUSED_PLAIN_NONCAUSAL, FUSED_MAX_GROUP,
+            fused_reason, GLUON_BWD_SEQ, SEQ_HEAD_DIMS, GLUON_SOFTCAP, SPLIT_HEAD_DIMS,
+            tuple(sorted(SPLIT_MIN_GROUP.items())), _bwd_tables())
 
 
 def _bwd_tables() -> tuple:
@@ -378,6 +378,11 @@ def bwd_kernels():
 # dq kernel). On: the whole backward +8% at D=128, +4% causal, against the Triton dq kernel on the H200
 # (bench/RESULTS.md, 2026-12-05); False puts dq back on the Triton kernel.
 GLUON_DQ = True
+# Head dims whose dq the Gluon dQ kernel computes (with GLUON_DQ on). At head dim 64 the Triton dq kernel
+# (64-query programs, 64-key steps) measured 2-9% faster for the whole backward with the same bits (H100,
+# 2026-12-07: B4 H16 S4K causal 1.143 -> 1.087 ms, TinyLlama's 32 / 4 heads causal 0.631 -> 0.577), so dq
+# is computed there; at 128 it is 2.5-3% slower (causal).
+DQ_HEAD_DIMS = (128,)
 
 
 def bwd_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_causal: bool, softcap,
@@ -400,6 +405,9 @@ def dq_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_
     mode = _config.gluon_bwd_mode()
     if not GLUON_DQ or mode == "off":
         return "the Gluon dq kernel is off (attention_gluon.GLUON_DQ)"
+    if q.shape[-1] not in DQ_HEAD_DIMS:
+        return (f"head dim {q.shape[-1]}: dq from the Triton dq kernel, faster there "
+                f"(attention_gluon.DQ_HEAD_DIMS = {DQ_HEAD_DIMS})")
     return _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, mode, True,
                        bwd_kernels().DQ_CONFIGS)
 
@@ -432,6 +440,11 @@ FUSED_NONCAUSAL = (128,)
 # Head dims of FUSED_NONCAUSAL where the fused kernel also takes longer keys, in the plain order (a CTA waits
 # only for CTAs numbered before it, which a GPU starts first: no head needs to fit on the GPU at once).
 FUSED_PLAIN_NONCAUSAL = (128,)
+# The largest query group the fused kernel takes by default: it walks a kv head's whole group in one CTA,
+# so its grid is batch x kv heads x key blocks, and with few kv heads it leaves SMs idle (H100, MQA 32 / 1
+# heads S=4K: 4.805 ms against 1.610 for the dK / dV + dQ pair with the group split). Larger groups take
+# the pair. The rule reads the head counts only (batch invariance).
+FUSED_MAX_GROUP = 8
 
 
 def fused_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_causal: bool, softcap,
@@ -452,7 +465,13 @@ def fused_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, 
     K = bwd_kernels()
     why = _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, "on", False,
                       K.FUSED_CONFIGS)
-    if why or GLUON_FUSED or d in FUSED_PLAIN_NONCAUSAL:
+    if why or GLUON_FUSED:
+        return why
+    group = q.shape[1] // k.shape[1]
+    if group > FUSED_MAX_GROUP:
+        return (f"a query group of {group} heads: the fused Gluon backward takes groups of at most "
+                f"{FUSED_MAX_GROUP} (attention_gluon.FUSED_MAX_GROUP)")
+    if d in FUSED_PLAIN_NONCAUSAL:
         return why
     cfg = K.FUSED_CONFIGS[d]
     n_n, sms = triton.cdiv(k.shape[2], cfg.block_n), _num_sms(q.device.index)
