@@ -361,11 +361,11 @@ def test_fused_is_the_noncausal_d128_default(dtype, rng, monkeypatch):
 
 
 def test_fused_leaves_groups_past_its_limit_to_the_split_pair(rng, monkeypatch):
-    """The shipped non-causal D=128 default: a query group of 8 takes the fused kernel, groups of 16 and MQA
-    (past ``FUSED_MAX_GROUP``) the dK / dV + dQ pair with the group split, whatever the batch: float64 oracle,
-    the same bits over reruns and for a batch element alone."""
+    """The shipped non-causal D=128 default: query groups of 8 take the fused kernel, groups of 16 and 32
+    (past ``FUSED_MAX_GROUP``) the dK / dV + dQ pair with the group split (slices of 2 heads), whatever the
+    batch: float64 oracle, the same bits over reruns and for a batch element alone."""
     monkeypatch.setattr(G, "FUSED_NONCAUSAL", (128,))
-    for hq, hkv, split in ((8, 1, None), (16, 2, 4), (16, 1, 8)):
+    for hq, hkv, split in ((8, 1, None), (16, 2, None), (32, 2, 8), (16, 1, 8), (32, 1, 16)):
         L.clear_plans()
         q, g = (rng.randn(3, hq, 260, 128, dtype=BF16) for _ in range(2))
         k, v = (rng.randn(3, hkv, 390, 128, dtype=BF16) for _ in range(2))
