@@ -104,6 +104,7 @@ class Variant:
     heads_per_program: int | None = None  # attention_launch.DKDV_HEADS_PER_PROGRAM (the split's slices)
     gluon_dq: bool = True  # attention_gluon.GLUON_DQ: off, dq comes from the Triton dq kernel
     dq: dict | None = None  # changes to the Gluon dQ kernel's configuration
+    triton_dq: tuple | None = None  # a forced Triton dq configuration (AttnConfig fields); dK / dV stay Gluon
 
 
 # The named fused variants below start from the plain order without the row statistics (the D=128 default
@@ -141,6 +142,11 @@ VARIANTS = {
                            heads_per_program=1),
     "triton_dq": Variant(gluon_dq=False),  # the pair's dq from the Triton dq kernel (dK / dV still Gluon)
     "dq_n64": Variant(dq=dict(block_n=64), head_dims=(64,)),  # the D=64 dQ kernel on 64-key blocks
+    # The Triton dq kernel at D=128 in other shapes than its table's (128, 64, 8, 3): 64-query programs (as
+    # at D=64, which measured faster than the Gluon dQ kernel there), with and without TMA loads of K / V.
+    "triton_dq_m64": Variant(triton_dq=(64, 64, 4, 3), head_dims=(128,)),
+    "triton_dq_m64_tma": Variant(triton_dq=(64, 64, 4, 3, False, True), head_dims=(128,)),
+    "triton_dq_tma": Variant(triton_dq=(128, 64, 8, 3, False, True), head_dims=(128,)),
     "split_d64_only": Variant(split_head_dims=(64,)),  # the default before 2026-12-07's D=128 rule
     "fused64_tma": Variant(fused=dict(TMA, split_d=True), head_dims=(64,)),
     "fused64_tma_rs": Variant(fused=dict(TMA, split_d=True, row_stats=True), head_dims=(64,)),
@@ -184,6 +190,8 @@ def applied(variant: Variant, d: int):
         if variant.fused is not None:
             cfg = dataclasses.replace(KB.FUSED_CONFIGS[d], **variant.fused)
             stack.enter_context(mock.patch.dict(KB.FUSED_CONFIGS, {d: cfg}))
+        if variant.triton_dq is not None:
+            stack.enter_context(L.config_override(dq=L.AttnConfig(*variant.triton_dq)))
         if variant.dq is not None:
             cfg = dataclasses.replace(KB.DQ_CONFIGS[d], **variant.dq)
             stack.enter_context(mock.patch.dict(KB.DQ_CONFIGS, {d: cfg}))
