@@ -384,6 +384,9 @@ def test_backward_answers(monkeypatch):
     assert safeops.attention_backend(q64, k64, v64, is_causal=True, backward=True) == (
         "gluon", "fp16 causal D=64 on sm_90: Gluon dk / dv, Triton dq")
     assert "DQ_HEAD_DIMS" in G.dq_reason(q64, k64, v64, None, None, True, None, -1, 0)
+    mask64 = torch.ones(q64.shape[2], k64.shape[2], dtype=torch.bool)  # the first reason wins
+    assert G.dq_reason(q64, k64, v64, mask64, None, True, None, -1, 0) == (
+        "the Gluon backward does not take an attention mask")
     monkeypatch.setattr(G, "DQ_HEAD_DIMS", (64, 128))  # the Gluon dQ kernel at D=64 too
     assert safeops.attention_backend(q64, k64, v64, is_causal=True, backward=True) == (
         "gluon", "fp16 causal D=64 on sm_90: Gluon dq, dk / dv")

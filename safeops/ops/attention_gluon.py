@@ -405,11 +405,12 @@ def dq_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cu_q, is_
     mode = _config.gluon_bwd_mode()
     if not GLUON_DQ or mode == "off":
         return "the Gluon dq kernel is off (attention_gluon.GLUON_DQ)"
-    if q.shape[-1] not in DQ_HEAD_DIMS:
+    why = _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, mode, True,
+                      bwd_kernels().DQ_CONFIGS)
+    if not why and q.shape[-1] not in DQ_HEAD_DIMS:
         return (f"head dim {q.shape[-1]}: dq from the Triton dq kernel, faster there "
                 f"(attention_gluon.DQ_HEAD_DIMS = {DQ_HEAD_DIMS})")
-    return _bwd_reason(q, k, v, mask, cu_q, is_causal, softcap, wl, wr, grad_dtype, mode, True,
-                       bwd_kernels().DQ_CONFIGS)
+    return why
 
 
 # Packed sequences (``attention_varlen``) and a left window (causal or not) on the Gluon dK / dV and dQ
