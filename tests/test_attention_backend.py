@@ -402,7 +402,6 @@ def test_backward_answers(monkeypatch):
     assert safeops.attention_backend(q64, k64, v64, backward=True) == (
         "gluon", "fp16 non-causal D=64 on sm_90: Gluon dk / dv, Triton dq")
     monkeypatch.setattr(G, "GLUON_DQ", True)
-    monkeypatch.setattr(G, "DQ_HEAD_DIMS", (64, 128))  # the Gluon dQ kernel at D=64 too
     monkeypatch.setenv("SAFEOPS_GLUON", "0")
     assert safeops.attention_backend(q, k, v, backward=True) == (
         "triton", "SAFEOPS_GLUON=0 keeps dk / dv on the Triton kernel")
@@ -517,7 +516,6 @@ def test_gluon_dq_launch_matches_the_compiled_signature(monkeypatch, recorded):
 
     _on_hopper(monkeypatch)
     monkeypatch.setattr(G, "GLUON_DQ", True)
-    monkeypatch.setattr(G, "DQ_HEAD_DIMS", (64, 128))  # the Gluon dQ kernel at D=64 too
     monkeypatch.setattr(G, "FUSED_NONCAUSAL", ())  # the dK / dV + dQ pair, not the fused kernel
     d, sq = 128, 130
     q = torch.randn(1, 4, sq, d).to(BF16)
@@ -882,7 +880,6 @@ def test_backward_settings_edge_cases(monkeypatch, recorded):
     clear_plans() drops the Gluon plans."""
     _on_hopper(monkeypatch)
     monkeypatch.setattr(G, "GLUON_DQ", True)
-    monkeypatch.setattr(G, "DQ_HEAD_DIMS", (64, 128))  # the Gluon dQ kernel at D=64 too
     monkeypatch.setattr(G, "FUSED_NONCAUSAL", ())  # the dK / dV + dQ pair, not the fused kernel
     q, k, v = _qkv(d=128, hq=2, hkv=2, sq=64, sk=64)
     o, g = torch.randn(1, 2, 64, 128).to(BF16), torch.randn(1, 2, 64, 128).to(BF16)
