@@ -113,11 +113,12 @@ class GluonBwdConfig:
 # bits), slots released per thread, warpgroups taking turns at S^T / dP^T (+2.5% and +4% in two H100 runs,
 # the same bits; around dV / dK too, or at D=128: no gain); D=128: a 3-deep Q / dO ring (166 KB of shared
 # memory) measured 1-3% faster than 2, and the row statistics precomputed, 8-10% faster with the same bits
-# (RESULTS.md).
+# (RESULTS.md). Causal D=64 skips the leading masked steps of warpgroups 1 and 2 (``skip_masked``: +0.5-2.9%
+# in 8 of 9 H100 readings, -1.4% in the ninth, the same bits); at D=128 -2.2% to +1.1%, so off there.
 BWD_CONFIGS: dict[int, GluonBwdConfig] = {
     64: GluonBwdConfig(block_m=64, num_stages=3, num_wg=3, consumer_regs=160, thread_arrive=True, turns=1,
                        skip_masked=True),
-    128: GluonBwdConfig(block_m=64, num_stages=3, row_stats=True, skip_masked=True),
+    128: GluonBwdConfig(block_m=64, num_stages=3, row_stats=True),
 }
 # Head dims whose backward takes this kernel (and the Gluon dQ kernel) by default (SAFEOPS_GLUON_BWD=auto):
 # where they measured faster than the Triton kernels (bench/RESULTS.md). D=64 without causal: +6% on the
