@@ -735,3 +735,40 @@ def test_turns_same_bits(d, turns, options, rng, monkeypatch, gluon_bwd_seq):
     assert plans and {p.launch.kwargs["TURNS"] for p in plans} == {turns}
     for name, a, b in zip(("dq", "dk", "dv", "packed dq", "packed dk", "packed dv"), *results, strict=True):
         assert torch.equal(a, b), f"{name} differs with turns={turns} (D={d}, {options})"
+
+
+@pytest.mark.parametrize(("d", "turns"), [(64, 1), (64, 0), (128, 0), (128, 2)])
+@pytest.mark.parametrize("options", [SEQ_OPTIONS["causal"], SEQ_OPTIONS["causal_window"]],
+                         ids=["causal", "causal_window"])
+def test_skip_masked_same_bits(d, turns, options, rng, monkeypatch, gluon_bwd_seq):
+    """GluonBwdConfig.skip_masked (causal: a warpgroup skips the products of the query blocks before all of
+    its keys, taking only their turns and releasing their slots) gives the bits of the kernel that runs
+    them on zeros, without a hang: Sq > Sk and Sq < Sk with GQA and partial blocks, a group of 8 (the dK /
+    dV split's fp32 partials), packed sequences (an empty one, one row, GQA), with and without a window,
+    with and without turns."""
+    import dataclasses
+
+    KB = G.bwd_kernels()
+    shapes = [(2, 8, 2, 700, 555), (1, 4, 1, 333, 1000), (1, 16, 2, 1100, 1100)]
+    dense_in = []
+    for b, hq, hkv, sq, sk in shapes:
+        q, g = (rng.randn(b, hq, sq, d, dtype=BF16) for _ in range(2))
+        k, v = (rng.randn(b, hkv, sk, d, dtype=BF16) for _ in range(2))
+        dense_in.append((q, k, v, g))
+    lengths = [300, 1, 0, 1029, 64, 129]
+    seqs = [[rng.randn(1, h, n, d, dtype=BF16) for h in (4, 2, 2)] for n in lengths]
+    gs = [rng.randn(1, 4, n, d, dtype=BF16) for n in lengths]
+    _gluon_ran(monkeypatch, *dense_in[0][:3], **options)
+    results = []
+    for flag in (False, True):
+        monkeypatch.setitem(KB.BWD_CONFIGS, d, dataclasses.replace(KB.BWD_CONFIGS[d], turns=turns,
+                                                                    skip_masked=flag))
+        L.clear_plans()
+        grads = [t for q, k, v, g in dense_in for t in _grads(q, k, v, g, **options)]
+        packed, _ = _packed_grads(seqs, gs, **options)
+        results.append((*grads, *packed))
+    plans = [p for p in L._gluon_bwd_plans.values() if p.__class__ is G.BwdPlan]
+    assert plans and {p.launch.kwargs["SKIP_MASKED"] for p in plans} == {True}
+    names = [f"d{x} of {shape}" for shape in shapes for x in "qkv"] + ["packed dq", "packed dk", "packed dv"]
+    for name, a, b in zip(names, *results, strict=True):
+        assert torch.equal(a, b), f"{name} differs with skip_masked (D={d}, turns={turns}, {options})"

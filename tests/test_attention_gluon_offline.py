@@ -355,6 +355,19 @@ def test_kernel_sizes_unpacked_by_name():
         assert not re.search(r"\bsizes\[", source), f"{path}: index into sizes; unpack it by name"
 
 
+def test_bwd_config_options_that_need_unpipelined_steps():
+    """``turns`` and ``skip_masked`` are written for the unpipelined step loop only: with ``pipeline=True``
+    the configuration is refused by name instead of compiling a kernel that ignores them; the skip reaches
+    the kernel as its constexpr."""
+    with pytest.raises(ValueError, match="skip_masked"):
+        KB.GluonBwdConfig(block_m=64, num_stages=3, pipeline=True, skip_masked=True)
+    with pytest.raises(ValueError, match="turns"):
+        KB.GluonBwdConfig(block_m=64, num_stages=3, pipeline=True, turns=1)
+    cfg = KB.GluonBwdConfig(block_m=64, num_stages=3, skip_masked=True)
+    assert KB.constexprs(cfg, True)["SKIP_MASKED"] is True
+    assert KB.constexprs(KB.GluonBwdConfig(block_m=64, num_stages=3), True)["SKIP_MASKED"] is False
+
+
 @pytest.mark.parametrize("control", FUSION_ON, ids=lambda c: c[0])
 def test_contraction_check_can_fail(compiled, control):
     r = compiled[("fusion on", *control)]

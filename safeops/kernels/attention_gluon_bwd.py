@@ -86,12 +86,21 @@ class GluonBwdConfig:
     # per warpgroup with per-thread arrives: 1 = a turn around each step's S^T and dP^T, 2 = also around
     # its dV and dK. Same products in the same order: the same bits.
     turns: int = 0
+    # Causal (unpipelined steps): a consumer warpgroup skips the products of the query blocks that precede
+    # all of its keys (every pair masked) at the start of each head's steps; it only waits for their Q / dO,
+    # takes its turns and releases their slots. The CTA's first query block is its first warpgroup's
+    # diagonal, so warpgroup w skips w steps per head: 3% of the steps at D=64 (three warpgroups), 1.5% at
+    # D=128, S=4K. The same bits for finite inputs (such a step adds P^T dO and dS^T Q with P = dS = 0).
+    skip_masked: bool = False
 
     def __post_init__(self):
         if self.turns not in (0, 1, 2):
             raise ValueError(f"GluonBwdConfig.turns is 0, 1 or 2, not {self.turns!r}")
         if self.turns and self.pipeline:
             raise ValueError("GluonBwdConfig.turns applies to unpipelined steps: pipeline=True needs turns=0")
+        if self.skip_masked and self.pipeline:
+            raise ValueError("GluonBwdConfig.skip_masked applies to unpipelined steps: pipeline=True needs "
+                             "skip_masked=False")
 
     @property
     def block_n(self) -> int:
@@ -104,9 +113,11 @@ class GluonBwdConfig:
 # bits), slots released per thread, warpgroups taking turns at S^T / dP^T (+2.5% and +4% in two H100 runs,
 # the same bits; around dV / dK too, or at D=128: no gain); D=128: a 3-deep Q / dO ring (166 KB of shared
 # memory) measured 1-3% faster than 2, and the row statistics precomputed, 8-10% faster with the same bits
-# (RESULTS.md).
+# (RESULTS.md). Causal D=64 skips the leading masked steps of warpgroups 1 and 2 (``skip_masked``: +0.5-2.9%
+# in 8 of 9 H100 readings, -1.4% in the ninth, the same bits); at D=128 -2.2% to +1.1%, so off there.
 BWD_CONFIGS: dict[int, GluonBwdConfig] = {
-    64: GluonBwdConfig(block_m=64, num_stages=3, num_wg=3, consumer_regs=160, thread_arrive=True, turns=1),
+    64: GluonBwdConfig(block_m=64, num_stages=3, num_wg=3, consumer_regs=160, thread_arrive=True, turns=1,
+                       skip_masked=True),
     128: GluonBwdConfig(block_m=64, num_stages=3, row_stats=True),
 }
 # Head dims whose backward takes this kernel (and the Gluon dQ kernel) by default (SAFEOPS_GLUON_BWD=auto):
@@ -141,7 +152,7 @@ def constexprs(cfg: GluonBwdConfig, causal: bool, partial: bool = False) -> dict
     """``partial``: the GQA split's form (fp32 partials; ``kv_split`` > 1)."""
     return dict(CAUSAL=causal, NUM_STAGES=cfg.num_stages, NUM_WG=cfg.num_wg, CONSUMER_REGS=cfg.consumer_regs,
                 PIPELINE=cfg.pipeline, PRE_STATS=cfg.row_stats, THREAD_ARRIVE=cfg.thread_arrive,
-                TURNS=cfg.turns, PARTIAL=partial)
+                TURNS=cfg.turns, PARTIAL=partial, SKIP_MASKED=cfg.skip_masked)
 
 
 LAUNCH_OPTIONS = {"num_warps": 4}
@@ -486,6 +497,26 @@ def _step(bufs, C1, k_w, v_w, dk, dv, c, q_minus_k, bounds, tail, s_layout: gl.c
 
 
 @gluon.jit
+def _skip_step(bufs, c, NUM_STAGES: gl.constexpr, THREAD_ARRIVE: gl.constexpr, turn, w: gl.constexpr,
+               NUM_WG: gl.constexpr, TURNS: gl.constexpr):
+    """A step whose pairs are all masked (``GluonBwdConfig.skip_masked``): no products; its slot is waited
+    for (both ready barriers, so that their parity phases stay in step: a parity wait cannot tell a phase
+    from the one two later, and a release before the slot is filled would count towards its previous
+    use), its turns taken, its slot released."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+     q_ready, do_ready, q_empty, m_desc, l_desc, delta_desc, m_smem, l_smem, delta_smem) = bufs
+    slot = c % NUM_STAGES
+    phase = (c // NUM_STAGES) & 1
+    mbarrier.wait(q_ready.index(slot), phase)
+    mbarrier.wait(do_ready.index(slot), phase)
+    _turn_wait(turn, w, c * TURNS, TURNS > 0)
+    _turn_pass(turn, w, NUM_WG, TURNS > 0)
+    _turn_wait(turn, w, c * TURNS + 1, TURNS > 1)
+    _turn_pass(turn, w, NUM_WG, TURNS > 1)
+    _release(q_empty, slot, THREAD_ARRIVE)
+
+
+@gluon.jit
 def _pstep(bufs, C1, k_w, v_w, dk, dv, p_prev, ds_prev, c, q_minus_k, bounds, s_layout: gl.constexpr,
            a_layout: gl.constexpr, MASKED: gl.constexpr, FIRST: gl.constexpr, NUM_STAGES: gl.constexpr,
            PRE_STATS: gl.constexpr, CAUSAL: gl.constexpr, THREAD_ARRIVE: gl.constexpr):
@@ -582,7 +613,8 @@ def _store_rows(ptr, x, row0, n_rows, head, stride_row, stride_head):
 @gluon.jit
 def _consumer(w: gl.constexpr, bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
               NUM_WG: gl.constexpr, PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr,
-              THREAD_ARRIVE: gl.constexpr, turn, TURNS: gl.constexpr, PARTIAL: gl.constexpr):
+              THREAD_ARRIVE: gl.constexpr, turn, TURNS: gl.constexpr, PARTIAL: gl.constexpr,
+              SKIP_MASKED: gl.constexpr):
     """Consumer warpgroup ``w``: dK, dV of keys n0 + 64 w .. n0 + 64 w + 63. ``PARTIAL`` (the GQA split):
     stored in fp32 to head ``batch x heads + head`` of the partials (``dk_ptr`` / ``dv_ptr`` with their row
     and head strides), rows past the sequence's keys dropped."""
@@ -625,9 +657,18 @@ def _consumer(w: gl.constexpr, bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGE
         dk, dv = _pipelined_steps(bufs, C1, k_w, v_w, dk, dv, k0, lo, mid, umid, hi, bounds, group, s_layout,
                                   a_layout, NUM_STAGES, PRE_STATS, CAUSAL, THREAD_ARRIVE)
     else:
+        # SKIP_MASKED (causal): the query blocks before ``first`` precede every key of this warpgroup
+        # (query i sees key j iff j <= i).
+        first = lo
+        if CAUSAL and SKIP_MASKED:
+            first = gl.minimum(gl.maximum(k0 // BLOCK_M, lo), mid)
         c = 0
         for _g in range(group):
-            for mb in range(lo, mid):
+            if CAUSAL and SKIP_MASKED:
+                for _mb in range(lo, first):
+                    _skip_step(bufs, c, NUM_STAGES, THREAD_ARRIVE, turn, w, NUM_WG, TURNS)
+                    c += 1
+            for mb in range(first, mid):
                 dk, dv = _step(bufs, C1, k_w, v_w, dk, dv, c, mb * BLOCK_M - k0, bounds, False, s_layout,
                                a_layout, True, NUM_STAGES, PRE_STATS, CAUSAL, THREAD_ARRIVE, turn, w, NUM_WG,
                                TURNS)
@@ -664,25 +705,25 @@ def _consumer(w: gl.constexpr, bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGE
 @gluon.jit
 def _consumer0(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, turn,
-               TURNS: gl.constexpr, PARTIAL: gl.constexpr):
+               TURNS: gl.constexpr, PARTIAL: gl.constexpr, SKIP_MASKED: gl.constexpr):
     _consumer(0, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, THREAD_ARRIVE, turn,
-              TURNS, PARTIAL)
+              TURNS, PARTIAL, SKIP_MASKED)
 
 
 @gluon.jit
 def _consumer1(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, turn,
-               TURNS: gl.constexpr, PARTIAL: gl.constexpr):
+               TURNS: gl.constexpr, PARTIAL: gl.constexpr, SKIP_MASKED: gl.constexpr):
     _consumer(1, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, THREAD_ARRIVE, turn,
-              TURNS, PARTIAL)
+              TURNS, PARTIAL, SKIP_MASKED)
 
 
 @gluon.jit
 def _consumer2(bufs, sizes, seq, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_WG: gl.constexpr,
                PIPELINE: gl.constexpr, PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr, turn,
-               TURNS: gl.constexpr, PARTIAL: gl.constexpr):
+               TURNS: gl.constexpr, PARTIAL: gl.constexpr, SKIP_MASKED: gl.constexpr):
     _consumer(2, bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS, THREAD_ARRIVE, turn,
-              TURNS, PARTIAL)
+              TURNS, PARTIAL, SKIP_MASKED)
 
 
 @gluon.jit(do_not_specialize=SIZE_ARGS + SEQ_ARGS + ["kv_split"])
@@ -693,7 +734,8 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
                                kv_split, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                                NUM_WG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PIPELINE: gl.constexpr,
                                PRE_STATS: gl.constexpr, THREAD_ARRIVE: gl.constexpr = False,
-                               TURNS: gl.constexpr = 0, PARTIAL: gl.constexpr = False):
+                               TURNS: gl.constexpr = 0, PARTIAL: gl.constexpr = False,
+                               SKIP_MASKED: gl.constexpr = False):
     """dk, dv of key block / kv head ``program_id(0)`` of ``n_tiles`` = n_n_blocks x batch x kv heads.
     Descriptors over (B, H, S, D): q / do (B, Hq, Sq, D), k / v / dk / dv (B, Hkv, Sk, D); m, l, delta
     (B, Hq, Sq) contiguous fp32; kv head = q head // group. ``varlen`` != 0: packed sequences, the
@@ -709,6 +751,7 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     gl.static_assert(NUM_WG == 2 or NUM_WG == 3)
     gl.static_assert(NUM_STAGES >= 2 or not PIPELINE)  # a pipelined step holds the previous step's slot
     gl.static_assert(TURNS == 0 or not PIPELINE)
+    gl.static_assert(not (SKIP_MASKED and PIPELINE))
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape,
                                         do_desc.layout)
@@ -740,19 +783,19 @@ def attn_bwd_dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
     # (The argument tuples are written out: a tuple assigned to a name turns its constexprs into tensors.)
     if NUM_WG == 2:
         gl.warp_specialize([(_consumer0, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                          THREAD_ARRIVE, turn, TURNS, PARTIAL)),
+                                          THREAD_ARRIVE, turn, TURNS, PARTIAL, SKIP_MASKED)),
                             (_consumer1, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                          THREAD_ARRIVE, turn, TURNS, PARTIAL)),
+                                          THREAD_ARRIVE, turn, TURNS, PARTIAL, SKIP_MASKED)),
                             (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, False, False, seq, True,
                                          kv_split))],
                            [4, 1], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([(_consumer0, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                          THREAD_ARRIVE, turn, TURNS, PARTIAL)),
+                                          THREAD_ARRIVE, turn, TURNS, PARTIAL, SKIP_MASKED)),
                             (_consumer1, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                          THREAD_ARRIVE, turn, TURNS, PARTIAL)),
+                                          THREAD_ARRIVE, turn, TURNS, PARTIAL, SKIP_MASKED)),
                             (_consumer2, (bufs, sizes, seq, CAUSAL, NUM_STAGES, NUM_WG, PIPELINE, PRE_STATS,
-                                          THREAD_ARRIVE, turn, TURNS, PARTIAL)),
+                                          THREAD_ARRIVE, turn, TURNS, PARTIAL, SKIP_MASKED)),
                             (_producer, (bufs, sizes, CAUSAL, NUM_STAGES, NUM_WG, False, False, seq, True,
                                          kv_split))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
