@@ -200,16 +200,34 @@ def _run(agents: dict, in_flight: list, rnd: random.Random, what: str) -> None:
             del agents[name], state[name]
 
 
-def simulate_dkdv(steps: int, stages: int, num_wg: int, seed: int, pipelined: bool = False) -> None:
+# The ready barriers a skipped dK / dV step waits on (_skip_step): both. A test drops one to see the model
+# catch it (a later step then passes a parity wait a phase early and finds another step's data).
+SKIP_WAITS = ("q_ready", "do_ready")
+
+
+def simulate_dkdv(steps: int, stages: int, num_wg: int, seed: int, pipelined: bool = False, turns: int = 0,
+                  skip: tuple[int, list[int]] | None = None) -> None:
     """The backward's dK / dV kernel (attention_gluon_bwd.attn_bwd_dkdv_gluon_kernel), one CTA: K and V once
     (kv_ready), then ``steps`` query blocks (the group's heads x its query blocks) whose Q (+ m, l) and
     dO (+ delta) land in a ``stages``-deep ring (q_ready / do_ready), released by every consumer (q_empty,
     count num_wg) after both products that read them; ``pipelined`` (GluonBwdConfig.pipeline): those
-    products are issued in the next step, so a slot is released a step late (``stages`` >= 2)."""
+    products are issued in the next step, so a slot is released a step late (``stages`` >= 2).
+    ``turns`` (GluonBwdConfig.turns, unpipelined): the consumers issue their products in turns, one mbarrier
+    per consumer, ``turns`` rounds per step. ``skip`` = (query blocks per head, [leading blocks of each head
+    consumer w skips]) (GluonBwdConfig.skip_masked, unpipelined): a skipped step waits for its slot's Q and
+    dO, takes its turns and releases the slot, without products."""
     rnd = random.Random(seed)
     kv_ready = Barrier(1)
     q_ready, do_ready = ([Barrier(1) for _ in range(stages)] for _ in range(2))
     q_empty = [Barrier(num_wg) for _ in range(stages)]
+    turn = [Barrier(1) for _ in range(num_wg)]
+    assert not (pipelined and (turns or skip)), "turns and skip_masked are for the unpipelined loop"
+
+    def take_turn(w, rnd_no):
+        """_turn_wait then _turn_pass (the products of the turn are issued between them)."""
+        yield ("wait", turn[w], (rnd_no & 1) ^ 1 if w == 0 else rnd_no & 1)
+        yield ("step",)
+        turn[(w + 1) % num_wg].arrive()
     kv, q_slot, do_slot = [None], [None] * stages, [None] * stages
     readers = [set() for _ in range(stages)]
     in_flight = []
@@ -232,11 +250,25 @@ def simulate_dkdv(steps: int, stages: int, num_wg: int, seed: int, pipelined: bo
         assert kv[0] == "kv"
         for c in range(steps):
             slot = c % stages
+            if skip is not None and c % skip[0] < skip[1][w]:  # _skip_step
+                for name, ready in (("q_ready", q_ready), ("do_ready", do_ready)):
+                    if name in SKIP_WAITS:
+                        yield ("wait", ready[slot], (c // stages) & 1)
+                for r in range(turns):
+                    yield from take_turn(w, c * turns + r)
+                q_empty[slot].arrive()
+                continue
+            if turns:  # the first turn brackets the issue of S^T and dP^T (their ready waits inside it)
+                yield ("wait", turn[w], ((c * turns) & 1) ^ 1 if w == 0 else (c * turns) & 1)
             yield ("wait", q_ready[slot], (c // stages) & 1)
             assert q_slot[slot] == c, f"consumer {w} step {c} found Q of step {q_slot[slot]}"
             readers[slot].add(w)
             yield ("wait", do_ready[slot], (c // stages) & 1)
             assert do_slot[slot] == c, f"consumer {w} step {c} found dO of step {do_slot[slot]}"
+            if turns:
+                turn[(w + 1) % num_wg].arrive()
+                for r in range(1, turns):  # the second turn brackets the issue of dV and dK
+                    yield from take_turn(w, c * turns + r)
             yield ("step",)
             done = (c - 1) % stages if pipelined else slot
             if pipelined and c == 0:
@@ -255,7 +287,19 @@ def simulate_dkdv(steps: int, stages: int, num_wg: int, seed: int, pipelined: bo
 
     agents = {"producer": producer(), **{f"consumer {w}": consumer(w) for w in range(num_wg)}}
     _run(agents, in_flight, rnd, f"dK/dV{' pipelined' if pipelined else ''}, {steps} steps, {stages} stages, "
-         f"{num_wg} consumers, seed {seed}")
+         f"{num_wg} consumers, turns {turns}, skip {skip}, seed {seed}")
+
+
+def random_dkdv_skip(rnd: random.Random, seed: int) -> None:
+    """The unpipelined dK / dV loop with turns and skipped leading steps as the kernel takes them: a group of
+    heads, each with the same query blocks, consumer w skipping the first min(w, blocks) of each (64-query
+    blocks and 64-key warpgroups: warpgroup w's keys start w blocks after the CTA's first query block), or
+    random prefixes (other shapes and offsets)."""
+    n_mb, group, num_wg = rnd.randint(1, 5), rnd.randint(1, 3), rnd.choice([2, 3])
+    prefix = ([min(w, n_mb) for w in range(num_wg)] if rnd.random() < 0.5
+              else [rnd.randint(0, n_mb) for _ in range(num_wg)])
+    simulate_dkdv(n_mb * group, rnd.randint(1, 4), num_wg, seed, turns=rnd.choice([0, 1, 2]),
+                  skip=(n_mb, prefix))
 
 
 def simulate_dq(n_blocks: int, stages: int, num_wg: int, seed: int) -> None:
@@ -495,6 +539,7 @@ def main() -> None:
         simulate(tiles, rnd.randint(1, 4), rnd.choice([2, 3]), rnd.random() < 0.7, seed, rnd.random() < 0.5)
         simulate_dkdv(rnd.randint(0, 12), rnd.randint(1, 4), 2, seed)
         simulate_dkdv(rnd.randint(0, 12), rnd.randint(2, 4), 2, seed, pipelined=True)
+        random_dkdv_skip(rnd, seed)
         simulate_dq(rnd.randint(0, 12), rnd.randint(2, 4), 2, seed)  # the pipelined loop holds 2 slots
         _random_fused(rnd, seed)
     print(f"{runs} random schedules of the forward, the dK / dV (both loops), the dQ and the fused kernels: "

@@ -195,7 +195,8 @@ def test_pipelined_d64_same_bits_as_unpipelined(causal, rng, monkeypatch):
     q, g = (rng.randn(2, 8, 700, 64, dtype=BF16) for _ in range(2))
     k, v = (rng.randn(2, 2, 555, 64, dtype=BF16) for _ in range(2))
     _gluon_ran(monkeypatch, q, k, v, is_causal=causal)
-    two = dataclasses.replace(KB.BWD_CONFIGS[64], num_wg=2, consumer_regs=240, turns=0)
+    # (skip_masked is for unpipelined steps: off in both, so the pair differs in the pipelining alone.)
+    two = dataclasses.replace(KB.BWD_CONFIGS[64], num_wg=2, consumer_regs=240, turns=0, skip_masked=False)
     grads = []
     for pipeline in (True, False):
         monkeypatch.setitem(KB.BWD_CONFIGS, 64, dataclasses.replace(two, pipeline=pipeline))
@@ -209,7 +210,8 @@ def test_pipelined_d64_same_bits_as_unpipelined(causal, rng, monkeypatch):
 def test_three_warpgroups_same_bits_as_two(causal, rng, monkeypatch):
     """The D=64 default, three consumer warpgroups (192 keys per CTA), gives the bits of two (128 keys per
     CTA, pipelined as before): each key's dK / dV row sums the same query blocks in the same order, and a
-    causal CTA's extra leading query block adds exact zeros; GQA, partial blocks and Sq != Sk included."""
+    causal CTA's extra leading query blocks add exact zeros (two warpgroups, pipelined) or are skipped (three,
+    skip_masked); GQA, partial blocks and Sq != Sk included."""
     import dataclasses
 
     KB = G.bwd_kernels()
@@ -220,7 +222,8 @@ def test_three_warpgroups_same_bits_as_two(causal, rng, monkeypatch):
     three = _grads(q, k, v, g, is_causal=causal)
     plans = [p for p in L._gluon_bwd_plans.values() if p.__class__ is G.BwdPlan]
     assert plans and all(p.launch.kwargs["NUM_WG"] == 3 for p in plans)
-    two = dataclasses.replace(KB.BWD_CONFIGS[64], num_wg=2, consumer_regs=240, pipeline=True, turns=0)
+    two = dataclasses.replace(KB.BWD_CONFIGS[64], num_wg=2, consumer_regs=240, pipeline=True, turns=0,
+                              skip_masked=False)
     monkeypatch.setitem(KB.BWD_CONFIGS, 64, two)
     L.clear_plans()
     two = _grads(q, k, v, g, is_causal=causal)
@@ -693,7 +696,7 @@ def test_thread_arrive_same_bits(d, pipeline, options, rng, monkeypatch, gluon_b
     results = []
     for flag in (False, True):
         # Pipelined: the two-warpgroup kernel (three at 160 registers would serialize the wgmma).
-        shape = dict(num_wg=2, consumer_regs=240, turns=0) if pipeline else {}
+        shape = dict(num_wg=2, consumer_regs=240, turns=0, skip_masked=False) if pipeline else {}
         monkeypatch.setitem(KB.BWD_CONFIGS, d, dataclasses.replace(KB.BWD_CONFIGS[d], pipeline=pipeline,
                                                                     thread_arrive=flag, **shape))
         L.clear_plans()

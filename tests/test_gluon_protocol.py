@@ -31,8 +31,34 @@ def test_random_schedules_hold():
         m.simulate(tiles, rnd.randint(1, 4), rnd.choice([2, 3]), rnd.random() < 0.7, seed, rnd.random() < 0.5)
         m.simulate_dkdv(rnd.randint(0, 12), rnd.randint(1, 4), 2, seed)
         m.simulate_dkdv(rnd.randint(0, 12), rnd.randint(2, 4), 2, seed, pipelined=True)
+        m.random_dkdv_skip(rnd, seed)
         m.simulate_dq(rnd.randint(0, 12), rnd.randint(2, 4), 2, seed)
         m._random_fused(rnd, seed)
+
+
+def test_dkdv_turns_and_skipped_steps_hold():
+    """The unpipelined dK / dV loop with turns (0, 1, 2 per step) and each consumer skipping leading query
+    blocks of every head (GluonBwdConfig.skip_masked): two and three consumers, as the kernel takes them and
+    with random prefixes, every consumer skipping all of a head's blocks included."""
+    m = _model()
+    for seed in range(1500):
+        m.random_dkdv_skip(random.Random(seed), seed)
+    for turns in (0, 1, 2):
+        m.simulate_dkdv(6, 2, 3, 0, turns=turns, skip=(3, [3, 3, 3]))  # nothing but skipped steps
+        m.simulate_dkdv(6, 1, 3, 1, turns=turns, skip=(3, [0, 1, 2]))
+
+
+@pytest.mark.parametrize("waits", [(), ("q_ready",), ("do_ready",)], ids=["none", "q_only", "do_only"])
+def test_a_skipped_step_that_does_not_wait_for_its_slot_is_caught(waits, monkeypatch):
+    """A skipped step must wait for both of its slot's ready barriers before releasing it: released early,
+    the producer refills the slot under another consumer or a parity wait passes a phase early and a later
+    step reads another step's Q or dO. Dropping the dO wait is a rare race (a step's dO landing after the Q
+    of the step that reuses its slot): the search runs until some schedule shows it."""
+    m = _model()
+    monkeypatch.setattr(m, "SKIP_WAITS", waits)
+    with pytest.raises((AssertionError, RuntimeError)):
+        for seed in range(20000):
+            m.random_dkdv_skip(random.Random(seed), seed)
 
 
 def test_pipelined_dkdv_needs_two_stages():
