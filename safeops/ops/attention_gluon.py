@@ -379,9 +379,9 @@ def bwd_kernels():
 # (bench/RESULTS.md, 2026-12-05); False puts dq back on the Triton kernel.
 GLUON_DQ = True
 # Head dims whose dq the Gluon dQ kernel computes (with GLUON_DQ on). At head dim 64 the Triton dq kernel
-# (64-query programs, 64-key steps) measured 2-9% faster for the whole backward with the same bits (H100,
-# 2026-12-07: B4 H16 S4K causal 1.143 -> 1.087 ms, TinyLlama's 32 / 4 heads causal 0.631 -> 0.577), so dq
-# is computed there; at 128 it is 2.5-3% slower (causal).
+# (64-query programs, 64-key steps) measured as fast or up to 9% faster for the whole backward with the same
+# bits (H100, 2026-12-07: B4 H16 S4K causal 1.143 -> 1.087 ms, TinyLlama's 32 / 4 heads causal 0.631 ->
+# 0.577), so dq is computed there; at 128 it is 2.5-3% slower (causal).
 DQ_HEAD_DIMS = (128,)
 
 
