@@ -37,6 +37,12 @@ class Barrier:
         return (self.phase & 1) != parity
 
 
+def _turn_parity(w: int, rounds: int) -> int:
+    """The parity consumer ``w`` waits on for its turn of round ``rounds`` (the kernels' ``_turn_wait``):
+    consumer 0 starts each round (a fresh barrier passes parity 1), the others wait for their predecessor."""
+    return (rounds & 1) ^ 1 if w == 0 else rounds & 1
+
+
 def simulate(tiles: list[int], stages: int, num_wg: int, pingpong: bool, seed: int,
              separate_o: bool = False) -> None:
     """One program's tiles (key blocks per tile) under a random schedule; raises on deadlock or hazard.
@@ -85,7 +91,7 @@ def simulate(tiles: list[int], stages: int, num_wg: int, pingpong: bool, seed: i
 
         def turn_wait():
             if pingpong:
-                yield ("wait", turn[w], (rounds & 1) ^ 1 if w == 0 else rounds & 1)
+                yield ("wait", turn[w], _turn_parity(w, rounds))
 
         def turn_pass():
             nonlocal rounds
@@ -225,7 +231,7 @@ def simulate_dkdv(steps: int, stages: int, num_wg: int, seed: int, pipelined: bo
 
     def take_turn(w, rnd_no):
         """_turn_wait then _turn_pass (the products of the turn are issued between them)."""
-        yield ("wait", turn[w], (rnd_no & 1) ^ 1 if w == 0 else rnd_no & 1)
+        yield ("wait", turn[w], _turn_parity(w, rnd_no))
         yield ("step",)
         turn[(w + 1) % num_wg].arrive()
     kv, q_slot, do_slot = [None], [None] * stages, [None] * stages
@@ -259,7 +265,7 @@ def simulate_dkdv(steps: int, stages: int, num_wg: int, seed: int, pipelined: bo
                 q_empty[slot].arrive()
                 continue
             if turns:  # the first turn brackets the issue of S^T and dP^T (their ready waits inside it)
-                yield ("wait", turn[w], ((c * turns) & 1) ^ 1 if w == 0 else (c * turns) & 1)
+                yield ("wait", turn[w], _turn_parity(w, c * turns))
             yield ("wait", q_ready[slot], (c // stages) & 1)
             assert q_slot[slot] == c, f"consumer {w} step {c} found Q of step {q_slot[slot]}"
             readers[slot].add(w)

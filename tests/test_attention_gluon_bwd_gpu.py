@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_attention_gpu import DEV, Rng, check_oracle
+from test_attention_gpu import DEV, check_oracle, seeded_rng
 from test_attention_sinks_gpu import check_oracle as check_sinks_oracle
 
 import safeops
@@ -45,12 +45,8 @@ BF16, FP16 = torch.bfloat16, torch.float16
 
 @pytest.fixture
 def rng(request):
-    """Inputs from a fixed seed per test (the same every run; the oracle checks hold for any draw).
-    ``SAFEOPS_GPU_SEED=n`` shifts every seed by n: how a test is run for fresh seeds before it lands."""
-    import os
-    import zlib
-
-    return Rng(zlib.crc32(request.node.name.encode()) + int(os.environ.get("SAFEOPS_GPU_SEED", "0")))
+    """Inputs from a fixed seed per test (the same every run; the oracle checks hold for any draw)."""
+    return seeded_rng(request)
 
 
 @pytest.fixture(autouse=True)

@@ -26,7 +26,7 @@ import math
 
 import pytest
 import torch
-from test_attention_gpu import DEV, Rng, check_oracle
+from test_attention_gpu import DEV, check_oracle, seeded_rng
 
 import safeops
 from safeops.ops import attention_gluon as G
@@ -47,12 +47,8 @@ NEG_INF = float("-inf")
 
 @pytest.fixture
 def rng(request):
-    """Inputs from a fixed seed per test (the same every run; the oracle checks hold for any draw).
-    ``SAFEOPS_GPU_SEED=n`` shifts every seed by n: how a test is run for fresh seeds before it lands."""
-    import os
-    import zlib
-
-    return Rng(zlib.crc32(request.node.name.encode()) + int(os.environ.get("SAFEOPS_GPU_SEED", "0")))
+    """Inputs from a fixed seed per test (the same every run; the oracle checks hold for any draw)."""
+    return seeded_rng(request)
 
 
 def _triton_launches() -> list[dict]:
